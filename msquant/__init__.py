@@ -1,0 +1,109 @@
+"""msquant: YAML-driven quantization of large language models for Ascend NPUs and CUDA GPUs.
+
+The public API for embedding: :func:`quantize` (what ``msquant quant`` does), config loading and
+validation, the processor contract and registry for plugins, the quantization numerics, and the
+typed exceptions. Nothing here prints; everything logs through ``logging`` under ``msquant``.
+"""
+
+from msquant.api import ConfigLike, QuantizeResult, quantize
+from msquant.backends import Backend, DeviceSpec, get_backend, parse_device
+from msquant.config import (
+    QuantConfig,
+    build_config_model,
+    config_json_schema,
+    load_config,
+    load_config_text,
+    validate_config,
+)
+from msquant.context import DecoderLayer, RunContext
+from msquant.errors import (
+    CalibrationDataError,
+    ConfigError,
+    ConfigIssue,
+    DeviceError,
+    ModelLoadError,
+    MsquantError,
+    MsquantInputError,
+    NotImplementedYetError,
+    OutputPathError,
+    QuantizationError,
+    RegistryError,
+)
+from msquant.export import ShardedSafetensorsWriter, StagedOutputDir, copy_model_files
+from msquant.model.matching import is_selected, unmatched_patterns
+from msquant.processor import Processor, ProcessorConfig
+from msquant.quant.int_quant import compute_qparams, dequantize, minmax_qparams, qrange
+from msquant.quant.int_quant import quantize as quantize_codes
+from msquant.quant.methods import WEIGHT_METHODS, WeightMethod
+from msquant.quant.minmax import check_weight, divisors, quantize_weight_minmax
+from msquant.quant.qconfig import ActQConfig, LinearQConfig, QDType, QScope, WeightQConfig
+from msquant.quant.quantized_linear import QuantizedLinear, replace_module
+from msquant.quant.quantized_weight import QuantizedWeight
+from msquant.registry import ENTRY_POINT_GROUP, ProcessorRegistry, default_registry
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    # running
+    "quantize",
+    "QuantizeResult",
+    "ConfigLike",
+    # configs
+    "QuantConfig",
+    "load_config",
+    "load_config_text",
+    "validate_config",
+    "build_config_model",
+    "config_json_schema",
+    "LinearQConfig",
+    "WeightQConfig",
+    "ActQConfig",
+    "QDType",
+    "QScope",
+    "WEIGHT_METHODS",
+    "WeightMethod",
+    # processors and plugins
+    "Processor",
+    "ProcessorConfig",
+    "ProcessorRegistry",
+    "default_registry",
+    "ENTRY_POINT_GROUP",
+    "RunContext",
+    "DecoderLayer",
+    "is_selected",
+    "unmatched_patterns",
+    # devices
+    "Backend",
+    "DeviceSpec",
+    "get_backend",
+    "parse_device",
+    # numerics and quantized representation
+    "QuantizedWeight",
+    "QuantizedLinear",
+    "replace_module",
+    "quantize_weight_minmax",
+    "check_weight",
+    "divisors",
+    "compute_qparams",
+    "minmax_qparams",
+    "quantize_codes",
+    "dequantize",
+    "qrange",
+    # export helpers
+    "StagedOutputDir",
+    "ShardedSafetensorsWriter",
+    "copy_model_files",
+    # errors
+    "MsquantError",
+    "MsquantInputError",
+    "ConfigError",
+    "ConfigIssue",
+    "ModelLoadError",
+    "CalibrationDataError",
+    "DeviceError",
+    "OutputPathError",
+    "QuantizationError",
+    "NotImplementedYetError",
+    "RegistryError",
+]

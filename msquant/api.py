@@ -1,0 +1,206 @@
+"""The Python API: ``quantize()`` does what ``msquant quant`` does, raising typed exceptions.
+
+Checks run cheapest first and all of them before model weights are loaded: config, device, save
+path, calibration file, model directory and config, then every processor's model-dependent checks
+on a weightless copy of the model. Output is staged and moved into place only on success.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from msquant.backends import get_backend
+from msquant.calibration import read_calibration_texts, resolve_dataset_path, tokenize_samples
+from msquant.config.spec import QuantConfig, RunnerType, validate_config
+from msquant.config.yaml_loader import load_yaml_file
+from msquant.context import RunContext
+from msquant.errors import CalibrationDataError, QuantizationError
+from msquant.export.staging import StagedOutputDir, check_save_path
+from msquant.model.layers import find_decoder_layers
+from msquant.model.loader import (
+    build_meta_model,
+    check_model_dir,
+    load_causal_lm,
+    load_model_config,
+    load_tokenizer,
+)
+from msquant.processor import Processor
+from msquant.quant.quantized_linear import QuantizedLinear
+from msquant.registry import ProcessorRegistry, default_registry
+from msquant.runner import needs_calibration, run_layer_wise
+
+__all__ = [
+    "DEFAULT_SAVER",
+    "ConfigLike",
+    "QuantizeResult",
+    "build_processors",
+    "resolve_config",
+    "quantize",
+]
+
+logger = logging.getLogger(__name__)
+
+# The saver used when a config's ``spec.save`` is empty (msModelSlim's default format).
+DEFAULT_SAVER = "ascendv1_saver"
+
+ConfigLike = str | Path | Mapping[str, Any] | QuantConfig
+
+
+@dataclass(frozen=True)
+class QuantizeResult:
+    """Summary of a finished run."""
+
+    save_path: Path
+    model_type: str
+    quantized_modules: tuple[str, ...]
+    calibration_samples: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _ResolvedConfig:
+    config: QuantConfig
+    text: str | None
+    directory: Path | None
+
+
+def resolve_config(config: ConfigLike, registry: ProcessorRegistry) -> _ResolvedConfig:
+    """Validate a config given as a YAML path, a parsed mapping, or a :class:`QuantConfig`."""
+    if isinstance(config, QuantConfig):
+        return _ResolvedConfig(
+            validate_config(config.model_dump(mode="json"), registry), None, None
+        )
+    if isinstance(config, Mapping):
+        return _ResolvedConfig(validate_config(dict(config), registry, "<mapping>"), None, None)
+    path = Path(config)
+    data = load_yaml_file(path)  # reports a missing, unreadable or malformed file
+    text = path.read_text(encoding="utf-8")
+    return _ResolvedConfig(validate_config(data, registry, str(path)), text, path.parent)
+
+
+def build_processors(config: QuantConfig, registry: ProcessorRegistry) -> list[Processor]:
+    """Instantiate ``spec.process`` then ``spec.save``; an empty ``save`` means the default saver."""
+    entries = list(config.spec.process) + list(config.spec.save)
+    if not config.spec.save:
+        saver_cls = registry.get(DEFAULT_SAVER)
+        entries.append(saver_cls.config_class.model_validate({"type": DEFAULT_SAVER}))
+        logger.info("spec.save is empty: writing the default %s format", DEFAULT_SAVER)
+    return [registry.get(entry.type)(entry) for entry in entries]
+
+
+def quantize(
+    model_path: str | Path,
+    save_path: str | Path,
+    config: ConfigLike,
+    *,
+    device: str = "cpu",
+    calib_path: str | Path | None = None,
+    trust_remote_code: bool = False,
+    registry: ProcessorRegistry | None = None,
+    max_calib_tokens: int | None = None,
+    progress: bool = True,
+) -> QuantizeResult:
+    """Quantize a local Hugging Face causal LM as ``config`` says and write the export to ``save_path``.
+
+    :param model_path: local model directory (config.json + safetensors + tokenizer).
+    :param save_path: output directory; created, or replaced if it holds a previous export.
+    :param config: YAML file path, parsed mapping, or :class:`QuantConfig`.
+    :param device: ``cpu``, ``cuda[:N]`` or ``npu[:N]``.
+    :param calib_path: calibration file overriding ``spec.dataset``.
+    :param trust_remote_code: allow model code shipped inside the model directory.
+    :param registry: processors to use (default: every installed ``msquant.processors`` plugin).
+    :param max_calib_tokens: truncate each calibration sample to this many tokens.
+    :param progress: show progress bars.
+    :raises msquant.MsquantInputError: (a subclass) for any problem with the inputs.
+    """
+    started = time.perf_counter()
+    registry = registry if registry is not None else default_registry()
+    resolved = resolve_config(config, registry)
+    processors = build_processors(resolved.config, registry)
+    _log_runner(resolved.config.spec.runner)
+    backend = get_backend(device)
+    check_save_path(save_path)
+    texts = _calibration_texts(resolved, calib_path, needs_calibration(processors))
+
+    model_dir = check_model_dir(model_path)
+    model_config = load_model_config(model_dir, trust_remote_code)
+    meta_model = build_meta_model(model_config, trust_remote_code)
+    _check_model(processors, meta_model)
+    del meta_model
+
+    model = load_causal_lm(model_dir, trust_remote_code)
+    samples = None
+    if texts is not None:
+        tokenizer = load_tokenizer(model_dir, trust_remote_code)
+        samples = tokenize_samples(texts, tokenizer, max_calib_tokens)
+        logger.info("calibration: %d sample(s)", len(samples))
+    layers = find_decoder_layers(model)
+    logger.info(
+        "%s: %d decoder layers found under %s",
+        type(model).__name__,
+        len(layers),
+        layers[0].name.rsplit(".", 1)[0],
+    )
+
+    with StagedOutputDir(save_path) as staging:
+        config_text = resolved.text or yaml.safe_dump(
+            resolved.config.model_dump(mode="json"), sort_keys=False
+        )
+        ctx = RunContext(model, model_dir, staging, backend, layers, config_text)
+        run_layer_wise(ctx, processors, samples, progress=progress)
+    quantized = tuple(n for n, m in model.named_modules() if isinstance(m, QuantizedLinear))
+    return QuantizeResult(
+        save_path=Path(save_path).expanduser().absolute(),
+        model_type=ctx.model_type,
+        quantized_modules=quantized,
+        calibration_samples=len(samples) if samples else 0,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _log_runner(runner: RunnerType) -> None:
+    """All runners execute layer-wise here; the results do not depend on the schedule."""
+    if runner is RunnerType.DP_LAYER_WISE:
+        logger.warning(
+            "runner dp_layer_wise is not implemented yet; running layer_wise on one device "
+            "(the quantized weights are the same)"
+        )
+    elif runner is RunnerType.MODEL_WISE:
+        logger.info("runner model_wise: running layer_wise (the quantized weights are the same)")
+
+
+def _calibration_texts(
+    resolved: _ResolvedConfig, calib_path: str | Path | None, required: bool
+) -> list[str] | None:
+    """Read the calibration file when one is given (always validated) or required."""
+    if calib_path is not None:
+        path = Path(calib_path)
+    elif resolved.config.spec.dataset is not None:
+        path = resolve_dataset_path(resolved.config.spec.dataset, resolved.directory)
+    elif required:
+        raise CalibrationDataError(
+            "the configured processors need calibration data: set spec.dataset in the config or pass "
+            "--calib_path (a .jsonl, .json or .txt file)"
+        )
+    else:
+        return None
+    texts = read_calibration_texts(path)
+    return texts if required else None
+
+
+def _check_model(processors: list[Processor], meta_model: Any) -> None:
+    layers = find_decoder_layers(meta_model)
+    problems = [msg for p in processors for msg in p.check_model(meta_model, layers)]
+    if problems:
+        count = len(problems)
+        raise QuantizationError(
+            f"the config cannot be applied to this model ({count} problem{'s' if count > 1 else ''}):\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )

@@ -1,0 +1,194 @@
+"""``msquant`` command line: ``quant``, ``validate`` and ``schema``.
+
+Flags of ``quant`` follow ``msmodelslim quant`` so vendor scripts can switch. Exit codes:
+0 success, 2 bad input (config, paths, model, data, device; one clear message, no traceback),
+1 internal failure, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from msquant import __version__
+from msquant.api import quantize
+from msquant.config.spec import config_json_schema, load_config
+from msquant.errors import MsquantInputError
+from msquant.presets import preset_config
+from msquant.registry import default_registry
+
+__all__ = ["main", "build_parser"]
+
+EXIT_OK, EXIT_INTERNAL, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+logger = logging.getLogger("msquant.cli")
+
+
+def _bool_flag(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser whose usage errors exit with 2 and one line (argparse's default is 2 too)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for docs and tests)."""
+    parser = _Parser(
+        prog="msquant", description="Quantize LLMs for Ascend NPUs and CUDA GPUs from YAML."
+    )
+    parser.add_argument("--version", action="version", version=f"msquant {__version__}")
+    parser.add_argument(
+        "--log_level",
+        default=os.environ.get("MSQUANT_LOG_LEVEL", "INFO"),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper,
+        help="logging level (env MSQUANT_LOG_LEVEL)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    quant = sub.add_parser("quant", help="quantize a model and write deployment weights")
+    quant.add_argument("--model_path", required=True, help="local Hugging Face model directory")
+    quant.add_argument(
+        "--save_path", required=True, help="output directory (created; replaced only on success)"
+    )
+    source = quant.add_mutually_exclusive_group()
+    source.add_argument("--config_path", help="YAML config (msModelSlim v1 schema)")
+    source.add_argument("--quant_type", help="named preset instead of a YAML file: w8a16")
+    quant.add_argument(
+        "--device", default="cpu", help="cpu | cuda | cuda:N | npu | npu:N (default cpu)"
+    )
+    quant.add_argument(
+        "--calib_path", help="calibration file (.jsonl/.json/.txt), overrides spec.dataset"
+    )
+    quant.add_argument(
+        "--trust_remote_code",
+        nargs="?",
+        const=True,
+        default=False,
+        type=_bool_flag,
+        help="allow model code from the model directory (flag, or True/False as in msModelSlim)",
+    )
+    quant.add_argument(
+        "--max_calib_tokens", type=_positive_int, default=None, help="truncate calibration samples"
+    )
+    quant.add_argument(
+        "--model_type", help="accepted for msModelSlim compatibility; read from config.json"
+    )
+    quant.add_argument("--debug", action="store_true", help="same as --log_level DEBUG")
+    quant.add_argument("--no_progress", action="store_true", help="hide progress bars")
+
+    validate = sub.add_parser(
+        "validate", help="validate YAML config files (exit 0 valid, 2 invalid)"
+    )
+    validate.add_argument("config_paths", nargs="+", metavar="YAML")
+
+    schema = sub.add_parser("schema", help="print the JSON Schema of config files")
+    schema.add_argument("--indent", type=int, default=2)
+    return parser
+
+
+def _configure_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    )
+    root = logging.getLogger("msquant")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+
+
+def _cmd_quant(args: argparse.Namespace) -> int:
+    if args.config_path is None and args.quant_type is None:
+        raise MsquantInputError(
+            "pass --config_path YAML or --quant_type NAME (e.g. --quant_type w8a16)"
+        )
+    if args.quant_type is not None:
+        try:
+            config: object = preset_config(args.quant_type)
+        except KeyError as exc:
+            raise MsquantInputError(str(exc.args[0])) from None
+    else:
+        config = args.config_path
+    result = quantize(
+        args.model_path,
+        args.save_path,
+        config,  # type: ignore[arg-type]
+        device=args.device,
+        calib_path=args.calib_path,
+        trust_remote_code=args.trust_remote_code,
+        max_calib_tokens=args.max_calib_tokens,
+        progress=not args.no_progress,
+    )
+    logger.info(
+        "quantized %d linear layer(s) of %s in %.1f s -> %s",
+        len(result.quantized_modules),
+        result.model_type,
+        result.seconds,
+        result.save_path,
+    )
+    return EXIT_OK
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    registry = default_registry()
+    status = EXIT_OK
+    for path in args.config_paths:
+        try:
+            load_config(path, registry)
+        except MsquantInputError as exc:
+            print(str(exc), file=sys.stderr)
+            status = EXIT_INPUT
+        else:
+            print(f"{path}: valid", file=sys.stderr)
+    return status
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    print(json.dumps(config_json_schema(default_registry()), indent=args.indent))
+    return EXIT_OK
+
+
+COMMANDS = {"quant": _cmd_quant, "validate": _cmd_validate, "schema": _cmd_schema}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``msquant`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    _configure_logging("DEBUG" if getattr(args, "debug", False) else args.log_level)
+    try:
+        return COMMANDS[args.command](args)
+    except MsquantInputError as exc:
+        print(f"msquant: error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    except KeyboardInterrupt:
+        print("msquant: interrupted; nothing was written to the save path", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception:
+        logger.exception(
+            "internal error (please report it with the command line and this traceback)"
+        )
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""The msModelSlim-v1-compatible quantization spec and its validation.
+
+Shape (``apiversion``, ``metadata``, ``spec{runner, prior, process[], save[], dataset}``) and field
+names follow msModelSlim v1. Processor entries are discriminated by ``type`` against the classes of a
+:class:`~msquant.registry.ProcessorRegistry`, so plugins extend the schema without engine changes.
+
+Validation has two layers, both reported together with YAML paths such as
+``spec.process[0].qconfig.weight.ext.group_size``: the pydantic schema (unknown keys, types, enum
+values, unknown processor types), then each processor's ``check_config`` (semantic rules such as
+unimplemented ``(dtype, scope, method)`` combinations).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from msquant.config.yaml_loader import load_yaml_file, load_yaml_text
+from msquant.errors import ConfigError, ConfigIssue
+from msquant.processor import ProcessorConfig, Stage
+from msquant.registry import ProcessorRegistry
+
+__all__ = [
+    "RunnerType",
+    "Metadata",
+    "SpecBody",
+    "QuantConfig",
+    "build_config_model",
+    "validate_config",
+    "load_config",
+    "load_config_text",
+    "config_json_schema",
+]
+
+API_VERSION: Literal["modelslim_v1"] = "modelslim_v1"
+
+
+class RunnerType(str, Enum):
+    """Scheduling of the run; msModelSlim's names."""
+
+    AUTO = "auto"
+    MODEL_WISE = "model_wise"
+    LAYER_WISE = "layer_wise"
+    DP_LAYER_WISE = "dp_layer_wise"
+
+
+class Metadata(BaseModel):
+    """Descriptive metadata of a config (msModelSlim ``metadata``); not used for computation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config_id: str = "Unknown"
+    score: float = Field(100.0, ge=0)
+    label: dict[str, Any] = Field(default_factory=dict)
+    verified_model_types: list[str] = Field(default_factory=list)
+    verified_tags: dict[str, list[list[str]]] = Field(default_factory=dict)
+
+
+class PriorStage(BaseModel):
+    """A preliminary stage (msModelSlim ``spec.prior``); accepted by the schema, not implemented."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    process: list[dict[str, Any]] = Field(default_factory=list)
+    dataset: str | None = None
+
+
+class SpecBody(BaseModel):
+    """``spec``: what to run (``process``), how to save (``save``), and on which data (``dataset``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    runner: RunnerType = RunnerType.AUTO
+    prior: list[PriorStage] = Field(default_factory=list)
+    process: list[ProcessorConfig] = Field(default_factory=list)
+    save: list[ProcessorConfig] = Field(default_factory=list)
+    dataset: str | None = Field(
+        None,
+        description="Calibration file (.jsonl, .json or .txt); relative to the CWD or the YAML.",
+    )
+
+
+class QuantConfig(BaseModel):
+    """A whole quantization config file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    apiversion: Literal["modelslim_v1"] = API_VERSION
+    metadata: Metadata = Field(default_factory=Metadata)
+    spec: SpecBody = Field(default_factory=SpecBody)
+
+
+def _entry_type(registry: ProcessorRegistry, stage: Stage) -> Any:
+    classes = registry.config_classes(stage)
+    if not classes:
+        return ProcessorConfig
+    # Discriminate on ``type`` even for a single class, so that a missing or unknown ``type`` is
+    # reported as such (instead of defaulting to the only class or adding follow-on errors).
+    return Annotated[Union[tuple(classes)], Field(discriminator="type")]  # noqa: UP007
+
+
+def build_config_model(registry: ProcessorRegistry) -> type[QuantConfig]:
+    """The :class:`QuantConfig` subclass whose process/save entries are the registry's configs."""
+    process_list: Any = list[_entry_type(registry, "process")]  # type: ignore[misc]
+    save_list: Any = list[_entry_type(registry, "save")]  # type: ignore[misc]
+    body = create_model(
+        "Spec",
+        __base__=SpecBody,
+        process=(process_list, Field(default_factory=list)),
+        save=(save_list, Field(default_factory=list)),
+    )
+    return create_model(
+        "QuantConfigFile", __base__=QuantConfig, spec=(body, Field(default_factory=body))
+    )
+
+
+def config_json_schema(registry: ProcessorRegistry) -> dict[str, Any]:
+    """JSON Schema of config files for this registry (for editors and the YAML reference docs)."""
+    return build_config_model(registry).model_json_schema()
+
+
+def validate_config(
+    data: Any, registry: ProcessorRegistry, source: str | None = None
+) -> QuantConfig:
+    """Validate a parsed config (a dict) against the schema and every processor's semantic checks.
+
+    :param data: the parsed YAML document.
+    :param registry: the processors that may appear in ``spec.process`` / ``spec.save``.
+    :param source: where the data came from (file path), named in errors.
+    :raises ConfigError: with every problem found, each located by its YAML path.
+    """
+    if not isinstance(data, dict):
+        kind = "empty" if data is None else f"a {type(data).__name__}"
+        raise ConfigError(
+            [ConfigIssue("", f"a config must be a mapping with a 'spec' key, got {kind}")], source
+        )
+    model_cls = build_config_model(registry)
+    try:
+        config = model_cls.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_schema_issues(exc, registry, model_cls), source) from None
+    issues = _semantic_issues(config, registry)
+    if issues:
+        raise ConfigError(issues, source)
+    return config
+
+
+def load_config(path: str | Path, registry: ProcessorRegistry) -> QuantConfig:
+    """Read, parse and validate a YAML config file."""
+    return validate_config(load_yaml_file(path), registry, str(path))
+
+
+def load_config_text(
+    text: str, registry: ProcessorRegistry, source: str = "<string>"
+) -> QuantConfig:
+    """Parse and validate YAML config text."""
+    return validate_config(load_yaml_text(text, source), registry, source)
+
+
+def _semantic_issues(config: QuantConfig, registry: ProcessorRegistry) -> list[ConfigIssue]:
+    issues: list[ConfigIssue] = []
+    if config.spec.prior:
+        issues.append(
+            ConfigIssue("spec.prior", "prior stages are not implemented yet; remove 'prior'")
+        )
+    for stage in ("process", "save"):
+        for index, entry in enumerate(getattr(config.spec, stage)):
+            prefix = f"spec.{stage}[{index}]"
+            for issue in registry.get(entry.type).check_config(entry):
+                path = f"{prefix}.{issue.path}" if issue.path else prefix
+                issues.append(ConfigIssue(path, issue.message))
+    return issues
+
+
+def _schema_issues(
+    exc: ValidationError, registry: ProcessorRegistry, model_cls: type[BaseModel]
+) -> list[ConfigIssue]:
+    issues = []
+    for err in exc.errors(include_url=False):
+        loc = _strip_tags(err["loc"], registry)
+        message = err["msg"]
+        if err["type"] == "extra_forbidden":
+            valid = _valid_keys(model_cls, err["loc"][:-1], registry)
+            message = "unknown key" + (f"; valid keys here: {', '.join(valid)}" if valid else "")
+        elif err["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            stage = "save" if "save" in loc else "process"
+            known = ", ".join(registry.names(stage)) or "(none)"  # type: ignore[arg-type]
+            tag = err.get("ctx", {}).get("tag")
+            what = (
+                f"unknown processor type {tag!r}"
+                if err["type"] == "union_tag_invalid"
+                else "missing key 'type'"
+            )
+            message = f"{what}; registered {stage} types: {known}"
+            loc = (*loc, "type")
+        elif err["type"] == "literal_error" and loc[-1:] == ("type",):
+            stage = "save" if "save" in loc else "process"
+            message += f" (registered {stage} types: {', '.join(registry.names(stage))})"  # type: ignore[arg-type]
+        issues.append(ConfigIssue(_format_loc(loc), message))
+    return issues
+
+
+def _strip_tags(loc: tuple[int | str, ...], registry: ProcessorRegistry) -> tuple[int | str, ...]:
+    """Drop the discriminator tags pydantic inserts after list indices (``process.0.linear_quant``)."""
+    kept: list[int | str] = []
+    for i, part in enumerate(loc):
+        if isinstance(part, str) and i > 0 and isinstance(loc[i - 1], int) and part in registry:
+            continue
+        kept.append(part)
+    return tuple(kept)
+
+
+def _format_loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _valid_keys(
+    model_cls: type[BaseModel], loc: tuple[int | str, ...], registry: ProcessorRegistry
+) -> list[str] | None:
+    """Field names of the model found at ``loc`` (pydantic's raw location), if it can be resolved."""
+    current: Any = model_cls
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            if part in registry and part not in current.model_fields:
+                current = registry.get(part).config_class
+                continue
+            field = current.model_fields.get(part)
+            if field is None:
+                return None
+            current = _model_in(field.annotation)
+        else:
+            return None
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return list(current.model_fields)
+    return None
+
+
+def _model_in(annotation: Any) -> Any:
+    """The BaseModel class inside ``annotation`` (``X``, ``list[X]``), else the annotation itself."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_in(arg)
+        if isinstance(found, type) and issubclass(found, BaseModel):
+            return found
+    return annotation

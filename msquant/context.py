@@ -1,0 +1,65 @@
+"""What processors see during a run: the model, its decoder layers, the device and the output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from msquant.backends.base import Backend
+
+__all__ = ["DecoderLayer", "RunContext"]
+
+
+@dataclass(frozen=True)
+class DecoderLayer:
+    """One decoder layer of the model being quantized.
+
+    :param index: position in the model's layer list.
+    :param name: full module name, e.g. ``model.layers.3``.
+    :param module: the layer module itself.
+    """
+
+    index: int
+    name: str
+    module: nn.Module
+
+    def named_linears(self) -> list[tuple[str, nn.Linear]]:
+        """``(full module name, module)`` of every ``nn.Linear`` inside this layer, in order."""
+        return [
+            (f"{self.name}.{sub}", mod)
+            for sub, mod in self.module.named_modules()
+            if isinstance(mod, nn.Linear)
+        ]
+
+
+@dataclass
+class RunContext:
+    """State shared by the processors of one run.
+
+    :param model: the loaded causal LM (weights on CPU except the layer being processed).
+    :param model_path: directory the model was loaded from (savers copy its config/tokenizer files).
+    :param output_dir: staging directory savers write into; it is moved to the save path only after
+        the whole run succeeded.
+    :param backend: the device backend (placement, synchronisation, linear algebra).
+    :param layers: the model's decoder layers in execution order.
+    :param config_text: the YAML text of the config, when the run came from a file.
+    :param extras: free-form per-run values processors may share (keyed by processor type).
+    """
+
+    model: nn.Module
+    model_path: Path
+    output_dir: Path
+    backend: Backend
+    layers: list[DecoderLayer]
+    config_text: str | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_type(self) -> str:
+        """The Hugging Face ``model_type`` of the model (``"unknown"`` if it has no config)."""
+        config = getattr(self.model, "config", None)
+        return str(getattr(config, "model_type", "unknown"))

@@ -1,0 +1,85 @@
+"""Typed exceptions raised by msquant.
+
+Every error a user can cause derives from :class:`MsquantInputError`; the CLI maps it to exit code 2
+and prints its message without a traceback. Anything else escaping the engine is an internal failure
+(exit code 1). Embedders catch these classes instead of parsing messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "MsquantError",
+    "MsquantInputError",
+    "ConfigIssue",
+    "ConfigError",
+    "ModelLoadError",
+    "CalibrationDataError",
+    "DeviceError",
+    "OutputPathError",
+    "QuantizationError",
+    "NotImplementedYetError",
+    "RegistryError",
+]
+
+
+class MsquantError(Exception):
+    """Base class of every exception msquant raises on purpose."""
+
+
+class MsquantInputError(MsquantError):
+    """The user's input (config, paths, model, data, device) is wrong; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class ConfigIssue:
+    """One problem found in a config, located by its dotted YAML path (e.g. ``spec.process[0].type``)."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path or '<root>'}: {self.message}"
+
+
+class ConfigError(MsquantInputError):
+    """A YAML spec (or a spec built from Python objects) is invalid; carries every issue found."""
+
+    def __init__(self, issues: Sequence[ConfigIssue], source: str | None = None) -> None:
+        self.issues: tuple[ConfigIssue, ...] = tuple(issues)
+        self.source = source
+        where = f" in {source}" if source else ""
+        count = len(self.issues)
+        lines = [f"invalid quantization config{where} ({count} error{'s' if count != 1 else ''}):"]
+        lines += [f"  - {issue}" for issue in self.issues]
+        super().__init__("\n".join(lines))
+
+
+class ModelLoadError(MsquantInputError):
+    """The model directory is missing, incomplete, unsupported or not loadable safely."""
+
+
+class CalibrationDataError(MsquantInputError):
+    """The calibration file is missing, unreadable, malformed or empty."""
+
+
+class DeviceError(MsquantInputError):
+    """A device string is malformed or names a device that is not present."""
+
+
+class OutputPathError(MsquantInputError):
+    """The save path cannot be used (it is a file, not writable, or holds unrelated files)."""
+
+
+class QuantizationError(MsquantInputError):
+    """A layer cannot be quantized as configured (shape, divisibility, non-finite values, ...)."""
+
+
+class NotImplementedYetError(MsquantInputError):
+    """The config is valid but asks for something this version of msquant does not implement yet."""
+
+
+class RegistryError(MsquantError):
+    """A processor registration is inconsistent (duplicate name, bad plugin entry point)."""

@@ -1,0 +1,140 @@
+"""Capture what each decoder layer receives, then run the stack one layer at a time.
+
+Capture swaps every decoder layer for a recorder that stores the layer's call arguments and passes
+the hidden states through unchanged, and runs the model body once per calibration sample. That
+costs the embeddings and the per-layer inputs the model computes itself (attention masks, which
+differ between full and sliding-window layers, rotary embeddings, positions), never a layer's work.
+The hidden states entering layer 0 are then pushed through the real layers one at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from msquant.backends.base import Backend
+from msquant.context import DecoderLayer
+from msquant.model.layers import parent_module
+
+__all__ = ["LayerCall", "CalibrationActivations", "capture_layer_inputs"]
+
+
+@dataclass
+class LayerCall:
+    """The arguments of one decoder layer call, without the hidden states."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class CalibrationActivations:
+    """Per-sample hidden states entering the next layer, plus each layer's other call arguments."""
+
+    hidden: list[torch.Tensor]
+    calls: list[list[LayerCall]]  # [sample][layer]
+    tuple_output: bool = False
+    next_layer: int = 0
+    token_count: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_count = sum(int(h.shape[0] * h.shape[1]) for h in self.hidden)
+
+    @torch.no_grad()
+    def advance(self, layer: DecoderLayer, backend: Backend) -> None:
+        """Run ``layer`` (already on the backend's device) over every sample; outputs become inputs."""
+        if layer.index != self.next_layer:
+            raise RuntimeError(
+                f"layers must be run in order: expected {self.next_layer}, got {layer.index}"
+            )
+        outputs = []
+        for hidden, calls in zip(self.hidden, self.calls, strict=True):
+            call = calls[layer.index]
+            result = layer.module(
+                backend.tensor_to_device(hidden),
+                *_to_device(call.args, backend),
+                **_to_device(call.kwargs, backend),
+            )
+            out = result[0] if isinstance(result, tuple) else result
+            outputs.append(out.to(hidden.device))
+        self.hidden = outputs
+        self.next_layer += 1
+
+
+def _to_device(obj: Any, backend: Backend) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return backend.tensor_to_device(obj)
+    if isinstance(obj, tuple):
+        return tuple(_to_device(o, backend) for o in obj)
+    if isinstance(obj, list):
+        return [_to_device(o, backend) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _to_device(v, backend) for k, v in obj.items()}
+    return obj
+
+
+class _Recorder(nn.Module):
+    """Stands in for a decoder layer during capture: records its inputs, returns them unchanged."""
+
+    def __init__(self, index: int, real: nn.Module, session: _CaptureSession) -> None:
+        super().__init__()
+        self.index = index
+        self.real = [real]  # a list keeps the real layer out of this module's children
+        self.session = session
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        session = self.session
+        if self.index == 0:
+            session.first_hidden = hidden_states
+            if session.tuple_output is None:  # learn the layer's return convention once
+                session.tuple_output = isinstance(
+                    self.real[0](hidden_states, *args, **kwargs), tuple
+                )
+        session.calls.append(LayerCall(args, dict(kwargs)))
+        return (hidden_states,) if session.tuple_output else hidden_states
+
+
+@dataclass
+class _CaptureSession:
+    calls: list[LayerCall] = field(default_factory=list)
+    first_hidden: torch.Tensor | None = None
+    tuple_output: bool | None = None
+
+
+@torch.no_grad()
+def capture_layer_inputs(
+    model: nn.Module, layers: list[DecoderLayer], samples: Sequence[torch.Tensor]
+) -> CalibrationActivations:
+    """Record the inputs of every decoder layer for every sample (``[1, seq]`` input_ids tensors).
+
+    The model body (the module owning the layer list) runs with ``use_cache=False``; the layer list
+    is restored afterwards even if a forward fails.
+    """
+    body = parent_module(model, layers)
+    layer_list = model.get_submodule(layers[0].name.rsplit(".", 1)[0])
+    assert isinstance(layer_list, nn.ModuleList)
+    session = _CaptureSession()
+    originals = list(layer_list)
+    hidden: list[torch.Tensor] = []
+    calls: list[list[LayerCall]] = []
+    try:
+        for i, real in enumerate(originals):
+            layer_list[i] = _Recorder(i, real, session)
+        for input_ids in samples:
+            session.calls = []
+            session.first_hidden = None
+            body(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
+            if session.first_hidden is None or len(session.calls) != len(originals):
+                raise RuntimeError(
+                    f"{type(body).__name__} did not call its {len(originals)} decoder layers in order"
+                )
+            hidden.append(session.first_hidden.detach())
+            calls.append(session.calls)
+    finally:
+        for i, real in enumerate(originals):
+            layer_list[i] = real
+    return CalibrationActivations(hidden, calls, tuple_output=bool(session.tuple_output))

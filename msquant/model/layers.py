@@ -1,0 +1,50 @@
+"""Find a transformer's decoder layers generically (no per-architecture list).
+
+The decoder stack is the ``nn.ModuleList`` whose children all share one class and which holds the
+most parameters; this finds ``model.layers`` in Llama, Qwen2/3, Mistral and most decoder-only models
+while ignoring smaller lists such as MoE experts inside a layer.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from msquant.context import DecoderLayer
+from msquant.errors import ModelLoadError
+
+__all__ = ["find_decoder_layers", "parent_module"]
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def find_decoder_layers(model: nn.Module) -> list[DecoderLayer]:
+    """The model's decoder layers in execution order.
+
+    :raises ModelLoadError: when the model has no homogeneous ``nn.ModuleList`` of layers.
+    """
+    best: tuple[int, int, str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        # Prefer more parameters, then shallower names (a stable, architecture-free tie-break).
+        key = (_numel(module), -name.count("."), name, module)
+        if best is None or key[:2] > best[:2]:
+            best = key
+    if best is None:
+        raise ModelLoadError(
+            f"cannot find the decoder layers of {type(model).__name__}: "
+            "no nn.ModuleList of identical layers was found"
+        )
+    _, _, name, layers = best
+    return [DecoderLayer(i, f"{name}.{i}", layer) for i, layer in enumerate(layers)]
+
+
+def parent_module(model: nn.Module, layers: list[DecoderLayer]) -> nn.Module:
+    """The module that owns the decoder layer list (e.g. ``LlamaModel`` for ``model.layers``)."""
+    list_name = layers[0].name.rsplit(".", 1)[0]
+    parent_name = list_name.rsplit(".", 1)[0] if "." in list_name else ""
+    return model.get_submodule(parent_name)

@@ -1,0 +1,1 @@
+"""Quantization numerics and the schemas that describe them (no model walking here)."""

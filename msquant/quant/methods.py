@@ -1,0 +1,75 @@
+"""Weight quantization methods known to ``linear_quant`` and the option schema (``ext``) of each.
+
+This table is what decides, before any model is loaded, whether a ``(dtype, scope, method)``
+combination is implemented and whether its ``ext`` options are valid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from msquant.quant.qconfig import QDType, QScope
+
+__all__ = ["MinMaxExt", "GPTQExt", "WeightMethod", "WEIGHT_METHODS"]
+
+
+class MinMaxExt(BaseModel):
+    """``ext`` options of ``method: minmax`` (round-to-nearest)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group_size: StrictInt = Field(
+        128, gt=0, description="Input columns per group (per_group only)."
+    )
+
+
+class GPTQExt(BaseModel):
+    """``ext`` options of ``method: gptq`` (msModelSlim's names and defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    percdamp: float = Field(
+        0.01, gt=0, description="Damping as a fraction of the mean Hessian diagonal."
+    )
+    block_size: StrictInt = Field(128, gt=0, description="Lazy-batch width over input columns.")
+    group_size: StrictInt = Field(
+        128, gt=0, description="Input columns per group (per_group only)."
+    )
+
+
+@dataclass(frozen=True)
+class WeightMethod:
+    """A weight quantization algorithm selectable by ``qconfig.weight.method``."""
+
+    name: str
+    ext_model: type[BaseModel]
+    dtypes: frozenset[QDType]
+    scopes: frozenset[QScope]
+    implemented: bool
+    summary: str
+
+
+WEIGHT_METHODS: Mapping[str, WeightMethod] = MappingProxyType(
+    {
+        "minmax": WeightMethod(
+            name="minmax",
+            ext_model=MinMaxExt,
+            dtypes=frozenset({QDType.INT8}),
+            scopes=frozenset({QScope.PER_CHANNEL, QScope.PER_GROUP}),
+            implemented=True,
+            summary="round-to-nearest with min/max scales",
+        ),
+        "gptq": WeightMethod(
+            name="gptq",
+            ext_model=GPTQExt,
+            dtypes=frozenset({QDType.INT8}),
+            scopes=frozenset({QScope.PER_CHANNEL, QScope.PER_GROUP}),
+            implemented=False,
+            summary="GPTQ (Hessian-based error compensation)",
+        ),
+    }
+)

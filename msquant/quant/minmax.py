@@ -1,0 +1,73 @@
+"""Round-to-nearest ("minmax") weight quantization of one 2-D weight."""
+
+from __future__ import annotations
+
+import torch
+
+from msquant.errors import QuantizationError
+from msquant.quant.int_quant import minmax_qparams, quantize
+from msquant.quant.quantized_weight import QuantizedWeight
+
+__all__ = ["check_weight", "quantize_weight_minmax"]
+
+
+def check_weight(weight: torch.Tensor, name: str, group_size: int | None) -> None:
+    """Reject weights that cannot be quantized: not 2-D, not floating, non-finite, bad group size.
+
+    :param name: the module name, used in messages.
+    :raises QuantizationError: naming the module, its shape and the valid choices.
+    """
+    shape = tuple(weight.shape)
+    if weight.dim() != 2:
+        raise QuantizationError(
+            f"{name}: weight must be 2-D [out, in] to be quantized, got shape {shape}"
+        )
+    if not weight.is_floating_point():
+        raise QuantizationError(f"{name}: weight must be floating point, got {weight.dtype}")
+    if group_size is not None:
+        in_features = shape[1]
+        if group_size <= 0 or in_features % group_size != 0:
+            raise QuantizationError(
+                f"{name}: group_size {group_size} does not divide in_features {in_features} "
+                f"(weight shape {shape}); valid group sizes: {divisors(in_features)}"
+            )
+    finite = torch.isfinite(weight)
+    if not bool(finite.all()):
+        bad = int((~finite).sum())
+        raise QuantizationError(
+            f"{name}: weight {shape} contains {bad} NaN/Inf value(s); fix the checkpoint before quantizing"
+        )
+
+
+def divisors(n: int, limit: int = 24) -> str:
+    """Human-readable list of the divisors of ``n`` (at most ``limit`` of them, largest last)."""
+    found = [d for d in range(1, n + 1) if n % d == 0]
+    if len(found) > limit:
+        found = found[: limit // 2] + found[-limit // 2 :]
+        return (
+            ", ".join(map(str, found[: limit // 2]))
+            + ", ..., "
+            + ", ".join(map(str, found[limit // 2 :]))
+        )
+    return ", ".join(map(str, found))
+
+
+def quantize_weight_minmax(
+    weight: torch.Tensor,
+    bits: int,
+    symmetric: bool,
+    group_size: int | None = None,
+    name: str = "weight",
+) -> QuantizedWeight:
+    """Quantize a 2-D weight by round-to-nearest with min/max-derived parameters.
+
+    :param weight: ``[out, in]`` float tensor of any floating dtype (solved in float32).
+    :param bits: bit width of the signed codes.
+    :param symmetric: symmetric (zero offset) or asymmetric parameters.
+    :param group_size: group width over input columns; ``None`` for per-channel.
+    :param name: module name for error messages.
+    """
+    check_weight(weight, name, group_size)
+    scale, offset = minmax_qparams(weight, bits, symmetric, group_size)
+    codes = quantize(weight, scale, offset, bits, group_size)
+    return QuantizedWeight(codes, scale, offset, bits, symmetric, group_size)

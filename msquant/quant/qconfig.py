@@ -1,0 +1,83 @@
+"""The ``qconfig`` schema of msModelSlim's ``linear_quant``: data types, scopes and per-tensor configs.
+
+Field names and enum values follow msModelSlim v1 (``ir/qal/qbase.py``) so existing YAML files
+validate unchanged. Where msModelSlim's code makes a field required but its documentation states a
+default (scope ``per_channel``, dtype ``int8``, symmetric ``true``), the documented default is used.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["QDType", "QScope", "WeightQConfig", "ActQConfig", "LinearQConfig"]
+
+
+class QDType(str, Enum):
+    """Quantized data types known to the msModelSlim v1 schema (not all are implemented)."""
+
+    FLOAT = "float"
+    INT8 = "int8"
+    INT4 = "int4"
+    MXFP8 = "mxfp8"
+    MXFP4 = "mxfp4"
+    FP8_E4M3 = "fp8_e4m3"
+
+    @property
+    def bits(self) -> int:
+        """Bit width of an integer type; raises for non-integer types."""
+        widths = {QDType.INT8: 8, QDType.INT4: 4}
+        if self not in widths:
+            raise ValueError(f"{self.value} is not an integer type")
+        return widths[self]
+
+
+class QScope(str, Enum):
+    """Granularities known to the msModelSlim v1 schema (not all are implemented)."""
+
+    PER_TENSOR = "per_tensor"
+    PER_CHANNEL = "per_channel"
+    PER_GROUP = "per_group"
+    PER_BLOCK = "per_block"
+    PER_TOKEN = "per_token"
+    PD_MIX = "pd_mix"
+    PER_HEAD = "per_head"
+    DUAL_SCALE = "dual_scale"
+
+
+class WeightQConfig(BaseModel):
+    """How the weights of the matched linear layers are quantized (``qconfig.weight``)."""
+
+    model_config = ConfigDict(extra="forbid", use_enum_values=False)
+
+    dtype: QDType = Field(QDType.INT8, description="Quantized data type.")
+    scope: QScope = Field(QScope.PER_CHANNEL, description="Granularity of scales and offsets.")
+    symmetric: bool = Field(True, description="Symmetric (offset 0) or asymmetric quantization.")
+    method: str = Field(description="Algorithm computing the quantized weights: minmax or gptq.")
+    ext: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Method-specific options, e.g. percdamp, block_size, group_size.",
+    )
+
+
+class ActQConfig(BaseModel):
+    """How activations are quantized (``qconfig.act``); only float (no activation quantization)."""
+
+    model_config = ConfigDict(extra="forbid", use_enum_values=False)
+
+    dtype: QDType = Field(QDType.FLOAT, description="float = activations stay unquantized.")
+    scope: QScope = Field(QScope.PER_TENSOR, description="Granularity (ignored for float).")
+    symmetric: bool = Field(True, description="Symmetry (ignored for float).")
+    method: str = Field("none", description="Activation observer (none for float).")
+    ext: dict[str, Any] = Field(default_factory=dict, description="Method-specific options.")
+
+
+class LinearQConfig(BaseModel):
+    """``qconfig`` of ``linear_quant``: weights are required, activations default to float."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    act: ActQConfig = Field(default_factory=ActQConfig)
+    weight: WeightQConfig

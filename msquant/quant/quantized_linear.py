@@ -1,0 +1,82 @@
+"""``QuantizedLinear``: the module that replaces an ``nn.Linear`` once its weight is quantized.
+
+Its state dict is the msModelSlim W8A16 layout (``weight`` int8, ``weight_scale`` and
+``weight_offset`` float32, optional ``bias``), so savers read it directly. Its forward dequantizes
+the weight into the input's dtype, so later layers see the quantized model's behaviour.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from msquant.quant.quantized_weight import QuantizedWeight
+
+__all__ = ["QuantizedLinear", "replace_module"]
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer with an integer weight and per-channel or per-group float parameters."""
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_offset: torch.Tensor
+
+    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None, method: str) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.bits = qweight.bits
+        self.symmetric = qweight.symmetric
+        self.group_size = qweight.group_size
+        self.method = method
+        self.register_buffer("weight", qweight.codes)
+        self.register_buffer("weight_scale", qweight.scale)
+        self.register_buffer("weight_offset", qweight.offset)
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        )
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, qweight: QuantizedWeight, method: str
+    ) -> QuantizedLinear:
+        """Build from the float layer it replaces (keeps the bias in its dtype)."""
+        if qweight.shape != tuple(linear.weight.shape):
+            raise ValueError(
+                f"quantized weight {qweight.shape} does not fit linear {tuple(linear.weight.shape)}"
+            )
+        return cls(qweight, linear.bias, method).to(linear.weight.device)
+
+    @property
+    def qweight(self) -> QuantizedWeight:
+        """The module's weight as the exporters' common representation."""
+        return QuantizedWeight(
+            self.weight,
+            self.weight_scale,
+            self.weight_offset,
+            self.bits,
+            self.symmetric,
+            self.group_size,
+        )
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 fake-quantized weight ``(weight - offset) * scale``."""
+        return self.qweight.dequantize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.dequantized_weight().to(x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, weight, bias)
+
+    def extra_repr(self) -> str:
+        scope = "per_channel" if self.group_size is None else f"per_group({self.group_size})"
+        kind = "sym" if self.symmetric else "asym"
+        return f"in={self.in_features}, out={self.out_features}, int{self.bits} {scope} {kind}, {self.method}"
+
+
+def replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
+    """Replace the submodule ``name`` (dotted path) of ``root`` by ``new``."""
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)

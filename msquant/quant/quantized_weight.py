@@ -1,0 +1,65 @@
+"""The one in-memory representation of a quantized linear weight that every exporter reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from msquant.quant.int_quant import dequantize
+
+__all__ = ["QuantizedWeight"]
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """Integer codes plus per-channel or per-group parameters of one ``[out, in]`` weight.
+
+    Conventions (msModelSlim's): ``codes`` are signed integers in ``[-2^(b-1), 2^(b-1)-1]`` stored as
+    int8; ``offset`` is the signed zero point (all zeros when symmetric); the float weight is
+    ``(codes - offset) * scale`` with ``scale`` and ``offset`` broadcast over each group of
+    ``group_size`` consecutive input columns (one group spanning all columns for per-channel).
+
+    :param codes: int8 tensor ``[out, in]``.
+    :param scale: float32 tensor ``[out, in // group_size]`` (``[out, 1]`` per-channel).
+    :param offset: float32 tensor of the same shape as ``scale``.
+    :param bits: bit width of the codes (8 for int8).
+    :param symmetric: whether the offset is identically zero by construction.
+    :param group_size: group width over input columns, or ``None`` for per-channel.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+    bits: int
+    symmetric: bool
+    group_size: int | None
+
+    def __post_init__(self) -> None:
+        if self.codes.dim() != 2 or self.codes.dtype != torch.int8:
+            raise ValueError(
+                f"codes must be a 2-D int8 tensor, got {self.codes.dtype} {tuple(self.codes.shape)}"
+            )
+        out_features, in_features = self.codes.shape
+        groups = 1 if self.group_size is None else in_features // self.group_size
+        expected = (out_features, groups)
+        for name, tensor in (("scale", self.scale), ("offset", self.offset)):
+            if tuple(tensor.shape) != expected or tensor.dtype != torch.float32:
+                raise ValueError(
+                    f"{name} must be float32 {expected}, got {tensor.dtype} {tuple(tensor.shape)}"
+                )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(out_features, in_features)`` of the weight."""
+        out_features, in_features = self.codes.shape
+        return int(out_features), int(in_features)
+
+    @property
+    def is_per_group(self) -> bool:
+        """True for per-group parameters, False for per-channel."""
+        return self.group_size is not None
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight these codes represent (the 'fake-quantized' weight)."""
+        return dequantize(self.codes, self.scale, self.offset, self.group_size)

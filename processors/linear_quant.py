@@ -1,0 +1,181 @@
+"""``linear_quant``: quantize the weights of selected linear layers (msModelSlim's processor).
+
+Sample yaml::
+
+    spec:
+      process:
+        - type: linear_quant
+          qconfig:
+            weight: {scope: per_channel, dtype: int8, symmetric: true, method: minmax}
+          include: ["*"]
+          exclude: ["*down_proj"]
+
+Lifecycle:
+
+* ``check_config``: the ``(dtype, scope, method)`` combination is implemented, ``ext`` is valid for
+  the method, activations are float (weight-only quantization).
+* ``check_model``: ``group_size`` divides the ``in_features`` of every selected layer; include
+  patterns that match no linear layer are logged.
+* ``after_layer``: each selected ``nn.Linear`` of the layer is quantized and replaced by a
+  ``QuantizedLinear`` (whose state dict is the W8A16 layout savers write).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+from pydantic import Field, ValidationError
+from torch import nn
+from tqdm.auto import tqdm
+
+from msquant import (
+    WEIGHT_METHODS,
+    ConfigIssue,
+    DecoderLayer,
+    LinearQConfig,
+    NotImplementedYetError,
+    Processor,
+    ProcessorConfig,
+    QDType,
+    QScope,
+    QuantizedLinear,
+    RunContext,
+    divisors,
+    is_selected,
+    quantize_weight_minmax,
+    replace_module,
+    unmatched_patterns,
+)
+
+__all__ = ["LinearQuantConfig", "LinearQuantProcessor"]
+
+logger = logging.getLogger(__name__)
+
+
+class LinearQuantConfig(ProcessorConfig):
+    """Config of ``linear_quant``."""
+
+    type: Literal["linear_quant"] = "linear_quant"
+    qconfig: LinearQConfig
+    include: list[str] = Field(
+        default_factory=lambda: ["*"], description="Module-name globs to quantize."
+    )
+    exclude: list[str] = Field(
+        default_factory=list, description="Module-name globs to skip (wins)."
+    )
+
+
+class LinearQuantProcessor(Processor):
+    """Weight-only quantization of ``nn.Linear`` layers inside the decoder layers."""
+
+    type_name = "linear_quant"
+    config_class = LinearQuantConfig
+    stage = "process"
+    requires_calibration = False
+    config: LinearQuantConfig
+
+    @classmethod
+    def check_config(cls, config: ProcessorConfig) -> list[ConfigIssue]:
+        assert isinstance(config, LinearQuantConfig)
+        issues: list[ConfigIssue] = []
+        act = config.qconfig.act
+        if act.dtype is not QDType.FLOAT:
+            issues.append(
+                ConfigIssue(
+                    "qconfig.act.dtype",
+                    f"activation quantization ({act.dtype.value}) is not implemented; valid: float "
+                    "(weight-only, e.g. W8A16) - or omit qconfig.act",
+                )
+            )
+        weight = config.qconfig.weight
+        method = WEIGHT_METHODS.get(weight.method)
+        if method is None:
+            issues.append(
+                ConfigIssue(
+                    "qconfig.weight.method",
+                    f"unknown method {weight.method!r}; valid: {', '.join(sorted(WEIGHT_METHODS))}",
+                )
+            )
+            return issues
+        if weight.dtype not in method.dtypes or weight.scope not in method.scopes:
+            combos = ", ".join(
+                f"({d.value}, {s.value})"
+                for d in sorted(method.dtypes, key=lambda d: d.value)
+                for s in sorted(method.scopes, key=lambda s: s.value)
+            )
+            issues.append(
+                ConfigIssue(
+                    "qconfig.weight",
+                    f"(dtype {weight.dtype.value}, scope {weight.scope.value}) is not implemented for "
+                    f"method {method.name}; implemented (dtype, scope): {combos}",
+                )
+            )
+        try:
+            method.ext_model.model_validate(weight.ext)
+        except ValidationError as exc:
+            for err in exc.errors(include_url=False):
+                loc = ".".join(str(p) for p in err["loc"])
+                message = err["msg"]
+                if err["type"] == "extra_forbidden":
+                    message = f"unknown {method.name} option; valid: {', '.join(method.ext_model.model_fields)}"
+                issues.append(ConfigIssue(f"qconfig.weight.ext.{loc}", message))
+        if "group_size" in weight.ext and weight.scope is QScope.PER_CHANNEL:
+            logger.warning("qconfig.weight.ext.group_size is ignored with scope per_channel")
+        return issues
+
+    @property
+    def group_size(self) -> int | None:
+        """Group width for per_group, None for per_channel."""
+        weight = self.config.qconfig.weight
+        if weight.scope is not QScope.PER_GROUP:
+            return None
+        ext = WEIGHT_METHODS[weight.method].ext_model.model_validate(weight.ext)
+        return int(getattr(ext, "group_size"))  # noqa: B009 - every per_group method defines it
+
+    def selected(self, layer: DecoderLayer) -> list[tuple[str, nn.Linear]]:
+        """The layer's linear modules this processor quantizes."""
+        return [
+            (name, module)
+            for name, module in layer.named_linears()
+            if is_selected(name, self.config.include, self.config.exclude)
+        ]
+
+    def check_model(self, model: nn.Module, layers: list[DecoderLayer]) -> list[str]:
+        method = WEIGHT_METHODS[self.config.qconfig.weight.method]
+        if not method.implemented:
+            raise NotImplementedYetError(
+                f"linear_quant method {method.name!r} is not implemented yet in this msquant version; "
+                "use method: minmax (round-to-nearest) for now"
+            )
+        problems = []
+        all_names = [name for layer in layers for name, _ in layer.named_linears()]
+        missing = unmatched_patterns(all_names, self.config.include)
+        if missing:
+            logger.warning(
+                "linear_quant include pattern(s) matched no decoder linear layer: %s", missing
+            )
+        group_size = self.group_size
+        if group_size is not None:
+            for layer in layers:
+                for name, module in self.selected(layer):
+                    if module.in_features % group_size:
+                        problems.append(
+                            f"{name}: group_size {group_size} does not divide in_features "
+                            f"{module.in_features} (weight [{module.out_features}, {module.in_features}]); "
+                            f"valid group sizes: {divisors(module.in_features)} - or exclude this layer"
+                        )
+        return problems
+
+    def after_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
+        weight_cfg = self.config.qconfig.weight
+        bits = weight_cfg.dtype.bits
+        group_size = self.group_size
+        modules = self.selected(layer)
+        for name, module in tqdm(
+            modules, desc=layer.name, unit="linear", leave=False, disable=len(modules) < 2
+        ):
+            qweight = quantize_weight_minmax(
+                module.weight, bits, weight_cfg.symmetric, group_size, name=name
+            )
+            replace_module(ctx.model, name, QuantizedLinear.from_linear(module, qweight, "minmax"))

@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny local models (built once per session) and a CLI runner."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import build_tiny_model  # noqa: E402
+
+from msquant.cli import main  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "yaml_examples"
+CALIB_TXT = Path(__file__).parent / "data" / "calib.txt"
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Llama (hidden 64, intermediate 128) with a trained tokenizer."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same tiny Llama stored in bfloat16 (msModelSlim crashes on such weights)."""
+    import torch
+
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny_llama_bf16"), "llama", dtype=torch.bfloat16
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Build (and cache per argument set) tiny models of other architectures."""
+    cache: dict[tuple[object, ...], Path] = {}
+
+    def build(arch: str = "llama", **kwargs: object) -> Path:
+        key = (arch, *sorted(kwargs.items()))
+        if key not in cache:
+            cache[key] = build_tiny_model(tmp_path_factory.mktemp(f"tiny_{arch}"), arch, **kwargs)  # type: ignore[arg-type]
+        return cache[key]
+
+    return build
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+
+@pytest.fixture
+def run_cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
+    """Run ``msquant`` in-process with the given arguments; returns exit code, stdout and stderr."""
+
+    def run(*args: str | Path) -> CliResult:
+        capsys.readouterr()
+        code = main([str(a) for a in args])
+        captured = capsys.readouterr()
+        return CliResult(code, captured.out, captured.err)
+
+    return run

@@ -1,0 +1,158 @@
+"""The layer-wise runner feeds each decoder layer exactly what the full model would."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import torch
+from torch import nn
+
+import msquant
+from msquant import DecoderLayer, Processor, ProcessorConfig, RunContext
+from msquant.backends import get_backend
+from msquant.calibration import read_calibration_texts, tokenize_samples
+from msquant.model.layers import find_decoder_layers
+from msquant.model.loader import load_causal_lm, load_tokenizer
+from msquant.runner import run_layer_wise
+
+CALIB = Path(__file__).parent / "data" / "calib.txt"
+
+
+class ProbeConfig(ProcessorConfig):
+    type: Literal["probe", "counter"] = "probe"
+
+
+class Probe(Processor):
+    """Records the hidden states entering and leaving each layer during the calibration forward."""
+
+    type_name = "probe"
+    config_class = ProbeConfig
+    requires_calibration = True
+
+    def setup(self, ctx: RunContext) -> None:
+        self.inputs: dict[int, list[torch.Tensor]] = {}
+        self.outputs: dict[int, list[torch.Tensor]] = {}
+        self.events: list[str] = ["setup"]
+
+    def before_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
+        self.events.append(f"before:{layer.index}")
+
+        def pre(
+            module: nn.Module, args: tuple[torch.Tensor, ...], kwargs: dict[str, object]
+        ) -> None:
+            self.inputs.setdefault(layer.index, []).append(args[0].clone())
+
+        def post(module: nn.Module, args: object, kwargs: object, out: object) -> None:
+            tensor = out[0] if isinstance(out, tuple) else out
+            assert isinstance(tensor, torch.Tensor)
+            self.outputs.setdefault(layer.index, []).append(tensor.clone())
+
+        self.handles = [
+            layer.module.register_forward_pre_hook(pre, with_kwargs=True),
+            layer.module.register_forward_hook(post, with_kwargs=True),
+        ]
+
+    def after_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.events.append(f"after:{layer.index}")
+
+    def finalize(self, ctx: RunContext) -> None:
+        self.events.append("finalize")
+
+
+ARCH_CASES = [
+    pytest.param("llama", {}, id="llama"),
+    pytest.param(
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
+        id="qwen2-mixed-sliding",
+    ),
+    pytest.param("qwen3", {}, id="qwen3"),
+    pytest.param("mistral", {}, id="mistral-sliding"),
+]
+
+
+@pytest.mark.parametrize(("arch", "overrides"), ARCH_CASES)
+def test_layer_inputs_match_full_forward(
+    arch: str, overrides: dict[str, object], tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    model_dir = tiny_model_factory(arch, num_layers=3, **overrides)
+    model = load_causal_lm(model_dir)
+    samples = tokenize_samples(read_calibration_texts(CALIB)[:3], load_tokenizer(model_dir))
+    assert all(s.shape[1] > 6 for s in samples)  # longer than the sliding window
+    with torch.no_grad():
+        reference = [model(input_ids=s, output_hidden_states=True).hidden_states for s in samples]
+    layers = find_decoder_layers(model)
+    assert [layer.name for layer in layers] == [
+        "model.layers.0",
+        "model.layers.1",
+        "model.layers.2",
+    ]
+    probe = Probe(ProbeConfig())
+    ctx = RunContext(model, model_dir, tmp_path, get_backend("cpu"), layers)
+    run_layer_wise(ctx, [probe], samples, progress=False)
+
+    assert probe.events == [
+        "setup",
+        "before:0",
+        "after:0",
+        "before:1",
+        "after:1",
+        "before:2",
+        "after:2",
+        "finalize",
+    ]
+    for i in range(3):
+        for s, ref in enumerate(reference):
+            torch.testing.assert_close(probe.inputs[i][s], ref[i], rtol=1e-5, atol=1e-5)
+            if i < 2:  # the last hidden state reported by HF is after the final norm
+                torch.testing.assert_close(probe.outputs[i][s], ref[i + 1], rtol=1e-5, atol=1e-5)
+    # the layer list was restored after capture
+    assert all(
+        type(layer.module).__name__.endswith("DecoderLayer") for layer in find_decoder_layers(model)
+    )
+
+
+def test_data_free_processors_skip_calibration(tiny_llama: Path, tmp_path: Path) -> None:
+    model = load_causal_lm(tiny_llama)
+    layers = find_decoder_layers(model)
+    calls: list[int] = []
+
+    class Counter(Processor):
+        type_name = "counter"
+        config_class = ProbeConfig
+
+        def before_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
+            layer.module.register_forward_hook(lambda *a: calls.append(layer.index))
+
+    ctx = RunContext(model, tiny_llama, tmp_path, get_backend("cpu"), layers)
+    run_layer_wise(ctx, [Counter(ProbeConfig())], None, progress=False)
+    assert calls == []  # no forward ran
+
+
+def test_decoder_layers_found_generically() -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+            self.proj = nn.Linear(4, 64)
+
+    class Toy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.heads = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+            self.backbone = nn.Module()
+            self.backbone.blocks = nn.ModuleList([Block() for _ in range(3)])
+
+    layers = find_decoder_layers(Toy())
+    assert [layer.name for layer in layers] == [
+        "backbone.blocks.0",
+        "backbone.blocks.1",
+        "backbone.blocks.2",
+    ]
+    with pytest.raises(msquant.ModelLoadError, match="cannot find the decoder layers"):
+        find_decoder_layers(nn.Sequential(nn.Linear(2, 2)))

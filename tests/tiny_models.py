@@ -1,0 +1,84 @@
+"""Build tiny random decoder models (with a real trained tokenizer) in local folders for tests.
+
+Nothing is downloaded: the tokenizer is a byte-level BPE trained on a few lines of text, and the
+models are random-weight instances of real transformers architectures.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+CORPUS = Path(__file__).parent / "data" / "calib.txt"
+VOCAB_SIZE = 384
+
+ARCHS: dict[str, dict[str, Any]] = {
+    "llama": dict(model_type="llama"),
+    "qwen2": dict(model_type="qwen2"),
+    "qwen3": dict(model_type="qwen3", head_dim=16),
+    "mistral": dict(model_type="mistral", sliding_window=8),
+}
+
+
+def build_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
+    """Train a small byte-level BPE tokenizer and save it into ``directory``."""
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.read_text(encoding="utf-8").split("\n"), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.save_pretrained(str(directory))
+    return fast
+
+
+def build_tiny_model(
+    directory: Path,
+    arch: str = "llama",
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 2,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    tie_word_embeddings: bool = False,
+    **overrides: Any,
+) -> Path:
+    """Write a random-weight causal LM of ``arch`` with a trained tokenizer into ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(directory)
+    params = dict(ARCHS[arch])
+    model_type = params.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        **{**params, **overrides},
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.to(dtype).eval()
+    model.save_pretrained(str(directory))
+    return directory
