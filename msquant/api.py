@@ -135,12 +135,12 @@ def quantize(
     _check_model(processors, meta_model)
     del meta_model
 
-    model = load_causal_lm(model_dir, trust_remote_code)
     samples = None
     if texts is not None:
         tokenizer = load_tokenizer(model_dir, trust_remote_code)
         samples = tokenize_samples(texts, tokenizer, max_calib_tokens)
         logger.info("calibration: %d sample(s)", len(samples))
+    model = load_causal_lm(model_dir, trust_remote_code)
     layers = find_decoder_layers(model)
     logger.info(
         "%s: %d decoder layers found under %s",
@@ -153,7 +153,7 @@ def quantize(
         config_text = resolved.text or yaml.safe_dump(
             resolved.config.model_dump(mode="json"), sort_keys=False
         )
-        ctx = RunContext(model, model_dir, staging, backend, layers, config_text)
+        ctx = RunContext(model, model_dir, staging, backend, layers, config_text, progress)
         run_layer_wise(ctx, processors, samples, progress=progress)
     quantized = tuple(n for n, m in model.named_modules() if isinstance(m, QuantizedLinear))
     return QuantizeResult(

@@ -47,6 +47,7 @@ class RunContext:
     :param backend: the device backend (placement, synchronisation, linear algebra).
     :param layers: the model's decoder layers in execution order.
     :param config_text: the YAML text of the config, when the run came from a file.
+    :param progress: whether processors may show progress bars.
     :param extras: free-form per-run values processors may share (keyed by processor type).
     """
 
@@ -56,6 +57,7 @@ class RunContext:
     backend: Backend
     layers: list[DecoderLayer]
     config_text: str | None = None
+    progress: bool = True
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property

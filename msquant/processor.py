@@ -56,7 +56,8 @@ class Processor(ABC):
     type_name: ClassVar[str]
     config_class: ClassVar[type[ProcessorConfig]]
     stage: ClassVar[Stage] = "process"
-    requires_calibration: ClassVar[bool] = False
+    #: Class default; an instance may set its own value in ``__init__`` (e.g. depending on its config).
+    requires_calibration: bool = False
 
     def __init__(self, config: ProcessorConfig) -> None:
         self.config = config

@@ -173,7 +173,11 @@ class LinearQuantProcessor(Processor):
         group_size = self.group_size
         modules = self.selected(layer)
         for name, module in tqdm(
-            modules, desc=layer.name, unit="linear", leave=False, disable=len(modules) < 2
+            modules,
+            desc=layer.name,
+            unit="linear",
+            leave=False,
+            disable=not ctx.progress or len(modules) < 2,
         ):
             qweight = quantize_weight_minmax(
                 module.weight, bits, weight_cfg.symmetric, group_size, name=name
