@@ -89,19 +89,26 @@ class AscendV1Saver(Processor):
 
     def finalize(self, ctx: RunContext) -> None:
         written = set(self.types)
+        aliases: dict[str, str] = {}
         seen: dict[tuple[int, tuple[int, ...], torch.dtype], str] = {}
         for name, tensor in ctx.model.state_dict().items():
             key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
-            if tensor.numel() and key in seen:  # tied weights are written once, as HF does
-                logger.debug("%s is tied to %s; not written twice", name, seen[key])
+            if tensor.numel() and key in seen:
+                # Tied weights are stored once, as Hugging Face does, but still described: vLLM-Ascend
+                # looks up e.g. "lm_head.weight" in the description even when the head is tied.
+                aliases[name] = seen[key]
                 continue
             seen[key] = name
             if name not in written:
                 self._add(name, tensor, "FLOAT")
         self.writer.close()
-        order = [n for n in ctx.model.state_dict() if n in self.types]
-        order += [n for n in self.types if n not in set(order)]
-        description = {name: self.types[name] for name in order}
+        described = {
+            **self.types,
+            **{alias: self.types[target] for alias, target in aliases.items()},
+        }
+        order = [n for n in ctx.model.state_dict() if n in described]
+        order += [n for n in described if n not in set(order)]
+        description = {name: described[name] for name in order}
         description.update(self._globals())
         (ctx.output_dir / DESCRIPTION_FILE).write_text(
             json.dumps(description, indent=4) + "\n", encoding="utf-8"
@@ -113,7 +120,7 @@ class AscendV1Saver(Processor):
             )
         logger.info(
             "ascendv1_saver: %d tensors (%.1f MiB), model_quant_type %s",
-            len(description) - 5,
+            len(self.types),
             self.writer.total_bytes / 2**20,
             description["model_quant_type"],
         )
