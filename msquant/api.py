@@ -17,11 +17,16 @@ from typing import Any
 import yaml
 
 from msquant.backends import get_backend
-from msquant.calibration import read_calibration_texts, resolve_dataset_path, tokenize_samples
+from msquant.calibration import (
+    default_dataset_path,
+    read_calibration_texts,
+    resolve_dataset_path,
+    tokenize_samples,
+)
 from msquant.config.spec import QuantConfig, RunnerType, validate_config
 from msquant.config.yaml_loader import load_yaml_file
 from msquant.context import RunContext
-from msquant.errors import CalibrationDataError, QuantizationError
+from msquant.errors import QuantizationError
 from msquant.export.staging import StagedOutputDir, check_save_path
 from msquant.model.layers import find_decoder_layers
 from msquant.model.loader import (
@@ -185,10 +190,8 @@ def _calibration_texts(
     elif resolved.config.spec.dataset is not None:
         path = resolve_dataset_path(resolved.config.spec.dataset, resolved.directory)
     elif required:
-        raise CalibrationDataError(
-            "the configured processors need calibration data: set spec.dataset in the config or pass "
-            "--calib_path (a .jsonl, .json or .txt file)"
-        )
+        path = default_dataset_path()
+        logger.info("no spec.dataset or --calib_path: calibrating on the shipped default set")
     else:
         return None
     texts = read_calibration_texts(path)

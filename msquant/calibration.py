@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -20,20 +21,40 @@ import torch
 
 from msquant.errors import CalibrationDataError
 
-__all__ = ["TEXT_KEYS", "read_calibration_texts", "resolve_dataset_path", "tokenize_samples"]
+__all__ = [
+    "TEXT_KEYS",
+    "DEFAULT_DATASET_ALIASES",
+    "default_dataset_path",
+    "read_calibration_texts",
+    "resolve_dataset_path",
+    "tokenize_samples",
+]
 
 TEXT_KEYS = ("inputs_pretokenized", "text")
+# msModelSlim's default dataset name; a config naming it gets msquant's shipped set instead.
+DEFAULT_DATASET_ALIASES = ("mix_calib.jsonl",)
 SUFFIXES = (".jsonl", ".json", ".txt")
 logger = logging.getLogger(__name__)
 
 
+def default_dataset_path() -> Path:
+    """The calibration set shipped with msquant (prose, code and dialogue written for it)."""
+    return Path(str(files("msquant") / "data" / "default_calib.jsonl"))
+
+
 def resolve_dataset_path(name: str, config_dir: Path | None) -> Path:
-    """Resolve ``spec.dataset``: an absolute path, else relative to the CWD, else to the YAML's folder."""
+    """Resolve ``spec.dataset``: an absolute path, else relative to the CWD, else to the YAML's
+    folder; msModelSlim's default name (``mix_calib.jsonl``) maps to the shipped set."""
     path = Path(name).expanduser()
-    if path.is_absolute() or path.exists() or config_dir is None:
+    if path.is_absolute() or path.exists():
         return path
-    beside_config = config_dir / path
-    return beside_config if beside_config.exists() else path
+    beside_config = config_dir / path if config_dir is not None else path
+    if beside_config.exists():
+        return beside_config
+    if name in DEFAULT_DATASET_ALIASES:
+        logger.info("dataset %s: using msquant's shipped default calibration set", name)
+        return default_dataset_path()
+    return path
 
 
 def read_calibration_texts(path: str | Path) -> list[str]:

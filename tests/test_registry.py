@@ -18,7 +18,6 @@ from torch import nn
 import msquant
 from msquant import (
     ENTRY_POINT_GROUP,
-    CalibrationDataError,
     ConfigError,
     ConfigIssue,
     DecoderLayer,
@@ -540,19 +539,29 @@ def test_calibration_forward_matches_the_model(tiny_llama: Path, tmp_path: Path)
         torch.testing.assert_close(got, hidden, rtol=1e-4, atol=1e-5)
 
 
-def test_calibration_plugin_without_data_is_refused(
+def test_calibration_plugin_without_data_uses_the_shipped_set(
     tiny_llama: Path, tmp_path: Path, registry: ProcessorRegistry
 ) -> None:
-    with pytest.raises(CalibrationDataError, match="need calibration data"):
-        msquant.quantize(
-            tiny_llama,
-            tmp_path / "out",
-            {"spec": {"process": [{"type": "test_calib_probe"}]}},
-            registry=registry,
-            progress=False,
-        )
-    assert CalibProbeProcessor.instances[0].events == []  # refused before any hook ran
-    assert not (tmp_path / "out").exists()
+    """No spec.dataset and no calib_path: the shipped default set calibrates, one call per sample."""
+    from msquant.calibration import default_dataset_path, read_calibration_texts
+
+    shipped = read_calibration_texts(default_dataset_path())
+    assert len(shipped) >= 200
+    config = {"spec": {"process": [{"type": "test_calib_probe"}]}}
+    msquant.quantize(
+        tiny_llama, tmp_path / "out", config, registry=registry, max_calib_tokens=8, progress=False
+    )
+    probe = CalibProbeProcessor.instances[0]
+    assert [len(probe.forward_calls[i]) for i in (0, 1)] == [len(shipped), len(shipped)]
+
+
+def test_msmodelslim_default_dataset_name_maps_to_the_shipped_set(tmp_path: Path) -> None:
+    from msquant.calibration import default_dataset_path, resolve_dataset_path
+
+    assert resolve_dataset_path("mix_calib.jsonl", tmp_path) == default_dataset_path()
+    (tmp_path / "mix_calib.jsonl").write_text('{"text": "a file of the user wins"}\n')
+    assert resolve_dataset_path("mix_calib.jsonl", tmp_path) == tmp_path / "mix_calib.jsonl"
+    assert resolve_dataset_path("other.jsonl", tmp_path) == Path("other.jsonl")
 
 
 def test_calibration_dataset_is_resolved_beside_the_yaml(
