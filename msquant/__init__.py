@@ -32,9 +32,12 @@ from msquant.errors import (
 from msquant.export import ShardedSafetensorsWriter, StagedOutputDir, copy_model_files
 from msquant.model.matching import is_selected, unmatched_patterns
 from msquant.processor import Processor, ProcessorConfig
+from msquant.quant.gptq import WeightPerChannelGPTQ, WeightPerGroupGPTQ
+from msquant.quant.gptq_solver import GPTQResult, gptq_quantize, resolve_block_size
+from msquant.quant.hessian import HessianAccumulator
 from msquant.quant.int_quant import compute_qparams, dequantize, minmax_qparams, qrange
 from msquant.quant.int_quant import quantize as quantize_codes
-from msquant.quant.methods import WEIGHT_METHODS, WeightMethod
+from msquant.quant.methods import WEIGHT_METHODS, GPTQExt, MinMaxExt, WeightMethod
 from msquant.quant.minmax import check_weight, divisors, quantize_weight_minmax
 from msquant.quant.qconfig import ActQConfig, LinearQConfig, QDType, QScope, WeightQConfig
 from msquant.quant.quantized_linear import QuantizedLinear, replace_module
@@ -63,6 +66,8 @@ __all__ = [
     "QScope",
     "WEIGHT_METHODS",
     "WeightMethod",
+    "MinMaxExt",
+    "GPTQExt",
     # processors and plugins
     "Processor",
     "ProcessorConfig",
@@ -83,6 +88,12 @@ __all__ = [
     "QuantizedLinear",
     "replace_module",
     "quantize_weight_minmax",
+    "WeightPerChannelGPTQ",
+    "WeightPerGroupGPTQ",
+    "GPTQResult",
+    "HessianAccumulator",
+    "gptq_quantize",
+    "resolve_block_size",
     "check_weight",
     "divisors",
     "compute_qparams",

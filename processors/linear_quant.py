@@ -6,7 +6,8 @@ Sample yaml::
       process:
         - type: linear_quant
           qconfig:
-            weight: {scope: per_channel, dtype: int8, symmetric: true, method: minmax}
+            weight: {scope: per_channel, dtype: int8, symmetric: true, method: gptq,
+                     ext: {percdamp: 0.01, block_size: 128}}
           include: ["*"]
           exclude: ["*down_proj"]
 
@@ -16,24 +17,32 @@ Lifecycle:
   the method, activations are float (weight-only quantization).
 * ``check_model``: ``group_size`` divides the ``in_features`` of every selected layer; include
   patterns that match no linear layer are logged.
-* ``after_layer``: each selected ``nn.Linear`` of the layer is quantized and replaced by a
-  ``QuantizedLinear`` (whose state dict is the W8A16 layout savers write).
+* ``before_layer`` (``method: gptq``): a forward hook on each selected ``nn.Linear`` feeds its
+  inputs to a :class:`~msquant.WeightPerChannelGPTQ` / :class:`~msquant.WeightPerGroupGPTQ`
+  Hessian while the runner pushes the calibration set through the layer (float weights, as
+  msModelSlim does, so every layer is calibrated on the float model's activations).
+* ``after_layer``: the hooks are removed; each selected ``nn.Linear`` is quantized (round-to-nearest
+  or GPTQ) and replaced by a ``QuantizedLinear`` (whose state dict is the W8A16 layout savers write).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Literal
+from typing import Any, Literal
 
+import torch
 from pydantic import Field, ValidationError
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 from tqdm.auto import tqdm
 
 from msquant import (
     WEIGHT_METHODS,
     ConfigIssue,
     DecoderLayer,
+    GPTQExt,
     LinearQConfig,
+    MinMaxExt,
     NotImplementedYetError,
     Processor,
     ProcessorConfig,
@@ -41,6 +50,8 @@ from msquant import (
     QScope,
     QuantizedLinear,
     RunContext,
+    WeightPerChannelGPTQ,
+    WeightPerGroupGPTQ,
     divisors,
     is_selected,
     quantize_weight_minmax,
@@ -72,8 +83,14 @@ class LinearQuantProcessor(Processor):
     type_name = "linear_quant"
     config_class = LinearQuantConfig
     stage = "process"
-    requires_calibration = False
     config: LinearQuantConfig
+
+    def __init__(self, config: ProcessorConfig) -> None:
+        super().__init__(config)
+        self.method = self.config.qconfig.weight.method
+        self.requires_calibration = self.method == "gptq"
+        self._gptq: dict[str, WeightPerChannelGPTQ | WeightPerGroupGPTQ] = {}
+        self._hooks: list[RemovableHandle] = []
 
     @classmethod
     def check_config(cls, config: ProcessorConfig) -> list[ConfigIssue]:
@@ -125,13 +142,19 @@ class LinearQuantProcessor(Processor):
         return issues
 
     @property
+    def ext(self) -> MinMaxExt | GPTQExt:
+        """The validated ``ext`` options of the configured method (defaults filled in)."""
+        weight = self.config.qconfig.weight
+        ext = WEIGHT_METHODS[weight.method].ext_model.model_validate(weight.ext)
+        assert isinstance(ext, MinMaxExt | GPTQExt)
+        return ext
+
+    @property
     def group_size(self) -> int | None:
         """Group width for per_group, None for per_channel."""
-        weight = self.config.qconfig.weight
-        if weight.scope is not QScope.PER_GROUP:
+        if self.config.qconfig.weight.scope is not QScope.PER_GROUP:
             return None
-        ext = WEIGHT_METHODS[weight.method].ext_model.model_validate(weight.ext)
-        return int(getattr(ext, "group_size"))  # noqa: B009 - every per_group method defines it
+        return self.ext.group_size
 
     def selected(self, layer: DecoderLayer) -> list[tuple[str, nn.Linear]]:
         """The layer's linear modules this processor quantizes."""
@@ -167,7 +190,55 @@ class LinearQuantProcessor(Processor):
                         )
         return problems
 
+    def _new_gptq(self, name: str, in_features: int) -> WeightPerChannelGPTQ | WeightPerGroupGPTQ:
+        """A GPTQ quantizer for one module, configured from ``qconfig.weight`` and its ``ext``."""
+        weight_cfg = self.config.qconfig.weight
+        ext = self.ext
+        assert isinstance(ext, GPTQExt)
+        if self.group_size is None:
+            return WeightPerChannelGPTQ(
+                bits=weight_cfg.dtype.bits,
+                symmetric=weight_cfg.symmetric,
+                percdamp=ext.percdamp,
+                block_size=ext.block_size,
+                desc_act=ext.desc_act,
+                damp_auto_increment=ext.damp_auto_increment,
+                max_damp_retries=ext.max_damp_retries,
+                name=name,
+                in_features=in_features,
+            )
+        return WeightPerGroupGPTQ(
+            bits=weight_cfg.dtype.bits,
+            symmetric=weight_cfg.symmetric,
+            percdamp=ext.percdamp,
+            block_size=ext.block_size,
+            group_size=self.group_size,
+            static_groups=ext.static_groups,
+            desc_act=ext.desc_act,
+            damp_auto_increment=ext.damp_auto_increment,
+            max_damp_retries=ext.max_damp_retries,
+            name=name,
+            in_features=in_features,
+        )
+
+    def before_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
+        if self.method != "gptq":
+            return
+        for name, module in self.selected(layer):
+            gptq = self._new_gptq(name, module.in_features)
+            self._gptq[name] = gptq
+
+            def accumulate(
+                _: nn.Module, args: tuple[torch.Tensor, ...], __: torch.Tensor, gptq: Any = gptq
+            ) -> None:
+                gptq.add_batch(args[0])
+
+            self._hooks.append(module.register_forward_hook(accumulate))
+
     def after_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
         weight_cfg = self.config.qconfig.weight
         bits = weight_cfg.dtype.bits
         group_size = self.group_size
@@ -179,7 +250,18 @@ class LinearQuantProcessor(Processor):
             leave=False,
             disable=not ctx.progress or len(modules) < 2,
         ):
-            qweight = quantize_weight_minmax(
-                module.weight, bits, weight_cfg.symmetric, group_size, name=name
+            if self.method == "gptq":
+                result = self._gptq.pop(name).quantize(module.weight, backend=ctx.backend)
+                qweight = result.quantized
+                logger.debug(
+                    "%s: GPTQ loss %.4g, percdamp %.4g (%d retries), %d dead columns, %.2f s",
+                    name, result.loss, result.percdamp, result.damp_retries,
+                    result.dead_columns, result.seconds,
+                )  # fmt: skip
+            else:
+                qweight = quantize_weight_minmax(
+                    module.weight, bits, weight_cfg.symmetric, group_size, name=name
+                )
+            replace_module(
+                ctx.model, name, QuantizedLinear.from_linear(module, qweight, self.method)
             )
-            replace_module(ctx.model, name, QuantizedLinear.from_linear(module, qweight, "minmax"))

@@ -217,8 +217,8 @@ CASES: dict[str, Callable[[Path, Path, Callable[[str], Path]], Case]] = {
     "unknown_quant_type": lambda t, m, c: Case(
         ["unknown quant_type 'w4a4'", "w8a16"], no_config=True, extra=["--quant_type", "w4a4"]
     ),
-    "gptq_not_implemented": lambda t, m, c: Case(
-        ["'gptq' is not implemented yet", "minmax"], config=GPTQ_YAML
+    "prior_stage_not_implemented": lambda t, m, c: Case(
+        ["spec.prior", "not implemented yet"], config=GPTQ_YAML + "  prior:\n    - process: []\n"
     ),
     # --- model ---
     "missing_model_dir": lambda t, m, c: Case(
@@ -570,7 +570,6 @@ API_CASES: list[tuple[str, type[MsquantInputError], str]] = [
     ("save_path", OutputPathError, "exists and is a file"),
     ("group_size", QuantizationError, "14 problems"),
     ("nan", QuantizationError, "NaN"),
-    ("gptq", NotImplementedYetError, "not implemented yet"),
     ("multi_device", NotImplementedYetError, "multi-device"),
 ]
 
@@ -609,8 +608,6 @@ def test_api_raises_typed_exceptions(
         kwargs["config"] = write(tmp_path / "g.yaml", GROUP48_YAML)
     elif what == "nan":
         kwargs["model_path"] = nan_model(model_copies)
-    elif what == "gptq":
-        kwargs["config"] = write(tmp_path / "gptq.yaml", GPTQ_YAML)
     elif what == "multi_device":
         kwargs["device"] = "npu:0,1"
     save_before = snapshot(Path(kwargs["save_path"]))

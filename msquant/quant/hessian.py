@@ -121,10 +121,10 @@ class HessianAccumulator:
         """Number of tokens (rows) accumulated so far; padding tokens excluded."""
         return self.n
 
-    def hessian(self) -> torch.Tensor:
-        """A new float32 tensor ``(2 / n) X^T X`` of shape ``[in_features, in_features]``.
+    def raw_sum(self) -> tuple[torch.Tensor, int]:
+        """The accumulated ``X^T X`` itself (no copy; do not modify) and the token count ``n``.
 
-        :raises QuantizationError: when no batch was ever added, or the sum overflowed float32.
+        :raises QuantizationError: when no batch was ever added.
         """
         self.flush()
         if self._sum is None or self.n == 0:
@@ -132,7 +132,15 @@ class HessianAccumulator:
                 f"{self.name}: the GPTQ Hessian never received a calibration batch; the layer was not "
                 f"reached by the calibration forward (check include/exclude patterns and the dataset)"
             )
-        hessian = self._sum * (2.0 / self.n)
+        return self._sum, self.n
+
+    def hessian(self) -> torch.Tensor:
+        """A new float32 tensor ``(2 / n) X^T X`` of shape ``[in_features, in_features]``.
+
+        :raises QuantizationError: when no batch was ever added, or the sum overflowed float32.
+        """
+        raw, count = self.raw_sum()
+        hessian = raw * (2.0 / count)
         if not bool(torch.isfinite(hessian.diagonal()).all()):
             raise QuantizationError(
                 f"{self.name}: the GPTQ Hessian overflowed float32 (activations too large) after "

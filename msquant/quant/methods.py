@@ -28,16 +28,34 @@ class MinMaxExt(BaseModel):
 
 
 class GPTQExt(BaseModel):
-    """``ext`` options of ``method: gptq`` (msModelSlim's names and defaults)."""
+    """``ext`` options of ``method: gptq``: msModelSlim's (percdamp, block_size, group_size), plus
+    act-order, static groups and the Cholesky retry policy."""
 
     model_config = ConfigDict(extra="forbid")
 
     percdamp: float = Field(
         0.01, gt=0, description="Damping as a fraction of the mean Hessian diagonal."
     )
-    block_size: StrictInt = Field(128, gt=0, description="Lazy-batch width over input columns.")
+    block_size: StrictInt = Field(
+        128,
+        gt=0,
+        description="Lazy-batch width over input columns (the last block may be shorter).",
+    )
     group_size: StrictInt = Field(
         128, gt=0, description="Input columns per group (per_group only)."
+    )
+    desc_act: bool = Field(
+        False, description="Act-order: process columns by descending Hessian diagonal."
+    )
+    static_groups: bool = Field(
+        False,
+        description="Fix group scales from the original weight before the sweep (forced with desc_act).",
+    )
+    damp_auto_increment: float = Field(
+        0.01, ge=0, description="Added to percdamp after each failed Cholesky factorisation."
+    )
+    max_damp_retries: StrictInt = Field(
+        10, ge=0, description="How many damping increases are tried before giving up."
     )
 
 
@@ -68,7 +86,7 @@ WEIGHT_METHODS: Mapping[str, WeightMethod] = MappingProxyType(
             ext_model=GPTQExt,
             dtypes=frozenset({QDType.INT8}),
             scopes=frozenset({QScope.PER_CHANNEL, QScope.PER_GROUP}),
-            implemented=False,
+            implemented=True,
             summary="GPTQ (Hessian-based error compensation)",
         ),
     }
