@@ -106,8 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _CurrentStderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at emit time (it may be replaced after set-up)."""
+
+    @property
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: object) -> None:
+        pass
+
+
 def _configure_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _CurrentStderrHandler()
     handler.setFormatter(
         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     )

@@ -105,7 +105,7 @@ def load_causal_lm(path: Path, trust_remote_code: bool = False) -> nn.Module:
             trust_remote_code=trust_remote_code,
             local_files_only=True,
         )
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+    except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
         raise ModelLoadError(f"cannot load the model in {path}: {_one_line(exc)}") from exc
     model.eval()
     return model
