@@ -63,9 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=str.upper,
         help="logging level (env MSQUANT_LOG_LEVEL)",
     )
+    # --log_level is accepted after the subcommand too (``msquant quant ... --log_level DEBUG``).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--log_level",
+        default=argparse.SUPPRESS,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper,
+        help="logging level (env MSQUANT_LOG_LEVEL)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    quant = sub.add_parser("quant", help="quantize a model and write deployment weights")
+    quant = sub.add_parser(
+        "quant", parents=[common], help="quantize a model and write deployment weights"
+    )
     quant.add_argument("--model_path", required=True, help="local Hugging Face model directory")
     quant.add_argument(
         "--save_path", required=True, help="output directory (created; replaced only on success)"
@@ -97,11 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--no_progress", action="store_true", help="hide progress bars")
 
     validate = sub.add_parser(
-        "validate", help="validate YAML config files (exit 0 valid, 2 invalid)"
+        "validate", parents=[common], help="validate YAML config files (exit 0 valid, 2 invalid)"
     )
     validate.add_argument("config_paths", nargs="+", metavar="YAML")
 
-    schema = sub.add_parser("schema", help="print the JSON Schema of config files")
+    schema = sub.add_parser(
+        "schema", parents=[common], help="print the JSON Schema of config files"
+    )
     schema.add_argument("--indent", type=int, default=2)
     return parser
 

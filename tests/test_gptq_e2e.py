@@ -22,6 +22,7 @@ from msquant.calibration import read_calibration_texts, tokenize_samples
 from msquant.model.loader import load_causal_lm, load_tokenizer
 
 SEED_YAMLS = ["w8a16_per_channel_gptq.yaml", "w8a16_per_group_gptq.yaml"]
+GPTQ_YAMLS = [*SEED_YAMLS, "w8a16_per_group64_gptq_asym.yaml"]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def _float_inputs(model_dir: Path, max_tokens: int) -> dict[str, list[torch.Tens
     return inputs
 
 
-@pytest.mark.parametrize("example", SEED_YAMLS)
+@pytest.mark.parametrize("example", GPTQ_YAMLS)
 def test_seed_yaml_runs_and_matches_direct_gptq(
     example: str, tiny_llama_128: Path, tmp_path: Path, run_cli: Callable[..., CliResult]
 ) -> None:
@@ -79,17 +80,15 @@ def test_seed_yaml_runs_and_matches_direct_gptq(
 
     for module, xs in inputs.items():
         weight = original[f"{module}.weight"]
+        symmetric = weight_cfg.get("symmetric", True)
+        options = {k: v for k, v in ext.items() if k != "group_size"}
+        gptq: msquant.WeightPerChannelGPTQ | msquant.WeightPerGroupGPTQ
         if per_group:
             gptq = msquant.WeightPerGroupGPTQ(
-                percdamp=ext["percdamp"],
-                block_size=ext["block_size"],
-                group_size=ext["group_size"],
-                name=module,
+                symmetric=symmetric, group_size=ext["group_size"], name=module, **options
             )
         else:
-            gptq = msquant.WeightPerChannelGPTQ(
-                percdamp=ext["percdamp"], block_size=ext["block_size"], name=module
-            )
+            gptq = msquant.WeightPerChannelGPTQ(symmetric=symmetric, name=module, **options)
         for x in xs:
             gptq.add_batch(x)
         direct = gptq.quantize(weight).quantized

@@ -250,3 +250,104 @@ def test_logits_close_to_float(
     print(f"{export.case.yaml}: relative logits error {rel:.4f}, top-1 agreement {agree:.3f}")
     assert rel <= LOGITS_REL_TOLERANCE, f"relative logits error {rel:.4f} > {LOGITS_REL_TOLERANCE}"
     assert agree >= TOP1_AGREEMENT, f"top-1 agreement {agree:.3f} < {TOP1_AGREEMENT}"
+
+
+# -- GPTQ on the real model --------------------------------------------------------------------
+
+GPTQ_CALIB_SAMPLES = 64
+GPTQ_CALIB_TOKENS = "256"
+
+
+@pytest.fixture(scope="module")
+def gptq_calib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The first samples of msquant's shipped calibration set (a quicker run than all 256)."""
+    from msquant.calibration import default_dataset_path
+
+    lines = default_dataset_path().read_text(encoding="utf-8").splitlines()[:GPTQ_CALIB_SAMPLES]
+    path = tmp_path_factory.mktemp("calib") / "calib.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _logits_error(
+    float_model: Any, prompt_batch: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]
+) -> float:
+    model = copy.deepcopy(float_model)
+    with torch.no_grad():
+        for prefix, weight in weights.items():
+            model.get_submodule(prefix).weight.copy_(weight)
+    with torch.inference_mode():
+        reference = float_model(**prompt_batch).logits
+        logits = model(**prompt_batch).logits
+    mask = prompt_batch["attention_mask"].bool()
+    return float((logits[mask] - reference[mask]).norm() / reference[mask].norm())
+
+
+@pytest.mark.parametrize(
+    ("yaml_name", "symmetric", "group_size"),
+    [("w8a16_per_channel_gptq.yaml", True, None), ("w8a16_per_group64_gptq_asym.yaml", False, 64)],
+)
+def test_gptq_examples_run_on_smollm2(
+    yaml_name: str,
+    symmetric: bool,
+    group_size: int | None,
+    smollm2_dir: Path,
+    gptq_calib: Path,
+    float_model: Any,
+    float_state: dict[str, torch.Tensor],
+    prompt_batch: dict[str, torch.Tensor],
+    tmp_path: Path,
+) -> None:
+    """The seed per-channel YAML (block_size 128 over width 576) and group-64 act-order GPTQ run."""
+    from ascend_reader import read_ascend_export
+
+    import msquant
+
+    code = msquant_main(
+        [
+            "quant", "--model_path", str(smollm2_dir), "--save_path", str(tmp_path / "out"),
+            "--config_path", str(EXAMPLES / yaml_name), "--calib_path", str(gptq_calib),
+            "--max_calib_tokens", GPTQ_CALIB_TOKENS, "--no_progress",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    export = read_ascend_export(tmp_path / "out")
+    modules = export.quantized_modules()
+    assert len(modules) == EXPECTED_QUANTIZED
+    gptq, rtn = {}, {}
+    for module in modules:
+        weight = float_state[f"{module}.weight"]
+        scale = export.tensors[f"{module}.weight_scale"]
+        groups = 1 if group_size is None else weight.shape[1] // group_size
+        assert tuple(scale.shape) == (weight.shape[0], groups)
+        assert export.tensors[f"{module}.weight"].dtype == torch.int8
+        gptq[module] = export.dequantized(module)
+        rtn[module] = msquant.quantize_weight_minmax(weight, 8, symmetric, group_size).dequantize()
+    gptq_error = _logits_error(float_model, prompt_batch, gptq)
+    rtn_error = _logits_error(float_model, prompt_batch, rtn)
+    print(f"{yaml_name}: logits error GPTQ {gptq_error:.4f}, RTN {rtn_error:.4f}")
+    assert gptq_error <= LOGITS_REL_TOLERANCE
+    # on prompts outside the calibration set GPTQ should not do worse than round-to-nearest
+    assert gptq_error <= rtn_error * 1.05
+
+
+def test_per_group_128_seed_yaml_is_refused_on_smollm2(smollm2_dir: Path, tmp_path: Path) -> None:
+    """576 is not a multiple of 128: clear divisor error naming layers and valid sizes, exit 2."""
+    import contextlib
+    import io
+
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        code = msquant_main(
+            [
+                "quant", "--model_path", str(smollm2_dir), "--save_path", str(tmp_path / "out"),
+                "--config_path", str(EXAMPLES / "w8a16_per_group_gptq.yaml"), "--no_progress",
+            ]
+        )  # fmt: skip
+    message = stderr.getvalue()
+    assert code == 2
+    assert (
+        "model.layers.0.self_attn.q_proj: group_size 128 does not divide in_features 576" in message
+    )
+    assert "32, 36, 48, 64, 72, 96, 144, 192, 288, 576" in message
+    assert not (tmp_path / "out").exists()
