@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="logging level (env MSQUANT_LOG_LEVEL)",
     )
     # --log_level is accepted after the subcommand too (``msquant quant ... --log_level DEBUG``).
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument(
         "--log_level",
         default=argparse.SUPPRESS,
