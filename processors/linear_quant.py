@@ -193,33 +193,13 @@ class LinearQuantProcessor(Processor):
     def _new_gptq(self, name: str, in_features: int) -> WeightPerChannelGPTQ | WeightPerGroupGPTQ:
         """A GPTQ quantizer for one module, configured from ``qconfig.weight`` and its ``ext``."""
         weight_cfg = self.config.qconfig.weight
-        ext = self.ext
-        assert isinstance(ext, GPTQExt)
+        ext = self.ext.model_dump()
         if self.group_size is None:
-            return WeightPerChannelGPTQ(
-                bits=weight_cfg.dtype.bits,
-                symmetric=weight_cfg.symmetric,
-                percdamp=ext.percdamp,
-                block_size=ext.block_size,
-                desc_act=ext.desc_act,
-                damp_auto_increment=ext.damp_auto_increment,
-                max_damp_retries=ext.max_damp_retries,
-                name=name,
-                in_features=in_features,
+            ext.pop("static_groups")  # meaningless without groups
+            return WeightPerChannelGPTQ.from_ext(
+                weight_cfg.dtype.bits, weight_cfg.symmetric, ext, name
             )
-        return WeightPerGroupGPTQ(
-            bits=weight_cfg.dtype.bits,
-            symmetric=weight_cfg.symmetric,
-            percdamp=ext.percdamp,
-            block_size=ext.block_size,
-            group_size=self.group_size,
-            static_groups=ext.static_groups,
-            desc_act=ext.desc_act,
-            damp_auto_increment=ext.damp_auto_increment,
-            max_damp_retries=ext.max_damp_retries,
-            name=name,
-            in_features=in_features,
-        )
+        return WeightPerGroupGPTQ.from_ext(weight_cfg.dtype.bits, weight_cfg.symmetric, ext, name)
 
     def before_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
         if self.method != "gptq":

@@ -9,6 +9,7 @@ msModelSlim's ``method: gptq``, plus ``desc_act``, ``static_groups`` and the dam
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from msquant.backends.base import Backend
 from msquant.errors import QuantizationError
 from msquant.quant.gptq_solver import GPTQResult, gptq_quantize
 from msquant.quant.hessian import HessianAccumulator
+from msquant.quant.methods import GPTQExt
 
 __all__ = [
     "GPTQResult",
@@ -27,16 +29,9 @@ __all__ = [
     "GPTQ_EXT_DEFAULTS",
 ]
 
-#: ``ext`` keys understood by the GPTQ classes and their defaults (msModelSlim's first three).
-GPTQ_EXT_DEFAULTS: Mapping[str, Any] = {
-    "percdamp": 0.01,
-    "block_size": 128,
-    "group_size": 128,
-    "desc_act": False,
-    "static_groups": False,
-    "damp_auto_increment": 0.01,
-    "max_damp_retries": 10,
-}
+#: ``ext`` keys understood by the GPTQ classes and their defaults: those of the YAML schema's
+#: :class:`~msquant.quant.methods.GPTQExt` (msModelSlim's first three, then msquant's additions).
+GPTQ_EXT_DEFAULTS: Mapping[str, Any] = MappingProxyType(GPTQExt().model_dump())
 
 
 def _check_options(
