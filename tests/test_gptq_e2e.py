@@ -125,3 +125,23 @@ def test_per_group_seed_yaml_names_the_layer_when_group_size_does_not_divide(
     )
     assert "valid group sizes: 1, 2, 4, 8, 16, 32, 64" in result.err
     assert not (tmp_path / "out").exists()
+
+
+def test_modules_reading_the_same_input_share_one_hessian() -> None:
+    """q/k/v (and gate/up) read one tensor: one Hessian is accumulated and shared, consistently."""
+    from msquant.processors.linear_quant import LinearQuantConfig, LinearQuantProcessor
+
+    config = LinearQuantConfig.model_validate({"qconfig": {"weight": {"method": "gptq"}}})
+    proc = LinearQuantProcessor(config)
+    proc._gptq = {n: msquant.WeightPerChannelGPTQ(name=n) for n in ("q", "k", "o")}
+    for _ in range(2):
+        shared, other = torch.randn(5, 8), torch.randn(5, 8)
+        proc._accumulate("q", shared)
+        proc._accumulate("k", shared)
+        proc._accumulate("o", other)
+    assert proc._gptq["k"].accumulator is proc._gptq["q"].accumulator
+    assert proc._gptq["o"].accumulator is not proc._gptq["q"].accumulator
+    assert proc._gptq["q"].nsamples == proc._gptq["o"].nsamples == 10
+    proc._accumulate("q", torch.randn(5, 8))
+    with pytest.raises(RuntimeError, match="k: its input is no longer the input of q"):
+        proc._accumulate("k", torch.randn(5, 8))
