@@ -39,6 +39,7 @@ from msquant.quant.int_quant import compute_qparams, dequantize, minmax_qparams,
 from msquant.quant.int_quant import quantize as quantize_codes
 from msquant.quant.methods import WEIGHT_METHODS, GPTQExt, MinMaxExt, WeightMethod
 from msquant.quant.minmax import check_weight, divisors, quantize_weight_minmax
+from msquant.quant.mse_clip import MSEOptions, mse_minmax_qparams, mse_qparams
 from msquant.quant.qconfig import ActQConfig, LinearQConfig, QDType, QScope, WeightQConfig
 from msquant.quant.quantized_linear import QuantizedLinear, replace_module
 from msquant.quant.quantized_weight import QuantizedWeight
@@ -98,6 +99,9 @@ __all__ = [
     "divisors",
     "compute_qparams",
     "minmax_qparams",
+    "MSEOptions",
+    "mse_qparams",
+    "mse_minmax_qparams",
     "quantize_codes",
     "dequantize",
     "qrange",

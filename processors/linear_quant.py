@@ -268,8 +268,9 @@ class LinearQuantProcessor(Processor):
                 )  # fmt: skip
             else:
                 qweight = quantize_weight_minmax(
-                    module.weight, bits, weight_cfg.symmetric, group_size, name=name
-                )
+                    module.weight, bits, weight_cfg.symmetric, group_size, name=name,
+                    mse=self.ext.mse_options(),
+                )  # fmt: skip
             replace_module(
                 ctx.model, name, QuantizedLinear.from_linear(module, qweight, self.method)
             )

@@ -3,7 +3,8 @@
 Each one accumulates its layer's Hessian from calibration activations (:meth:`add_batch`) and then
 quantizes the layer's weight (:meth:`quantize`) with msModelSlim's GPTQ numerics; the solve itself is
 :func:`msquant.quant.gptq_solver.gptq_quantize`. Fields mirror ``qconfig.weight`` (+ ``ext``) of
-msModelSlim's ``method: gptq``, plus ``desc_act``, ``static_groups`` and the damping retry options.
+msModelSlim's ``method: gptq``, plus ``desc_act``, ``static_groups``, the damping retry options and
+the optional MSE clipping search for scales (``mse``, ``mse_grid``, ``mse_maxshrink``, ``mse_norm``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from msquant.errors import QuantizationError
 from msquant.quant.gptq_solver import GPTQResult, gptq_quantize
 from msquant.quant.hessian import HessianAccumulator
 from msquant.quant.methods import GPTQExt
+from msquant.quant.mse_clip import MSEOptions, mse_option_problems
 
 __all__ = [
     "GPTQResult",
@@ -33,6 +35,9 @@ __all__ = [
 #: :class:`~msquant.quant.methods.GPTQExt` (msModelSlim's first three, then msquant's additions).
 GPTQ_EXT_DEFAULTS: Mapping[str, Any] = MappingProxyType(GPTQExt().model_dump())
 
+#: ``ext`` keys that only make sense with groups (ignored or refused per-channel).
+_GROUP_ONLY_KEYS = ("group_size", "static_groups")
+
 
 def _check_options(
     name: str,
@@ -42,6 +47,10 @@ def _check_options(
     damp_auto_increment: float,
     max_damp_retries: int,
     group_size: int | None,
+    mse: bool,
+    mse_grid: int,
+    mse_maxshrink: float,
+    mse_norm: float,
 ) -> None:
     """Reject option values that cannot work, naming the layer and the valid range."""
     problems = []
@@ -67,6 +76,9 @@ def _check_options(
         isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0
     ):
         problems.append(f"group_size must be an int > 0, got {group_size!r}")
+    if not isinstance(mse, bool):
+        problems.append(f"mse must be a bool, got {mse!r}")
+    problems += mse_option_problems(mse_grid, mse_maxshrink, mse_norm)
     if problems:
         raise QuantizationError(f"{name}: invalid GPTQ options: " + "; ".join(problems))
 
@@ -92,10 +104,15 @@ class _GPTQ:
         max_damp_retries: int,
         name: str,
         in_features: int | None,
+        mse: bool,
+        mse_grid: int,
+        mse_maxshrink: float,
+        mse_norm: float,
     ) -> None:
         _check_options(
-            name, bits, percdamp, block_size, damp_auto_increment, max_damp_retries, self.group_size
-        )
+            name, bits, percdamp, block_size, damp_auto_increment, max_damp_retries,
+            self.group_size, mse, mse_grid, mse_maxshrink, mse_norm,
+        )  # fmt: skip
         self.bits = bits
         self.symmetric = bool(symmetric)
         self.percdamp = float(percdamp)
@@ -103,6 +120,10 @@ class _GPTQ:
         self.desc_act = bool(desc_act)
         self.damp_auto_increment = float(damp_auto_increment)
         self.max_damp_retries = max_damp_retries
+        self.mse = mse
+        self.mse_grid = mse_grid
+        self.mse_maxshrink = float(mse_maxshrink)
+        self.mse_norm = float(mse_norm)
         self.name = name
         self.accumulator = HessianAccumulator(in_features, name=name)
 
@@ -116,6 +137,11 @@ class _GPTQ:
                 f"{name}: unknown GPTQ ext option(s) {unknown}; valid: {', '.join(allowed)}"
             )
         return {key: value for key, value in ext.items() if value is not None}
+
+    @property
+    def mse_options(self) -> MSEOptions | None:
+        """The MSE clipping search options, or None when ``mse`` is off (plain min/max scales)."""
+        return MSEOptions.from_flags(self.mse, self.mse_grid, self.mse_maxshrink, self.mse_norm)
 
     @property
     def nsamples(self) -> int:
@@ -157,13 +183,16 @@ class _GPTQ:
             backend=backend,
             hessian_scale=2.0 / count,
             nsamples=count,
+            mse=self.mse_options,
         )
 
     def __repr__(self) -> str:
         group = "" if self.group_size is None else f", group_size={self.group_size}"
+        mse = "" if not self.mse else f", mse={self.mse_options}"
         return (
             f"{type(self).__name__}(name={self.name!r}, bits={self.bits}, symmetric={self.symmetric}"
-            f"{group}, percdamp={self.percdamp}, block_size={self.block_size}, desc_act={self.desc_act})"
+            f"{group}, percdamp={self.percdamp}, block_size={self.block_size}, desc_act={self.desc_act}"
+            f"{mse})"
         )
 
 
@@ -180,6 +209,11 @@ class WeightPerChannelGPTQ(_GPTQ):
     :param desc_act: act-order (descending Hessian diagonal).
     :param damp_auto_increment: added to ``percdamp`` after each failed Cholesky.
     :param max_damp_retries: how many increases are tried before giving up.
+    :param mse: search each scale by shrinking the min/max range to minimise
+        ``sum |w - w_q|^mse_norm`` (:mod:`msquant.quant.mse_clip`); off by default (msModelSlim).
+    :param mse_grid: the range shrinks in steps of ``1 / mse_grid``.
+    :param mse_maxshrink: the largest fraction of the range that may be cut (in (0, 1)).
+    :param mse_norm: exponent of the error the search minimises.
     :param name: module name for messages.
     :param in_features: expected input width (taken from the first batch when None).
     """
@@ -193,6 +227,10 @@ class WeightPerChannelGPTQ(_GPTQ):
         desc_act: bool = False,
         damp_auto_increment: float = 0.01,
         max_damp_retries: int = 10,
+        mse: bool = False,
+        mse_grid: int = 100,
+        mse_maxshrink: float = 0.2,
+        mse_norm: float = 2.4,
         name: str = "layer",
         in_features: int | None = None,
     ) -> None:
@@ -206,6 +244,10 @@ class WeightPerChannelGPTQ(_GPTQ):
             max_damp_retries=max_damp_retries,
             name=name,
             in_features=in_features,
+            mse=mse,
+            mse_grid=mse_grid,
+            mse_maxshrink=mse_maxshrink,
+            mse_norm=mse_norm,
         )
 
     @classmethod
@@ -213,7 +255,7 @@ class WeightPerChannelGPTQ(_GPTQ):
         cls, bits: int, symmetric: bool, ext: Mapping[str, Any], name: str = "layer"
     ) -> WeightPerChannelGPTQ:
         """Build from a YAML ``ext`` mapping (``group_size`` is ignored per-channel; None = default)."""
-        allowed = ("percdamp", "block_size", "desc_act", "damp_auto_increment", "max_damp_retries")
+        allowed = tuple(key for key in GPTQ_EXT_DEFAULTS if key not in _GROUP_ONLY_KEYS)
         kwargs = cls._ext_kwargs({k: v for k, v in ext.items() if k != "group_size"}, allowed, name)
         return cls(bits=bits, symmetric=symmetric, name=name, **kwargs)
 
@@ -240,6 +282,10 @@ class WeightPerGroupGPTQ(_GPTQ):
         desc_act: bool = False,
         damp_auto_increment: float = 0.01,
         max_damp_retries: int = 10,
+        mse: bool = False,
+        mse_grid: int = 100,
+        mse_maxshrink: float = 0.2,
+        mse_norm: float = 2.4,
         name: str = "layer",
         in_features: int | None = None,
     ) -> None:
@@ -255,6 +301,10 @@ class WeightPerGroupGPTQ(_GPTQ):
             max_damp_retries=max_damp_retries,
             name=name,
             in_features=in_features,
+            mse=mse,
+            mse_grid=mse_grid,
+            mse_maxshrink=mse_maxshrink,
+            mse_norm=mse_norm,
         )
 
     @classmethod

@@ -25,6 +25,10 @@ How this implementation gets the same result faster (identical in exact arithmet
 Everything is solved in float32 (``solve_dtype=torch.float64`` is available for checks); bf16/fp16
 weights are upcast first. Codes are taken from the loop; they equal ``quantize`` of the final
 fake-quantized weight because that weight lies on the grid.
+
+With ``mse`` options, every place that derives grid parameters from weights (per-channel, static
+groups, dynamic groups) runs the MSE clipping search of :mod:`msquant.quant.mse_clip` on the same
+values instead of taking plain min/max; without them (the default) nothing changes.
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ from msquant.backends.base import Backend
 from msquant.backends.cpu import CpuBackend
 from msquant.backends.device import DeviceSpec
 from msquant.errors import QuantizationError
-from msquant.quant.int_quant import compute_qparams, qrange
+from msquant.quant.int_quant import qrange
 from msquant.quant.minmax import check_weight
+from msquant.quant.mse_clip import MSEOptions, range_qparams
 from msquant.quant.quantized_weight import QuantizedWeight
 
 __all__ = ["GPTQResult", "gptq_quantize", "resolve_block_size"]
@@ -124,6 +129,7 @@ def gptq_quantize(
     hessian_scale: float = 1.0,
     nsamples: int = 0,
     solve_dtype: torch.dtype = torch.float32,
+    mse: MSEOptions | None = None,
 ) -> GPTQResult:
     """Quantize one ``[out, in]`` weight by GPTQ given its Hessian (neither is modified).
 
@@ -135,6 +141,8 @@ def gptq_quantize(
     :param static_groups: per-group parameters from the (dead-column-zeroed) original weight.
     :param backend: runs the Cholesky and triangular solves (``CpuBackend`` when None).
     :param solve_dtype: float32 (default) or float64 for the linear algebra and the sweep.
+    :param mse: MSE clipping search options for every scale/offset computed from weights; None
+        (default) for plain min/max, msModelSlim's numerics.
     :raises QuantizationError: bad weight/Hessian shapes or values, bad ``block_size``, or a
         Cholesky that still fails after ``max_damp_retries`` damping increases.
     """
@@ -163,7 +171,7 @@ def gptq_quantize(
 
     # 3. Per-channel parameters come from the original rows (before dead columns are zeroed).
     if group_size is None:
-        scale, offset = compute_qparams(work.amin(0), work.amax(0), bits, symmetric)
+        scale, offset = range_qparams(work, bits, symmetric, mse, dim=0)
         scale_t, offset_t = scale.unsqueeze(0), offset.unsqueeze(0)
 
     # 4. Dead columns: W[:, i] = 0 here, H[i, i] = 1 when the factor is built.
@@ -177,7 +185,7 @@ def gptq_quantize(
         n_groups = in_features // group_size
         if static:
             grouped = work.reshape(n_groups, group_size, out_features)
-            scale_t, offset_t = compute_qparams(grouped.amin(1), grouped.amax(1), bits, symmetric)
+            scale_t, offset_t = range_qparams(grouped, bits, symmetric, mse, dim=1)
         else:
             scale_t = torch.zeros((n_groups, out_features), dtype=torch.float32, device=device)
             offset_t = torch.zeros_like(scale_t)
@@ -224,6 +232,7 @@ def gptq_quantize(
         bits=bits,
         symmetric=symmetric,
         backend=backend,
+        mse=mse,
     )
 
     # 9. Back to [out, in] in the original column order; assemble the result.
@@ -335,6 +344,7 @@ def _sweep(
     bits: int,
     symmetric: bool,
     backend: Backend,
+    mse: MSEOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the rows of ``work`` (``[in, out]``, processing order; updated in place).
 
@@ -407,7 +417,7 @@ def _sweep(
                 assert group_size is not None
                 _dynamic_group_params(
                     work, orig, rfac, start, end, group_size, bits, symmetric, scale_t, offset_t,
-                    backend,
+                    backend, mse,
                 )  # fmt: skip
             process(start, end, level + 1)
             # 6. The errors of this range update the rest of the enclosing one.
@@ -430,6 +440,7 @@ def _dynamic_group_params(
     scale_t: torch.Tensor,
     offset_t: torch.Tensor,
     backend: Backend,
+    mse: MSEOptions | None = None,
 ) -> None:
     """Parameters of the groups starting in ``[start, end)``, from the reference's running weight.
 
@@ -451,6 +462,6 @@ def _dynamic_group_params(
             inverse = backend.solve_triangular(window, eye, upper=True)[:, group_start - start :]
             delta = work[start:stop] - orig[start:stop]
             running = torch.addmm(orig[group_start:stop], inverse.t(), delta)
-        scale, offset = compute_qparams(running.amin(0), running.amax(0), bits, symmetric)
+        scale, offset = range_qparams(running, bits, symmetric, mse, dim=0)
         scale_t[group_start // group_size].copy_(scale)
         offset_t[group_start // group_size].copy_(offset)

@@ -9,12 +9,43 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from msquant.quant.mse_clip import MSEOptions
 from msquant.quant.qconfig import QDType, QScope
 
 __all__ = ["MinMaxExt", "GPTQExt", "WeightMethod", "WEIGHT_METHODS"]
+
+# The MSE clipping search options, shared by minmax and gptq (see msquant.quant.mse_clip).
+MseFlag = Annotated[
+    bool,
+    Field(
+        description="Search each row's (or group's) scale by shrinking its min/max range to "
+        "minimise sum |w - w_q|^mse_norm, instead of plain min/max (off: msModelSlim's numerics)."
+    ),
+]
+MseGrid = Annotated[
+    StrictInt, Field(gt=0, description="MSE search: the range shrinks in steps of 1 / mse_grid.")
+]
+MseMaxShrink = Annotated[
+    float,
+    Field(
+        gt=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="MSE search: the largest fraction of the range that may be cut.",
+    ),
+]
+MseNorm = Annotated[
+    float,
+    Field(
+        gt=0,
+        allow_inf_nan=False,
+        description="MSE search: exponent of the error measured, sum |w - w_q|^mse_norm.",
+    ),
+]
 
 
 class MinMaxExt(BaseModel):
@@ -25,11 +56,19 @@ class MinMaxExt(BaseModel):
     group_size: StrictInt = Field(
         128, gt=0, description="Input columns per group (per_group only)."
     )
+    mse: MseFlag = False
+    mse_grid: MseGrid = 100
+    mse_maxshrink: MseMaxShrink = 0.2
+    mse_norm: MseNorm = 2.4
+
+    def mse_options(self) -> MSEOptions | None:
+        """The MSE search options, or None when ``mse`` is off (plain min/max)."""
+        return MSEOptions.from_flags(self.mse, self.mse_grid, self.mse_maxshrink, self.mse_norm)
 
 
 class GPTQExt(BaseModel):
     """``ext`` options of ``method: gptq``: msModelSlim's (percdamp, block_size, group_size), plus
-    act-order, static groups and the Cholesky retry policy."""
+    act-order, static groups, the Cholesky retry policy and the MSE clipping search."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -57,6 +96,14 @@ class GPTQExt(BaseModel):
     max_damp_retries: StrictInt = Field(
         10, ge=0, description="How many damping increases are tried before giving up."
     )
+    mse: MseFlag = False
+    mse_grid: MseGrid = 100
+    mse_maxshrink: MseMaxShrink = 0.2
+    mse_norm: MseNorm = 2.4
+
+    def mse_options(self) -> MSEOptions | None:
+        """The MSE search options, or None when ``mse`` is off (plain min/max)."""
+        return MSEOptions.from_flags(self.mse, self.mse_grid, self.mse_maxshrink, self.mse_norm)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from msquant.errors import QuantizationError
-from msquant.quant.int_quant import minmax_qparams, quantize
+from msquant.quant.int_quant import quantize
+from msquant.quant.mse_clip import MSEOptions, weight_qparams
 from msquant.quant.quantized_weight import QuantizedWeight
 
 __all__ = ["check_weight", "quantize_weight_minmax"]
@@ -58,6 +59,7 @@ def quantize_weight_minmax(
     symmetric: bool,
     group_size: int | None = None,
     name: str = "weight",
+    mse: MSEOptions | None = None,
 ) -> QuantizedWeight:
     """Quantize a 2-D weight by round-to-nearest with min/max-derived parameters.
 
@@ -66,8 +68,10 @@ def quantize_weight_minmax(
     :param symmetric: symmetric (zero offset) or asymmetric parameters.
     :param group_size: group width over input columns; ``None`` for per-channel.
     :param name: module name for error messages.
+    :param mse: MSE clipping search options (:mod:`msquant.quant.mse_clip`); None (default) for
+        plain min/max parameters, msModelSlim's numerics.
     """
     check_weight(weight, name, group_size)
-    scale, offset = minmax_qparams(weight, bits, symmetric, group_size)
+    scale, offset = weight_qparams(weight, bits, symmetric, group_size, mse)
     codes = quantize(weight, scale, offset, bits, group_size)
     return QuantizedWeight(codes, scale, offset, bits, symmetric, group_size)
