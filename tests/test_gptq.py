@@ -474,3 +474,20 @@ def test_unknown_ext_key_is_rejected() -> None:
         match=r"gate_proj: unknown GPTQ ext option\(s\) \['percdampp'\]; valid: percdamp",
     ):
         WeightPerGroupGPTQ.from_ext(8, True, {"percdampp": 0.1}, name="gate_proj")
+
+
+@pytest.mark.parametrize("width", [64, 200, 576, 1000])
+def test_blocked_symmetric_accumulation_equals_full_product(width: int) -> None:
+    """Only the upper blocks are accumulated; reads mirror them, also after further batches."""
+    torch.manual_seed(width)
+    first, second = torch.randn(300, width), torch.randn(257, width)
+    acc = HessianAccumulator(width, buffer_rows=128)
+    acc.add_batch(first)
+    raw, count = acc.raw_sum()
+    assert count == 300 and torch.equal(raw, raw.T)
+    torch.testing.assert_close(raw, first.T @ first, rtol=1e-5, atol=1e-4)
+    acc.add_batch(second.unsqueeze(0))  # leading dims are flattened
+    raw, count = acc.raw_sum()
+    both = torch.cat([first, second])
+    assert count == 557 and torch.equal(raw, raw.T)
+    torch.testing.assert_close(raw, both.T @ both, rtol=1e-5, atol=1e-4)

@@ -20,6 +20,15 @@ from msquant.errors import QuantizationError
 __all__ = ["HessianAccumulator"]
 
 _BUFFER_BYTES = 32 * 1024 * 1024
+_SUM_BLOCK = 192  # column block width of the symmetric accumulation (at most 8 blocks)
+
+
+def _block_edges(width: int) -> list[int]:
+    """Boundaries of the column blocks used to accumulate only the upper half of ``X^T X``."""
+    blocks = min(8, max(1, round(width / _SUM_BLOCK)))
+    return [width * i // blocks for i in range(blocks + 1)]
+
+
 _MIN_BUFFER_ROWS = 256
 _MAX_BUFFER_ROWS = 2048
 
@@ -47,6 +56,7 @@ class HessianAccumulator:
         self._buffer: torch.Tensor | None = None
         self._pending = 0
         self._batches = 0
+        self._mirrored = True
         self.n = 0
 
     # -- feeding -----------------------------------------------------------------------------
@@ -127,6 +137,7 @@ class HessianAccumulator:
         :raises QuantizationError: when no batch was ever added.
         """
         self.flush()
+        self._mirror()
         if self._sum is None or self.n == 0:
             raise QuantizationError(
                 f"{self.name}: the GPTQ Hessian never received a calibration batch; the layer was not "
@@ -153,6 +164,7 @@ class HessianAccumulator:
         self._sum = None
         self._buffer = None
         self._pending = 0
+        self._mirrored = True
         self.n = 0
 
     # -- internals ---------------------------------------------------------------------------
@@ -181,4 +193,18 @@ class HessianAccumulator:
                 (self.in_features, self.in_features), dtype=torch.float32, device=rows.device
             )
         rows = rows.to(self._sum.device)
-        self._sum.addmm_(rows.t(), rows)
+        # Only the blocks on and above the diagonal are accumulated (the sum is symmetric):
+        # about 40 % fewer flops than the full product for wide layers; see _mirror.
+        edges = _block_edges(self.in_features or rows.shape[1])
+        for top, bottom in zip(edges[:-1], edges[1:], strict=True):
+            self._sum[top:bottom, top:].addmm_(rows[:, top:bottom].t(), rows[:, top:])
+        self._mirrored = False
+
+    def _mirror(self) -> None:
+        """Copy the accumulated upper blocks onto the lower ones, making the sum exactly symmetric."""
+        if self._sum is None or self._mirrored:
+            return
+        edges = _block_edges(self._sum.shape[0])
+        for top, bottom in zip(edges[:-1], edges[1:], strict=True):
+            self._sum[bottom:, top:bottom] = self._sum[top:bottom, bottom:].t()
+        self._mirrored = True
