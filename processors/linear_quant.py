@@ -28,6 +28,7 @@ Lifecycle:
 from __future__ import annotations
 
 import logging
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -143,7 +144,7 @@ class LinearQuantProcessor(Processor):
             logger.warning("qconfig.weight.ext.group_size is ignored with scope per_channel")
         return issues
 
-    @property
+    @cached_property
     def ext(self) -> MinMaxExt | GPTQExt:
         """The validated ``ext`` options of the configured method (defaults filled in)."""
         weight = self.config.qconfig.weight
