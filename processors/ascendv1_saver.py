@@ -91,7 +91,8 @@ class AscendV1Saver(Processor):
         written = set(self.types)
         aliases: dict[str, str] = {}
         seen: dict[tuple[int, tuple[int, ...], torch.dtype], str] = {}
-        for name, tensor in ctx.model.state_dict().items():
+        state = ctx.model.state_dict()
+        for name, tensor in state.items():
             key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
             if tensor.numel() and key in seen:
                 # Tied weights are stored once, as Hugging Face does, but still described: vLLM-Ascend
@@ -106,8 +107,8 @@ class AscendV1Saver(Processor):
             **self.types,
             **{alias: self.types[target] for alias, target in aliases.items()},
         }
-        order = [n for n in ctx.model.state_dict() if n in described]
-        order += [n for n in described if n not in set(order)]
+        order = [n for n in state if n in described]
+        order += [n for n in described if n not in state]
         description = {name: described[name] for name in order}
         description.update(self._globals())
         (ctx.output_dir / DESCRIPTION_FILE).write_text(
