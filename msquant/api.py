@@ -28,7 +28,7 @@ from msquant.config.yaml_loader import load_yaml_file
 from msquant.context import RunContext
 from msquant.errors import QuantizationError
 from msquant.export.staging import StagedOutputDir, check_save_path
-from msquant.model.layers import find_decoder_layers
+from msquant.model.layers import find_decoder_layers, layer_list_name
 from msquant.model.loader import (
     build_meta_model,
     check_model_dir,
@@ -151,7 +151,7 @@ def quantize(
         "%s: %d decoder layers found under %s",
         type(model).__name__,
         len(layers),
-        layers[0].name.rsplit(".", 1)[0],
+        layer_list_name(layers),
     )
 
     with StagedOutputDir(save_path) as staging:

@@ -18,7 +18,7 @@ from torch import nn
 
 from msquant.backends.base import Backend
 from msquant.context import DecoderLayer
-from msquant.model.layers import parent_module
+from msquant.model.layers import layer_list_name, parent_module
 
 __all__ = ["LayerCall", "CalibrationActivations", "capture_layer_inputs"]
 
@@ -115,7 +115,7 @@ def capture_layer_inputs(
     is restored afterwards even if a forward fails.
     """
     body = parent_module(model, layers)
-    layer_list = model.get_submodule(layers[0].name.rsplit(".", 1)[0])
+    layer_list = model.get_submodule(layer_list_name(layers))
     assert isinstance(layer_list, nn.ModuleList)
     session = _CaptureSession()
     originals = list(layer_list)

@@ -12,7 +12,7 @@ from torch import nn
 from msquant.context import DecoderLayer
 from msquant.errors import ModelLoadError
 
-__all__ = ["find_decoder_layers", "parent_module"]
+__all__ = ["find_decoder_layers", "layer_list_name", "parent_module"]
 
 
 def _numel(module: nn.Module) -> int:
@@ -43,8 +43,13 @@ def find_decoder_layers(model: nn.Module) -> list[DecoderLayer]:
     return [DecoderLayer(i, f"{name}.{i}", layer) for i, layer in enumerate(layers)]
 
 
+def layer_list_name(layers: list[DecoderLayer]) -> str:
+    """Full name of the ``nn.ModuleList`` holding the layers (e.g. ``model.layers``)."""
+    return layers[0].name.rsplit(".", 1)[0]
+
+
 def parent_module(model: nn.Module, layers: list[DecoderLayer]) -> nn.Module:
     """The module that owns the decoder layer list (e.g. ``LlamaModel`` for ``model.layers``)."""
-    list_name = layers[0].name.rsplit(".", 1)[0]
+    list_name = layer_list_name(layers)
     parent_name = list_name.rsplit(".", 1)[0] if "." in list_name else ""
     return model.get_submodule(parent_name)
