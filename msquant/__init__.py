@@ -29,7 +29,18 @@ from msquant.errors import (
     QuantizationError,
     RegistryError,
 )
-from msquant.export import ShardedSafetensorsWriter, StagedOutputDir, copy_model_files
+from msquant.export import (
+    ShardedSafetensorsWriter,
+    StagedOutputDir,
+    copy_model_files,
+    hf_weights_writer,
+    pack_int4_pairs,
+    pack_int32,
+    packed_length,
+    unique_state_items,
+    write_hf_config,
+)
+from msquant.model.fused import FUSED_SHARDS, FusedGroup, fused_group_problems, fused_groups
 from msquant.model.matching import is_selected, unmatched_patterns
 from msquant.processor import Processor, ProcessorConfig
 from msquant.quant.gptq import WeightPerChannelGPTQ, WeightPerGroupGPTQ
@@ -44,6 +55,14 @@ from msquant.quant.qconfig import ActQConfig, LinearQConfig, QDType, QScope, Wei
 from msquant.quant.quantized_linear import QuantizedLinear, replace_module
 from msquant.quant.quantized_weight import QuantizedWeight
 from msquant.registry import ENTRY_POINT_GROUP, ProcessorRegistry, default_registry
+from msquant.verify import (
+    ExportReadError,
+    ExportVerificationError,
+    LayerReport,
+    VerifyReport,
+    check_export,
+    verify_export,
+)
 
 __version__ = "0.1.0"
 
@@ -109,7 +128,25 @@ __all__ = [
     "StagedOutputDir",
     "ShardedSafetensorsWriter",
     "copy_model_files",
+    "hf_weights_writer",
+    "unique_state_items",
+    "write_hf_config",
+    "pack_int32",
+    "pack_int4_pairs",
+    "packed_length",
+    # fused layers
+    "FUSED_SHARDS",
+    "FusedGroup",
+    "fused_groups",
+    "fused_group_problems",
+    # verification
+    "verify_export",
+    "check_export",
+    "VerifyReport",
+    "LayerReport",
     # errors
+    "ExportReadError",
+    "ExportVerificationError",
     "MsquantError",
     "MsquantInputError",
     "ConfigError",

@@ -91,13 +91,31 @@ def resolve_config(config: ConfigLike, registry: ProcessorRegistry) -> _Resolved
 
 
 def build_processors(config: QuantConfig, registry: ProcessorRegistry) -> list[Processor]:
-    """Instantiate ``spec.process`` then ``spec.save``; an empty ``save`` means the default saver."""
+    """Instantiate ``spec.process`` then ``spec.save``; an empty ``save`` means the default saver.
+
+    With several savers, each writes into its own subfolder of the save path named after its
+    ``type`` (``gptq_saver``, ``compressed_tensors``, ...; ``_2``, ``_3`` appended for repeats), so
+    one quantization run can produce every deployment format without files colliding.
+    """
     entries = list(config.spec.process) + list(config.spec.save)
     if not config.spec.save:
         saver_cls = registry.get(DEFAULT_SAVER)
         entries.append(saver_cls.config_class.model_validate({"type": DEFAULT_SAVER}))
         logger.info("spec.save is empty: writing the default %s format", DEFAULT_SAVER)
-    return [registry.get(entry.type)(entry) for entry in entries]
+    processors = [registry.get(entry.type)(entry) for entry in entries]
+    savers = [p for p in processors if p.stage == "save"]
+    if len(savers) > 1:
+        used: dict[str, int] = {}
+        for saver in savers:
+            used[saver.type_name] = used.get(saver.type_name, 0) + 1
+            count = used[saver.type_name]
+            saver.output_subdir = saver.type_name if count == 1 else f"{saver.type_name}_{count}"
+        logger.info(
+            "%d savers: each writes into its own subfolder (%s)",
+            len(savers),
+            ", ".join(str(s.output_subdir) for s in savers),
+        )
+    return processors
 
 
 def quantize(
@@ -111,11 +129,14 @@ def quantize(
     registry: ProcessorRegistry | None = None,
     max_calib_tokens: int | None = None,
     progress: bool = True,
+    overwrite: bool = False,
+    verify: bool = True,
 ) -> QuantizeResult:
     """Quantize a local Hugging Face causal LM as ``config`` says and write the export to ``save_path``.
 
     :param model_path: local model directory (config.json + safetensors + tokenizer).
-    :param save_path: output directory; created, or replaced if it holds a previous export.
+    :param save_path: output directory; created (a previous export there is replaced only with
+        ``overwrite``).
     :param config: YAML file path, parsed mapping, or :class:`QuantConfig`.
     :param device: ``cpu``, ``cuda[:N]`` or ``npu[:N]``.
     :param calib_path: calibration file overriding ``spec.dataset``.
@@ -123,6 +144,11 @@ def quantize(
     :param registry: processors to use (default: every installed ``msquant.processors`` plugin).
     :param max_calib_tokens: truncate each calibration sample to this many tokens.
     :param progress: show progress bars.
+    :param overwrite: replace a previous export at ``save_path`` (only after the new one is
+        complete); without it such a path is refused before any work starts.
+    :param verify: read every export of a built-in format back with the independent readers of
+        :mod:`msquant.verify` and compare it with the in-memory result before it is moved into
+        place (a mismatch raises :class:`msquant.ExportVerificationError` and writes nothing).
     :raises msquant.MsquantInputError: (a subclass) for any problem with the inputs.
     """
     started = time.perf_counter()
@@ -131,7 +157,7 @@ def quantize(
     processors = build_processors(resolved.config, registry)
     _log_runner(resolved.config.spec.runner)
     backend = get_backend(device)
-    check_save_path(save_path)
+    check_save_path(save_path, overwrite)
     texts = _calibration_texts(resolved, calib_path, needs_calibration(processors))
 
     model_dir = check_model_dir(model_path)
@@ -154,12 +180,14 @@ def quantize(
         layer_list_name(layers),
     )
 
-    with StagedOutputDir(save_path) as staging:
+    with StagedOutputDir(save_path, overwrite) as staging:
         config_text = resolved.text or yaml.safe_dump(
             resolved.config.model_dump(mode="json"), sort_keys=False
         )
         ctx = RunContext(model, model_dir, staging, backend, layers, config_text, progress)
         run_layer_wise(ctx, processors, samples, progress=progress)
+        if verify:
+            _verify_exports(ctx, processors)
     quantized = tuple(n for n, m in model.named_modules() if isinstance(m, QuantizedLinear))
     return QuantizeResult(
         save_path=Path(save_path).expanduser().absolute(),
@@ -168,6 +196,46 @@ def quantize(
         calibration_samples=len(samples) if samples else 0,
         seconds=time.perf_counter() - started,
     )
+
+
+# Savers whose output the readers in msquant.verify understand.
+VERIFIABLE_SAVERS = frozenset(
+    {"ascendv1_saver", "mindie_format_saver", "gptq_saver", "compressed_tensors"}
+)
+
+
+def _verify_exports(ctx: RunContext, processors: list[Processor]) -> None:
+    """Read each export back and compare it with the quantized modules still in memory.
+
+    The consumer notes of the report are logged at DEBUG only: the savers already warned about
+    what their consumers cannot load.
+    """
+    from msquant.verify import ExportVerificationError, verify_export
+
+    reference = {
+        name: module.qweight
+        for name, module in ctx.model.named_modules()
+        if isinstance(module, QuantizedLinear)
+    }
+    for saver in processors:
+        if saver.stage != "save":
+            continue
+        if saver.type_name not in VERIFIABLE_SAVERS:
+            logger.info("verify: skipping %s (no reader for its format)", saver.type_name)
+            continue
+        started = time.perf_counter()
+        report = verify_export(saver.output_dir(ctx), reference=reference)
+        for warning in report.warnings:
+            logger.debug("verify: %s: %s", saver.type_name, warning)
+        if not report.ok:
+            raise ExportVerificationError(report)
+        logger.info(
+            "verify: %s export read back, %d quantized layer(s) identical to the in-memory result "
+            "(%.1f s)",
+            saver.type_name,
+            len(report.layers),
+            time.perf_counter() - started,
+        )
 
 
 def _log_runner(runner: RunnerType) -> None:

@@ -1,8 +1,8 @@
-"""``msquant`` command line: ``quant``, ``validate`` and ``schema``.
+"""``msquant`` command line: ``quant``, ``verify``, ``validate`` and ``schema``.
 
 Flags of ``quant`` follow ``msmodelslim quant`` so vendor scripts can switch. Exit codes:
-0 success, 2 bad input (config, paths, model, data, device; one clear message, no traceback),
-1 internal failure, 130 interrupted.
+0 success, 2 bad input (config, paths, model, data, device; one clear message, no traceback) or an
+export that fails verification (the offending tensors named), 1 internal failure, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -20,6 +20,13 @@ from msquant.config.spec import config_json_schema, load_config
 from msquant.errors import MsquantInputError
 from msquant.presets import preset_config
 from msquant.registry import default_registry
+from msquant.verify import (
+    ExportVerificationError,
+    VerifyReport,
+    export_folders,
+    render_table,
+    verify_export,
+)
 
 __all__ = ["main", "build_parser"]
 
@@ -79,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     quant.add_argument("--model_path", required=True, help="local Hugging Face model directory")
     quant.add_argument(
-        "--save_path", required=True, help="output directory (created; replaced only on success)"
+        "--save_path",
+        required=True,
+        help="output directory (created; a previous export is replaced only with --overwrite)",
     )
     source = quant.add_mutually_exclusive_group()
     source.add_argument("--config_path", help="YAML config (msModelSlim v1 schema)")
@@ -106,6 +115,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     quant.add_argument("--debug", action="store_true", help="same as --log_level DEBUG")
     quant.add_argument("--no_progress", action="store_true", help="hide progress bars")
+    quant.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a previous export at --save_path (only once the new one is complete)",
+    )
+    quant.add_argument(
+        "--no-verify",
+        "--no_verify",
+        dest="no_verify",
+        action="store_true",
+        help="skip reading the export back and comparing it with the in-memory result",
+    )
+
+    verify = sub.add_parser(
+        "verify",
+        parents=[common],
+        help="read an export back and check it (exit 0 consistent, 2 inconsistent)",
+    )
+    verify.add_argument(
+        "save_path",
+        metavar="SAVE_PATH",
+        help="export folder (Ascend / MindIE, GPTQ or compressed-tensors; or a folder whose "
+        "subfolders hold the exports of several savers)",
+    )
+    verify.add_argument(
+        "--model_path",
+        help="original float model folder: report each layer's relative error against it",
+    )
+    verify.add_argument(
+        "--json", action="store_true", help="print the report as JSON instead of a table"
+    )
 
     validate = sub.add_parser(
         "validate", parents=[common], help="validate YAML config files (exit 0 valid, 2 invalid)"
@@ -163,6 +203,8 @@ def _cmd_quant(args: argparse.Namespace) -> int:
         trust_remote_code=args.trust_remote_code,
         max_calib_tokens=args.max_calib_tokens,
         progress=not args.no_progress,
+        overwrite=args.overwrite,
+        verify=not args.no_verify,
     )
     logger.info(
         "quantized %d linear layer(s) of %s in %.1f s -> %s",
@@ -172,6 +214,29 @@ def _cmd_quant(args: argparse.Namespace) -> int:
         result.save_path,
     )
     return EXIT_OK
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    """Verify every export at the path; the report goes to stdout, failures also to stderr."""
+    reports = [
+        verify_export(folder, model_path=args.model_path)
+        for folder in export_folders(args.save_path)
+    ]
+    if args.json:
+        print(json.dumps(_reports_json(reports), indent=2))
+    else:
+        print("\n\n".join(render_table(report) for report in reports))
+    failed = [report for report in reports if not report.ok]
+    for report in failed:
+        print(f"msquant: error: {ExportVerificationError(report)}", file=sys.stderr)
+    return EXIT_INPUT if failed else EXIT_OK
+
+
+def _reports_json(reports: list[VerifyReport]) -> dict[str, object]:
+    """One report's dict, or ``{"ok", "exports": [...]}`` for several savers' subfolders."""
+    if len(reports) == 1:
+        return reports[0].to_dict()
+    return {"ok": all(r.ok for r in reports), "exports": [r.to_dict() for r in reports]}
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -193,7 +258,12 @@ def _cmd_schema(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"quant": _cmd_quant, "validate": _cmd_validate, "schema": _cmd_schema}
+COMMANDS = {
+    "quant": _cmd_quant,
+    "verify": _cmd_verify,
+    "validate": _cmd_validate,
+    "schema": _cmd_schema,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -204,6 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except MsquantInputError as exc:
         print(f"msquant: error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    except ExportVerificationError as exc:
+        print(f"msquant: error: {exc}\nnothing was written to the save path", file=sys.stderr)
         return EXIT_INPUT
     except KeyboardInterrupt:
         print("msquant: interrupted; nothing was written to the save path", file=sys.stderr)

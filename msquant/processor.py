@@ -21,6 +21,7 @@ each layer forward over the calibration set between ``before_layer`` and ``after
 from __future__ import annotations
 
 from abc import ABC
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -59,8 +60,18 @@ class Processor(ABC):
     #: Class default; an instance may set its own value in ``__init__`` (e.g. depending on its config).
     requires_calibration: bool = False
 
+    #: Set by the run when several savers share one save path: this saver then writes into
+    #: ``save_path/<output_subdir>`` (see :meth:`output_dir`).
+    output_subdir: str | None = None
+
     def __init__(self, config: ProcessorConfig) -> None:
         self.config = config
+
+    def output_dir(self, ctx: RunContext) -> Path:
+        """The folder this processor writes into (created on first use)."""
+        directory = ctx.output_dir / self.output_subdir if self.output_subdir else ctx.output_dir
+        directory.mkdir(parents=True, exist_ok=True)
+        return directory
 
     @classmethod
     def check_config(cls, config: ProcessorConfig) -> list[ConfigIssue]:

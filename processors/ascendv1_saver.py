@@ -11,8 +11,8 @@ Files written (msModelSlim 26.1 layout):
 
 * ``quant_model_weights-0000i-of-0000N.safetensors`` + ``quant_model_weights.safetensors.index.json``
   (or one ``quant_model_weights.safetensors`` when ``part_file_size`` is 0);
-* ``quant_model_description.json``: every tensor typed ``W8A16`` or ``FLOAT``, plus ``version``,
-  ``model_quant_type``, ``metadata``, ``group_size`` and ``optional``;
+* ``quant_model_description.json``: every tensor typed ``W8A16``, ``W4A16`` or ``FLOAT``, plus
+  ``version``, ``model_quant_type``, ``metadata``, ``group_size`` and ``optional``;
 * the model's config/tokenizer files, ``quantization_config`` removed from ``config.json``, and the
   config used as ``{model_type}_best_practice.yaml``.
 
@@ -20,6 +20,14 @@ Per quantized linear ``P``: ``P.weight`` int8 ``[out, in]``, ``P.weight_scale`` 
 float32 ``[out, 1]`` (per-channel) or ``[out, in/group_size]`` (per-group), ``P.bias`` float32
 (``FLOAT``). Other tensors keep their dtype and are ``FLOAT``. Dequantization:
 ``w = (weight - weight_offset) * weight_scale``.
+
+W4A16 (``dtype: int4``): ``P.weight`` is int8 ``[out, in/2]`` holding two signed int4 codes per
+byte along the input dimension (column ``2i`` in the low nibble, ``2i+1`` in the high nibble, as
+msModelSlim packs int4); scale and offset as for W8A16. No vLLM-Ascend release has a W4A16 *linear*
+scheme yet (vllm-project/vllm-ascend#6481), so such exports are for MindIE or later releases.
+
+Fused layers: vLLM-Ascend loads q/k/v and gate/up as one matrix and raises ``ValueError`` when the
+shards' types differ, so such an export is refused here with the layers named.
 
 Lifecycle: ``after_layer`` queues the layer's tensors (written shard by shard); ``finalize`` adds
 the remaining tensors (embeddings, final norm, head) and writes the description and copied files.
@@ -39,10 +47,13 @@ from msquant import (
     DecoderLayer,
     Processor,
     ProcessorConfig,
+    QuantizationError,
     QuantizedLinear,
     RunContext,
     ShardedSafetensorsWriter,
     copy_model_files,
+    fused_group_problems,
+    pack_int4_pairs,
 )
 
 __all__ = ["AscendV1SaverConfig", "AscendV1Saver", "QUANT_TYPE_PRIORITY"]
@@ -53,9 +64,10 @@ WEIGHTS_PREFIX = "quant_model_weights"
 DESCRIPTION_FILE = "quant_model_description.json"
 DESCRIPTION_VERSION = "1.0.0"
 GIB = 1024**3
-# msModelSlim's order for the global ``model_quant_type`` (the highest type present wins).
-QUANT_TYPE_PRIORITY = ("FLOAT", "W16A16S", "W8A16", "W8A8_DYNAMIC", "W8A8_MIX", "W8A8")
-QUANTIZED_SUFFIXES = ("weight", "weight_scale", "weight_offset")
+# msModelSlim's order for the global ``model_quant_type`` (the highest type present wins); W4A16,
+# which msModelSlim v1 does not export, ranks above W8A16 (the more compressed weight type).
+QUANT_TYPE_PRIORITY = ("FLOAT", "W16A16S", "W8A16", "W4A16", "W8A8_DYNAMIC", "W8A8_MIX", "W8A8")
+QUANT_TYPES_BY_BITS = {8: "W8A16", 4: "W4A16"}
 
 
 class AscendV1SaverConfig(ProcessorConfig):
@@ -76,16 +88,42 @@ class AscendV1Saver(Processor):
     stage = "save"
     config: AscendV1SaverConfig
 
+    #: File name stem of the weights and the description (``mindie_format_saver`` changes them).
+    weights_prefix = WEIGHTS_PREFIX
+    plain_when_single = False
+
     def setup(self, ctx: RunContext) -> None:
         size = self.config.part_file_size
+        self.directory = self.output_dir(ctx)
         self.writer = ShardedSafetensorsWriter(
-            ctx.output_dir, WEIGHTS_PREFIX, size * GIB if size else None
+            self.directory,
+            self.weights_prefix,
+            size * GIB if size else None,
+            self.plain_when_single,
         )
         self.types: dict[str, str] = {}
         self.group_sizes: set[int] = set()
 
     def after_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
+        self._check_fused(layer)
         self._write_module(layer.module, layer.name + ".")
+
+    def _check_fused(self, layer: DecoderLayer) -> None:
+        """Refuse layers whose fused shards (q/k/v, gate/up) would get different types."""
+        schemes = {}
+        for name, module in layer.module.named_modules(prefix=layer.name):
+            if isinstance(module, QuantizedLinear):
+                scope = "per-channel" if module.group_size is None else f"group {module.group_size}"
+                kind = "sym" if module.symmetric else "asym"
+                schemes[name] = f"{_quant_type(module, name)} {scope} {kind}"
+            elif isinstance(module, nn.Linear):
+                schemes[name] = "FLOAT"
+        problems = fused_group_problems(schemes)
+        if problems:
+            raise QuantizationError(
+                f"{self.type_name}: the export would not load in vLLM-Ascend:\n"
+                + "\n".join(f"  - {p}" for p in problems)
+            )
 
     def finalize(self, ctx: RunContext) -> None:
         written = set(self.types)
@@ -102,7 +140,7 @@ class AscendV1Saver(Processor):
             seen[key] = name
             if name not in written:
                 self._add(name, tensor, "FLOAT")
-        self.writer.close()
+        self._close_writer()
         described = {
             **self.types,
             **{alias: self.types[target] for alias, target in aliases.items()},
@@ -111,16 +149,17 @@ class AscendV1Saver(Processor):
         order += [n for n in described if n not in state]
         description = {name: described[name] for name in order}
         description.update(self._globals())
-        (ctx.output_dir / DESCRIPTION_FILE).write_text(
+        (self.directory / self._description_file()).write_text(
             json.dumps(description, indent=4) + "\n", encoding="utf-8"
         )
-        copy_model_files(ctx.model_path, ctx.output_dir)
+        copy_model_files(ctx.model_path, self.directory)
         if ctx.config_text is not None:
-            (ctx.output_dir / f"{ctx.model_type}_best_practice.yaml").write_text(
+            (self.directory / f"{ctx.model_type}_best_practice.yaml").write_text(
                 ctx.config_text, encoding="utf-8"
             )
         logger.info(
-            "ascendv1_saver: %d tensors (%.1f MiB), model_quant_type %s",
+            "%s: %d tensors (%.1f MiB), model_quant_type %s",
+            self.type_name,
             len(self.types),
             self.writer.total_bytes / 2**20,
             description["model_quant_type"],
@@ -130,9 +169,18 @@ class AscendV1Saver(Processor):
         for module_name, module in root.named_modules(prefix=prefix.rstrip(".")):
             if not isinstance(module, QuantizedLinear):
                 continue
-            quant_type = _quant_type(module)
-            for suffix in QUANTIZED_SUFFIXES:
-                self._add(f"{module_name}.{suffix}", getattr(module, suffix), quant_type)
+            quant_type = _quant_type(module, module_name)
+            weight = module.weight
+            if quant_type == "W4A16":
+                if weight.shape[1] % 2:
+                    raise QuantizationError(
+                        f"{module_name}: W4A16 packs two int4 codes per byte along in_features, "
+                        f"which is odd ({weight.shape[1]}); exclude this layer or use int8"
+                    )
+                weight = pack_int4_pairs(weight)
+            self._add(f"{module_name}.weight", weight, quant_type)
+            self._add(f"{module_name}.weight_scale", module.weight_scale, quant_type)
+            self._add(f"{module_name}.weight_offset", module.weight_offset, quant_type)
             if module.bias is not None:
                 self._add(f"{module_name}.bias", module.bias.float(), "FLOAT")
             if module.group_size is not None:
@@ -145,9 +193,19 @@ class AscendV1Saver(Processor):
         self.writer.add(name, tensor)
         self.types[name] = quant_type
 
-    def _globals(self) -> dict[str, Any]:
+    def _close_writer(self) -> None:
+        self.writer.close()
+
+    def _description_file(self) -> str:
+        return DESCRIPTION_FILE
+
+    def model_quant_type(self) -> str:
+        """The highest-priority type among the written tensors (msModelSlim's rule)."""
         present = set(self.types.values())
-        model_type = max(present, key=QUANT_TYPE_PRIORITY.index) if present else "FLOAT"
+        return max(present, key=QUANT_TYPE_PRIORITY.index) if present else "FLOAT"
+
+    def _globals(self) -> dict[str, Any]:
+        model_type = self.model_quant_type()
         if len(self.group_sizes) > 1:
             logger.warning(
                 "per-group layers use different group sizes %s; the description holds one global "
@@ -155,10 +213,16 @@ class AscendV1Saver(Processor):
                 sorted(self.group_sizes),
                 max(self.group_sizes),
             )
-        if self.group_sizes:
+        if self.group_sizes and "W8A16" in self.types.values():
             logger.warning(
                 "per-group W8A16 weights (scale [out, in/group_size]) are written as msModelSlim does, "
                 "but vLLM-Ascend's W8A16 scheme loads per-channel weights only"
+            )
+        if "W4A16" in self.types.values():
+            logger.warning(
+                "W4A16 linear weights are written (int4 pairs packed in int8), but no vLLM-Ascend "
+                "release serves W4A16 linear layers yet (vllm-ascend#6481); MindIE or a later "
+                "release is needed"
             )
         return {
             "version": DESCRIPTION_VERSION,
@@ -169,7 +233,12 @@ class AscendV1Saver(Processor):
         }
 
 
-def _quant_type(module: QuantizedLinear) -> str:
-    if module.bits != 8:
-        raise ValueError(f"ascendv1_saver writes 8-bit weights (W8A16) only, got int{module.bits}")
-    return "W8A16"
+def _quant_type(module: QuantizedLinear, name: str) -> str:
+    """``W8A16`` or ``W4A16`` from the module's bit width; other widths have no Ascend type."""
+    quant_type = QUANT_TYPES_BY_BITS.get(module.bits)
+    if quant_type is None:
+        raise QuantizationError(
+            f"{name}: the Ascend format has no weight-only type for int{module.bits}; valid: int8 "
+            "(W8A16) and int4 (W4A16). Export other widths with type: compressed_tensors"
+        )
+    return quant_type

@@ -7,6 +7,7 @@ byte-for-byte unchanged).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -199,9 +200,9 @@ CASES: dict[str, Callable[[Path, Path, Callable[[str], Path]], Case]] = {
         ["unknown method 'awq'", "minmax"],
         config=GOOD_YAML.replace("method: minmax", "method: awq"),
     ),
-    "int4_not_implemented": lambda t, m, c: Case(
-        ["(dtype int4, scope per_channel) is not implemented"],
-        config=GOOD_YAML.replace("{method: minmax}", "{method: minmax, dtype: int4}"),
+    "per_tensor_not_implemented": lambda t, m, c: Case(
+        ["(dtype int8, scope per_tensor) is not implemented"],
+        config=GOOD_YAML.replace("{method: minmax}", "{method: minmax, scope: per_tensor}"),
     ),
     "config_not_mapping": lambda t, m, c: Case(["must be a mapping"], config="- linear_quant\n"),
     "config_not_utf8": lambda t, m, c: Case(
@@ -427,6 +428,8 @@ def test_bad_input_keeps_previous_export(
     shutil.copytree(previous_export, save)
     before = snapshot(save)
     assert before and "quant_model_description.json" in before
+    # --overwrite: the run must reach the bad input (a previous export alone is refused first)
+    case = dataclasses.replace(case, extra=[*case.extra, "--overwrite"])
     invoke(case, run_cli, capsys, tmp_path, save, tiny_llama)
     assert snapshot(save) == before
     assert leftovers(save.parent) == []
@@ -492,6 +495,7 @@ def test_previous_export_is_replaced_on_success(
         "--quant_type",
         "w8a16",
         "--no_progress",
+        "--overwrite",
     )
     assert result.code == 0, result.err
     assert not (save / "stale_extra_file.json").exists()

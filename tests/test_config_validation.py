@@ -469,11 +469,11 @@ def test_unknown_enum_values_list_valid_ones(
 @pytest.mark.parametrize(
     "weight",
     [
-        "{method: minmax, dtype: int4}",
+        "{method: minmax, dtype: mxfp4}",
         "{method: minmax, scope: per_tensor}",
         "{method: minmax, scope: per_block}",
         "{method: minmax, dtype: float}",
-        "{method: gptq, dtype: int4, scope: per_group}",
+        "{method: gptq, dtype: fp8_e4m3, scope: per_group}",
         "{method: gptq, scope: per_token}",
     ],
 )
@@ -481,7 +481,13 @@ def test_unimplemented_weight_combinations(weight: str, registry: ProcessorRegis
     err = config_error(linear_quant(weight), registry)
     message = issue_at(err, W).message
     assert "not implemented" in message
-    assert "(int8, per_channel)" in message and "(int8, per_group)" in message
+    for combo in (
+        "(int8, per_channel)",
+        "(int8, per_group)",
+        "(int4, per_channel)",
+        "(int4, per_group)",
+    ):
+        assert combo in message
 
 
 def test_activation_quantization_is_not_implemented(registry: ProcessorRegistry) -> None:
@@ -534,7 +540,7 @@ def test_schema_errors_are_reported_together(registry: ProcessorRegistry) -> Non
 
 def test_semantic_errors_are_reported_together(registry: ProcessorRegistry) -> None:
     text = linear_quant(
-        "{method: minmax, dtype: int4, ext: {bogus: 1}}", qconfig_extra="act: {dtype: int8}, "
+        "{method: minmax, dtype: mxfp8, ext: {bogus: 1}}", qconfig_extra="act: {dtype: int8}, "
     )
     err = config_error(text, registry)
     assert len(err.issues) >= 3

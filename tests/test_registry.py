@@ -244,7 +244,10 @@ def test_get_unknown_lists_registered_names() -> None:
     with pytest.raises(KeyError) as info:
         reg.get("nope")
     message = info.value.args[0]
-    assert "'nope'" in message and "ascendv1_saver, linear_quant" in message
+    assert (
+        "'nope'" in message
+        and "ascendv1_saver, compressed_tensors, gptq_saver, linear_quant" in message
+    )
     with pytest.raises(KeyError) as info:
         ProcessorRegistry().get("nope")
     assert "(none)" in info.value.args[0]

@@ -76,7 +76,12 @@ def test_failed_run_keeps_previous_export(tiny_llama: Path, tmp_path: Path) -> N
     config = {"spec": {"process": [{"type": "explode"}]}}
     with pytest.raises(RuntimeError):
         msquant.quantize(
-            tiny_llama, save, config, registry=_registry_with_explode(), progress=False
+            tiny_llama,
+            save,
+            config,
+            registry=_registry_with_explode(),
+            progress=False,
+            overwrite=True,
         )
     assert _snapshot(save) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
@@ -96,7 +101,7 @@ def test_successful_run_replaces_previous_export(tiny_llama: Path, tmp_path: Pat
             ]
         }
     }
-    msquant.quantize(tiny_llama, save, asym, progress=False)
+    msquant.quantize(tiny_llama, save, asym, progress=False, overwrite=True)
     assert not (save / "stale_extra_file.json").exists()
     offsets = load_file(str(save / "quant_model_weights-00001-of-00001.safetensors"))
     assert torch.count_nonzero(offsets["model.layers.0.mlp.up_proj.weight_offset"]) > 0

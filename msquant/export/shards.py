@@ -25,12 +25,21 @@ class ShardedSafetensorsWriter:
     :param directory: folder to write into (normally a staging folder).
     :param prefix: file name stem, e.g. ``quant_model_weights``.
     :param max_shard_bytes: shard size limit; ``None`` writes a single unsharded file.
+    :param plain_when_single: when everything fits in one shard, write the unsharded
+        ``{prefix}.safetensors`` without an index (formats whose readers expect one plain file).
     """
 
-    def __init__(self, directory: Path, prefix: str, max_shard_bytes: int | None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        prefix: str,
+        max_shard_bytes: int | None,
+        plain_when_single: bool = False,
+    ) -> None:
         self.directory = directory
         self.prefix = prefix
         self.max_shard_bytes = max_shard_bytes
+        self.plain_when_single = plain_when_single
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._shards: list[tuple[Path, list[str]]] = []
@@ -63,12 +72,18 @@ class ShardedSafetensorsWriter:
         self._pending = {}
         self._pending_bytes = 0
 
-    def close(self) -> dict[str, str]:
-        """Write what is pending, give shards their final names; returns the weight map."""
+    def close(self, prefix: str | None = None) -> dict[str, str]:
+        """Write what is pending, give shards their final names; returns the weight map.
+
+        :param prefix: final file name stem when it is only known at the end (default: the
+            constructor's ``prefix``).
+        """
         if self.closed:
             raise RuntimeError("writer is already closed")
         self.closed = True
-        if self.max_shard_bytes is None:
+        if prefix is not None:
+            self.prefix = prefix
+        if self.max_shard_bytes is None or (self.plain_when_single and not self._shards):
             name = f"{self.prefix}.safetensors"
             save_file(self._pending, str(self.directory / name), metadata={"format": "pt"})
             weight_map = {tensor: name for tensor in self._pending}

@@ -1,7 +1,9 @@
 """Atomic output directories: write everything into a staging folder, then swap it into place.
 
-A failed or interrupted run removes its staging folder and leaves the save path exactly as it was;
-a previous export at the save path is replaced only after the new one is complete.
+A failed or interrupted run removes its staging folder and leaves the save path exactly as it was.
+A previous export at the save path is replaced only when the caller asks for it (``overwrite``,
+the CLI's ``--overwrite``), and only after the new one is complete. A folder holding anything
+else is never touched.
 """
 
 from __future__ import annotations
@@ -27,22 +29,29 @@ def _is_previous_export(directory: Path) -> bool:
     return any(any(directory.glob(pattern)) for pattern in EXPORT_MARKERS)
 
 
-def check_save_path(save_path: str | Path) -> Path:
+def check_save_path(save_path: str | Path, overwrite: bool = False) -> Path:
     """Validate a save path before any work starts.
 
-    Accepted: a path that does not exist yet (its parent is created), an empty directory, or a
-    directory holding a previous export (replaced on success).
+    Accepted: a path that does not exist yet (its parent is created), an empty directory, or, with
+    ``overwrite``, a directory holding a previous export (replaced on success).
 
-    :raises OutputPathError: when the path is a file, holds unrelated files, or cannot be written.
+    :raises OutputPathError: when the path is a file, holds a previous export and ``overwrite`` is
+        false, holds unrelated files (even with ``overwrite``), or cannot be written.
     """
     path = Path(save_path).expanduser().absolute()
     if path.exists() and not path.is_dir():
         raise OutputPathError(f"save path {path} exists and is a file; pass a directory path")
-    if path.is_dir() and any(path.iterdir()) and not _is_previous_export(path):
-        raise OutputPathError(
-            f"save path {path} is a non-empty directory that does not hold a previous export; "
-            "choose a new or empty directory so that no unrelated file is overwritten"
-        )
+    if path.is_dir() and any(path.iterdir()):
+        if not _is_previous_export(path):
+            raise OutputPathError(
+                f"save path {path} is a non-empty directory that does not hold a previous export; "
+                "choose a new or empty directory so that no unrelated file is overwritten"
+            )
+        if not overwrite:
+            raise OutputPathError(
+                f"save path {path} holds a previous export; pass --overwrite (Python: "
+                "overwrite=True) to replace it once the new export is complete, or choose another path"
+            )
     ancestor = path.parent
     while not ancestor.exists():
         ancestor = ancestor.parent
@@ -63,8 +72,8 @@ class StagedOutputDir:
         # save_path now holds exactly what was written; on an exception it is untouched
     """
 
-    def __init__(self, save_path: str | Path) -> None:
-        self.target = check_save_path(save_path)
+    def __init__(self, save_path: str | Path, overwrite: bool = False) -> None:
+        self.target = check_save_path(save_path, overwrite)
         self.staging: Path | None = None
 
     def __enter__(self) -> Path:

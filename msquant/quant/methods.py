@@ -123,7 +123,7 @@ WEIGHT_METHODS: Mapping[str, WeightMethod] = MappingProxyType(
         "minmax": WeightMethod(
             name="minmax",
             ext_model=MinMaxExt,
-            dtypes=frozenset({QDType.INT8}),
+            dtypes=frozenset({QDType.INT8, QDType.INT4}),
             scopes=frozenset({QScope.PER_CHANNEL, QScope.PER_GROUP}),
             implemented=True,
             summary="round-to-nearest with min/max scales",
@@ -131,7 +131,7 @@ WEIGHT_METHODS: Mapping[str, WeightMethod] = MappingProxyType(
         "gptq": WeightMethod(
             name="gptq",
             ext_model=GPTQExt,
-            dtypes=frozenset({QDType.INT8}),
+            dtypes=frozenset({QDType.INT8, QDType.INT4}),
             scopes=frozenset({QScope.PER_CHANNEL, QScope.PER_GROUP}),
             implemented=True,
             summary="GPTQ (Hessian-based error compensation)",

@@ -60,6 +60,45 @@ class QuantizedWeight:
         """True for per-group parameters, False for per-channel."""
         return self.group_size is not None
 
+    @property
+    def num_groups(self) -> int:
+        """Number of scale columns: ``in // group_size`` per-group, 1 per-channel."""
+        return int(self.scale.shape[1])
+
+    @property
+    def effective_group_size(self) -> int:
+        """Width of one group in input columns (``in_features`` for per-channel)."""
+        return self.shape[1] if self.group_size is None else self.group_size
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight these codes represent (the 'fake-quantized' weight)."""
         return dequantize(self.codes, self.scale, self.offset, self.group_size)
+
+    def unsigned_codes(self) -> torch.Tensor:
+        """Codes shifted to ``[0, 2^b - 1]`` (int32): the GPTQ / compressed-tensors storage view.
+
+        ``unsigned = codes + 2^(b-1)``; with :meth:`unsigned_zero_points` the weight is
+        ``(unsigned - zero) * scale``, the same values as ``(codes - offset) * scale``.
+        """
+        return self.codes.to(torch.int32) + 2 ** (self.bits - 1)
+
+    def unsigned_zero_points(self) -> torch.Tensor:
+        """Zero points shifted to ``[0, 2^b - 1]`` (int32, shape of ``scale``).
+
+        ``2^(b-1)`` everywhere when symmetric (GPTQ's implicit symmetric zero).
+        :raises ValueError: when an offset is not an integer in the signed code range (such a
+            zero point cannot be stored by integer formats).
+        """
+        qmin, qmax = -(2 ** (self.bits - 1)), 2 ** (self.bits - 1) - 1
+        rounded = torch.round(self.offset)
+        if not torch.equal(rounded, self.offset) or rounded.min() < qmin or rounded.max() > qmax:
+            raise ValueError(
+                f"offsets must be integers in [{qmin}, {qmax}] to be stored as zero points"
+            )
+        return rounded.to(torch.int32) + 2 ** (self.bits - 1)
+
+    def g_idx(self) -> torch.Tensor:
+        """Group index of every input column (int32 ``[in]``): always ``i // group_size`` here,
+        because act-order runs with static groups (a trivial g_idx, which vLLM requires)."""
+        in_features = self.shape[1]
+        return torch.arange(in_features, dtype=torch.int32) // self.effective_group_size

@@ -1,0 +1,363 @@
+"""Reader of the Ascend exports: msModelSlim v1 (``ascendv1_saver``) and MindIE naming.
+
+Layouts (msModelSlim 26.1, see ``shared/reference/msmodelslim.md`` section 7):
+
+* v1: ``quant_model_description.json`` + ``quant_model_weights.safetensors`` or
+  ``quant_model_weights-0000i-of-0000N.safetensors`` + ``quant_model_weights.safetensors.index.json``;
+* MindIE: ``quant_model_description[_<type>].json`` + ``quant_model_weight[_<type>].safetensors``.
+
+The description maps every tensor to a type (``W8A16``, ``W4A16``, ``FLOAT``) plus the globals
+``version, model_quant_type, metadata, group_size, optional``; keys without a dot are further
+globals (msModelSlim's ``ext.json_append`` merges user keys in) and are not tensor entries. Per quantized linear ``P``:
+
+* W8A16: ``P.weight`` int8 ``[out, in]``;
+* W4A16: ``P.weight`` int8 ``[out, in/2]``, two signed int4 codes per byte along the input
+  dimension (column ``2i`` in the low nibble, ``2i+1`` in the high nibble);
+* ``P.weight_scale`` and ``P.weight_offset`` float32 ``[out, 1]`` (per-channel) or
+  ``[out, in/group_size]``; ``w = (weight - weight_offset) * weight_scale``; ``P.bias`` FLOAT.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Hashable
+from pathlib import Path
+
+import torch
+
+from msquant.verify.base import FLOAT, ExportReader, read_json, ties_word_embeddings
+from msquant.verify.layer import DecodedLayer, trivial_g_idx
+from msquant.verify.report import Findings, LayerReport
+from msquant.verify.tensors import open_weights, weight_files_present
+from msquant.verify.unpack import unpack_int4_pairs
+
+__all__ = ["AscendReader", "description_files", "GLOBAL_KEYS", "TYPE_BITS"]
+
+DESCRIPTION_STEM = "quant_model_description"
+V1_WEIGHTS = "quant_model_weights"
+MINDIE_WEIGHTS = "quant_model_weight"
+GLOBAL_KEYS = ("version", "model_quant_type", "metadata", "group_size", "optional")
+TYPE_BITS = {"W8A16": 8, "W4A16": 4}
+PARTS = ("weight", "weight_scale", "weight_offset")
+ALLOWED_LEAVES = (*PARTS, "bias")
+DESCRIPTION_NAME = re.compile(rf"^{DESCRIPTION_STEM}(?:_([A-Za-z0-9_]+))?\.json$")
+
+VLLM_ASCEND_PER_GROUP = (
+    "vLLM-Ascend: its W8A16 linear scheme is per-channel only (weight_scale [out, 1]); "
+    "per-group W8A16 layers do not load there"
+)
+VLLM_ASCEND_W4A16 = (
+    "vLLM-Ascend has no W4A16 linear scheme (W4A16 is MoE-only there, vllm-ascend#6481); "
+    "these layers do not load there"
+)
+VLLM_ASCEND_ASYM = (
+    "vLLM-Ascend passes weight_offset unchanged to npu_weight_quant_batchmatmul, documented as "
+    "(weight + offset) * scale, while this format means (weight - offset) * scale: asymmetric "
+    "layers may dequantize with the offset's sign flipped (unverified on hardware)"
+)
+
+
+def description_files(directory: Path) -> list[Path]:
+    """The ``quant_model_description*.json`` files in ``directory``, sorted."""
+    return sorted(p for p in directory.glob(f"{DESCRIPTION_STEM}*.json") if p.is_file())
+
+
+class AscendReader(ExportReader):
+    """Checks the description, the tensor inventory and each quantized layer of an Ascend export."""
+
+    def __init__(self, directory: Path, findings: Findings) -> None:
+        super().__init__(directory, findings)
+        self.description_path, self.type_suffix = self._pick_description()
+        stem = self._weights_stem()
+        self.format_name = "ascend" if stem == V1_WEIGHTS else "mindie"
+        self.config = read_json(directory / "config.json", findings, required=False)
+        self.store = open_weights(directory, stem, findings)
+        description = read_json(self.description_path, findings) or {}
+        self.description = description
+        self.types: dict[str, str] = {}
+        for key, value in description.items():
+            if key in GLOBAL_KEYS or "." not in key:
+                continue  # globals, and extra keys merged in by msModelSlim's ext.json_append
+            if isinstance(value, str):
+                self.types[key] = value
+            else:
+                findings.error(
+                    f"{self.description_path.name}: {key} has a non-string type {value!r}"
+                )
+        self.modules = self._quantized_from_description()
+        self.packed = {f"{m}.{part}" for m in self.modules for part in PARTS}
+        self._check_inventory()
+        self._check_globals()
+        self._check_config_json()
+
+    # --- files -----------------------------------------------------------------------------
+
+    def _pick_description(self) -> tuple[Path, str]:
+        files = description_files(self.directory)
+        if len(files) > 1:
+            self.findings.error(
+                f"several description files {[p.name for p in files]}: a consumer reads one, "
+                "so the export is ambiguous"
+            )
+        preferred = [p for p in files if p.name == f"{DESCRIPTION_STEM}.json"]
+        path = (preferred or files)[0]
+        match = DESCRIPTION_NAME.match(path.name)
+        suffix = match.group(1) if match and match.group(1) else ""
+        if suffix:
+            self.findings.warn(
+                f"vLLM-Ascend reads {DESCRIPTION_STEM}.json only: rename {path.name} (and its "
+                "weights) to serve this MindIE-named export with vLLM-Ascend (vllm-ascend#1270)"
+            )
+        return path, suffix
+
+    def _weights_stem(self) -> str:
+        if self.type_suffix:
+            return f"{MINDIE_WEIGHTS}_{self.type_suffix}"
+        for stem in (V1_WEIGHTS, MINDIE_WEIGHTS):
+            if weight_files_present(self.directory, stem):
+                return stem
+        return V1_WEIGHTS
+
+    def _check_config_json(self) -> None:
+        if self.config is None:
+            self.findings.warn(
+                "config.json is missing: vLLM-Ascend and MindIE need the model config beside the weights"
+            )
+            return
+        quantization = self.config.get("quantization_config")
+        if isinstance(quantization, dict):
+            method = quantization.get("quant_method")
+            self.findings.warn(
+                f"config.json keeps a quantization_config (quant_method {method!r}): vLLM-Ascend "
+                "then does not pick the ascend method by itself; msModelSlim removes it"
+            )
+
+    # --- description ---------------------------------------------------------------------
+
+    def _quantized_from_description(self) -> list[str]:
+        modules = []
+        for key, kind in self.types.items():
+            if not key.endswith(".weight") or kind == FLOAT:
+                continue
+            if kind in TYPE_BITS:
+                modules.append(key[: -len(".weight")])
+            else:
+                self.findings.error(
+                    f"{key}: quant type {kind} is not supported by msquant verify "
+                    f"(it reads {', '.join(TYPE_BITS)} and FLOAT)"
+                )
+        return sorted(modules)
+
+    def _check_inventory(self) -> None:
+        """Description vs stored tensors, and which tensors may carry which type."""
+        name = self.description_path.name
+        stored = set(self.store.infos) if self.store is not None else set()
+        tied = ties_word_embeddings(self.config)
+        for key in sorted(set(self.types) - stored):
+            if self.store is None:
+                break
+            if tied and key.endswith("lm_head.weight") and self.types[key] == FLOAT:
+                continue  # tied heads are stored once (as the embeddings) but still described
+            self.findings.error(
+                f"{name} types {key} ({self.types[key]}) but no such tensor is stored"
+            )
+        for key in sorted(stored - set(self.types)):
+            self.findings.error(f"{key} is stored but missing from {name}")
+        modules = set(self.modules)
+        for module in self.modules:
+            kind = self.types[f"{module}.weight"]
+            for part in PARTS[1:]:
+                tensor = f"{module}.{part}"
+                if tensor in self.types and self.types[tensor] != kind:
+                    self.findings.error(
+                        f"{name} types {tensor} as {self.types[tensor]} but {module}.weight as {kind}"
+                    )
+                elif tensor not in self.types and tensor not in stored:
+                    self.findings.error(f"{tensor} is missing (layer {module} is {kind})")
+            bias = f"{module}.bias"
+            if bias in self.types and self.types[bias] != FLOAT:
+                self.findings.error(f"{name} types {bias} as {self.types[bias]}, expected FLOAT")
+        for key in sorted(set(self.types) | stored):
+            module, _, leaf = key.rpartition(".")
+            if module in modules and leaf not in ALLOWED_LEAVES:
+                self.findings.error(
+                    f"{key}: unexpected tensor for quantized layer {module} "
+                    f"(expected {', '.join(ALLOWED_LEAVES)})"
+                )
+            elif module not in modules and leaf in PARTS[1:]:
+                self.findings.error(
+                    f"{key}: quantization parameter of {module}, whose weight is not typed quantized"
+                )
+            elif (
+                module not in modules
+                and not key.endswith(".weight")
+                and self.types.get(key, FLOAT) != FLOAT
+            ):
+                self.findings.error(
+                    f"{name} types {key} as {self.types[key]}, but only {', '.join(PARTS)} of a "
+                    "quantized layer may carry a quant type"
+                )
+
+    def _check_globals(self) -> None:
+        name = self.description_path.name
+        missing = [key for key in GLOBAL_KEYS if key not in self.description]
+        for key in missing:
+            self.findings.error(f"{name} lacks the global key {key!r}")
+        for key in ("metadata", "optional"):
+            if key in self.description and not isinstance(self.description[key], dict):
+                self.findings.error(f"{name}: {key} must be an object")
+        present = {self.types[f"{m}.weight"] for m in self.modules} or {FLOAT}
+        model_type = self.description.get("model_quant_type")
+        if "model_quant_type" in self.description and model_type not in present:
+            self.findings.warn(
+                f"{name}: model_quant_type {model_type!r} is not among the types of its tensors "
+                f"{sorted(present)} (set by ext.json_append?); consumers that pick kernels by "
+                "model_quant_type may mis-load the layers"
+            )
+        if (
+            self.type_suffix
+            and isinstance(model_type, str)
+            and self.type_suffix.upper() != model_type
+        ):
+            self.findings.error(
+                f"{name}: the file name says {self.type_suffix} but model_quant_type is {model_type}"
+            )
+        self._check_group_size(name)
+
+    def _check_group_size(self, name: str) -> None:
+        group_size = self.description.get("group_size")
+        if "group_size" not in self.description:
+            return
+        if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 0:
+            self.findings.error(
+                f"{name}: group_size must be a non-negative integer, got {group_size!r}"
+            )
+            return
+        sizes = sorted(
+            {size for m in self.modules if (size := self._group_size(m, self.types[f"{m}.weight"]))}
+        )
+        if len(sizes) > 1:
+            self.findings.warn(
+                f"per-group layers use group sizes {sizes} but {name} holds one global group_size "
+                f"({group_size}); consumers reading it see one size"
+            )
+        if sizes and group_size not in sizes:
+            self.findings.error(f"{name}: group_size {group_size} but per-group layers use {sizes}")
+        if not sizes and group_size != 0:
+            self.findings.warn(
+                f"{name}: group_size {group_size} but no layer is per-group (expected 0)"
+            )
+
+    # --- layers ----------------------------------------------------------------------------
+
+    def quantized_modules(self) -> list[str]:
+        return list(self.modules)
+
+    def _shapes(self, module: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        if self.store is None:
+            return None
+        weight = self.store.infos.get(f"{module}.weight")
+        scale = self.store.infos.get(f"{module}.weight_scale")
+        if weight is None or scale is None:
+            return None
+        return weight.shape, scale.shape
+
+    def _in_features(self, module: str, kind: str) -> int | None:
+        shapes = self._shapes(module)
+        if shapes is None or len(shapes[0]) != 2:
+            return None
+        return shapes[0][1] * (2 if kind == "W4A16" else 1)
+
+    def _group_size(self, module: str, kind: str) -> int | None:
+        shapes = self._shapes(module)
+        in_features = self._in_features(module, kind)
+        if shapes is None or in_features is None or len(shapes[1]) != 2 or shapes[1][1] <= 1:
+            return None
+        return in_features // shapes[1][1] if in_features % shapes[1][1] == 0 else None
+
+    def entry(self, module: str) -> LayerReport:
+        kind = self.types[f"{module}.weight"]
+        return LayerReport(module, kind, TYPE_BITS[kind], self._group_size(module, kind))
+
+    def decode(self, module: str) -> DecodedLayer | None:
+        kind = self.types[f"{module}.weight"]
+        bits = TYPE_BITS[kind]
+        names = {part: f"{module}.{part}" for part in PARTS}
+        present = [
+            self.expect(names[part], (dtype,), None)
+            for part, dtype in zip(PARTS, (torch.int8, torch.float32, torch.float32), strict=True)
+        ]
+        if not all(present) or self.store is None:
+            return None
+        return self._decode_checked(module, kind, bits, names)
+
+    def _decode_checked(
+        self, module: str, kind: str, bits: int, names: dict[str, str]
+    ) -> DecodedLayer | None:
+        assert self.store is not None
+        weight_shape = self.store.infos[names["weight"]].shape
+        scale_shape = self.store.infos[names["weight_scale"]].shape
+        if len(weight_shape) != 2 or len(scale_shape) != 2:
+            self.findings.error(
+                f"{names['weight']} {list(weight_shape)} / {names['weight_scale']} {list(scale_shape)}: "
+                "expected 2-D tensors"
+            )
+            return None
+        out_features, columns = weight_shape
+        in_features = columns * (2 if kind == "W4A16" else 1)
+        groups = scale_shape[1]
+        ok = True
+        if scale_shape[0] != out_features or groups < 1 or in_features % groups:
+            layout = "[out, in/2] (two int4 per byte)" if kind == "W4A16" else "[out, in]"
+            self.findings.error(
+                f"{names['weight_scale']}: shape {list(scale_shape)} does not fit {names['weight']} "
+                f"{list(weight_shape)} ({kind} weight is {layout}; scale is [out, 1] or "
+                "[out, in/group_size])"
+            )
+            ok = False
+        ok = self.expect(names["weight_offset"], (torch.float32,), tuple(scale_shape)) and ok
+        if not ok:
+            return None
+        raw = self.store.get(names["weight"])
+        codes = unpack_int4_pairs(raw) if kind == "W4A16" else raw
+        group_size = None if groups == 1 else in_features // groups
+        return DecodedLayer(
+            name=module,
+            scheme=kind,
+            bits=bits,
+            group_size=group_size,
+            codes=codes.to(torch.int32),
+            scale=self.store.get(names["weight_scale"]).to(torch.float32),
+            offset=self.store.get(names["weight_offset"]).to(torch.float32),
+            g_idx=trivial_g_idx(in_features, in_features // groups),
+            scale_dtype=torch.float32,
+            tensors={
+                "codes": names["weight"],
+                "scale": names["weight_scale"],
+                "offset": names["weight_offset"],
+                "g_idx": f"{module} (implicit groups)",
+            },
+        )
+
+    def consumer_notes(self, layer: DecodedLayer) -> None:
+        if layer.scheme == "W4A16":
+            self.findings.note(VLLM_ASCEND_W4A16, layer.name)
+        elif layer.group_size is not None:
+            self.findings.note(VLLM_ASCEND_PER_GROUP, layer.name)
+        if not layer.symmetric:
+            self.findings.note(VLLM_ASCEND_ASYM, layer.name)
+
+    def schemes(self) -> tuple[dict[str, Hashable], dict[str, str]]:
+        schemes: dict[str, Hashable] = {}
+        describe: dict[str, str] = {}
+        for key, kind in self.types.items():
+            if not key.endswith(".weight"):
+                continue
+            module = key[: -len(".weight")]
+            if kind == FLOAT:
+                schemes[module], describe[module] = FLOAT, FLOAT
+                continue
+            group_size = self._group_size(module, kind) if kind in TYPE_BITS else None
+            schemes[module] = (kind, group_size)
+            describe[module] = f"{kind} " + (f"group {group_size}" if group_size else "per-channel")
+        return schemes, describe

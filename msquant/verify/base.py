@@ -1,0 +1,122 @@
+"""What a format reader provides to :func:`msquant.verify_export`, and shared reading helpers."""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Hashable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from msquant.verify.layer import DecodedLayer
+from msquant.verify.report import Findings, LayerReport
+from msquant.verify.tensors import TensorStore
+
+__all__ = ["ExportReader", "read_json", "module_of", "ties_word_embeddings", "FLOAT"]
+
+FLOAT = "FLOAT"  # scheme of an unquantized module in the fused-shard check
+
+
+def read_json(path: Path, findings: Findings, required: bool = True) -> dict[str, Any] | None:
+    """A JSON object from ``path``; records an error when missing (if required) or malformed."""
+    if not path.is_file():
+        if required:
+            findings.error(f"{path.name} is missing")
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        findings.error(f"{path.name}: not readable JSON ({exc})")
+        return None
+    if not isinstance(data, dict):
+        findings.error(f"{path.name}: expected a JSON object, got {type(data).__name__}")
+        return None
+    return data
+
+
+def module_of(tensor_name: str, suffixes: tuple[str, ...]) -> str | None:
+    """``P`` when ``tensor_name`` is ``P.<suffix>`` for one of ``suffixes``, else None."""
+    module, _, leaf = tensor_name.rpartition(".")
+    return module if module and leaf in suffixes else None
+
+
+def ties_word_embeddings(config: dict[str, Any] | None) -> bool:
+    """Whether a model config ties the output head to the input embeddings."""
+    if not config:
+        return False
+    text = config.get("text_config")
+    nested = text.get("tie_word_embeddings") if isinstance(text, dict) else None
+    return bool(config.get("tie_word_embeddings", nested))
+
+
+class ExportReader(ABC):
+    """Reads one export format: inventory and metadata checks on construction, layers on demand.
+
+    Subclasses record every problem in ``findings`` instead of raising.
+    """
+
+    format_name: str = "unknown"
+
+    def __init__(self, directory: Path, findings: Findings) -> None:
+        self.directory = directory
+        self.findings = findings
+        self.store: TensorStore | None = None
+        self.packed: set[str] = set()  # tensors holding quantized data (codes, scales, zeros, ...)
+
+    @abstractmethod
+    def quantized_modules(self) -> list[str]:
+        """Names of the modules stored quantized, sorted."""
+
+    @abstractmethod
+    def decode(self, module: str) -> DecodedLayer | None:
+        """Read one quantized module back; None (with errors recorded) when it cannot be."""
+
+    @abstractmethod
+    def entry(self, module: str) -> LayerReport:
+        """The report entry of a module from metadata alone (filled in further by the caller)."""
+
+    @abstractmethod
+    def schemes(self) -> tuple[dict[str, Hashable], dict[str, str]]:
+        """Module -> comparable scheme (``FLOAT`` when unquantized) and a readable description,
+        for the fused-shard check."""
+
+    def consumer_notes(self, layer: DecodedLayer) -> None:
+        """Record the consumer rules one decoded layer falls under (default: none)."""
+
+    def finish(self) -> None:
+        """Record notes that need every layer seen (default: none)."""
+
+    def float_tensors(self) -> list[str]:
+        """Stored tensors that are not part of a quantized layer's data (kept as in the model)."""
+        if self.store is None:
+            return []
+        return [name for name in self.store.names() if name not in self.packed]
+
+    def expect(
+        self,
+        name: str,
+        dtypes: tuple[torch.dtype, ...],
+        shape: tuple[int, ...] | None,
+        what: str = "",
+    ) -> bool:
+        """Check that tensor ``name`` is stored with one of ``dtypes`` and ``shape`` (None: any).
+
+        :returns: whether it passed (errors recorded otherwise).
+        """
+        if self.store is None:
+            return False
+        info = self.store.infos.get(name)
+        if info is None:
+            self.findings.error(f"{name} is missing{what}")
+            return False
+        ok = True
+        if info.dtype not in dtypes:
+            wanted = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+            self.findings.error(f"{name}: dtype {info.dtype_code}, expected {wanted}")
+            ok = False
+        if shape is not None and info.shape != shape:
+            self.findings.error(f"{name}: shape {list(info.shape)}, expected {list(shape)}{what}")
+            ok = False
+        return ok

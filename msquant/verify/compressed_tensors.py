@@ -1,0 +1,417 @@
+"""Reader of compressed-tensors checkpoints (``quant_method == "compressed-tensors"``).
+
+Only the weight-only ``pack-quantized`` format is read (``shared/reference/formats.md`` 3.2). Per
+quantized linear ``P``:
+
+* ``P.weight_packed`` int32 ``[out, ceil(in*b/32)]``: codes ``q + 2^(b-1)`` packed densely along
+  the input dimension, LSB first;
+* ``P.weight_scale`` float ``[out, G]`` (G = 1 for ``strategy: channel``, ``in/group_size`` for
+  ``group``); ``P.weight_shape`` integer ``[2]`` = ``[out, in]``;
+* asymmetric only: ``P.weight_zero_point`` int32 ``[ceil(out*b/32), G]``, zero points
+  ``zp + 2^(b-1)`` packed along the output dimension;
+* ``w = (q - zp) * scale`` with column ``i`` in group ``i // group_size``.
+
+The config's ``config_groups`` map ``targets`` (exact module names, ``re:`` regexes matched with
+``re.match``, or class names such as ``Linear``) to weight schemes; ``ignore`` lists modules kept
+in float. For a module, an exact name wins over a regex, which wins over a class name.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Hashable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from msquant.verify.base import FLOAT, ExportReader, module_of
+from msquant.verify.layer import DecodedLayer, trivial_g_idx
+from msquant.verify.report import Findings, LayerReport
+from msquant.verify.tensors import open_weights
+from msquant.verify.unpack import unpack_int32_stream, words_needed
+
+__all__ = ["CompressedTensorsReader", "CTScheme"]
+
+PACK_QUANTIZED = "pack-quantized"
+PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+ARG_KEYS = {
+    "num_bits",
+    "type",
+    "symmetric",
+    "group_size",
+    "strategy",
+    "block_structure",
+    "dynamic",
+    "actorder",
+    "scale_dtype",
+    "zp_dtype",
+    "observer",
+    "observer_kwargs",
+}
+ALLOWED_ACTORDER = (None, "weight", "static")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INT_DTYPES = (torch.int64, torch.int32)
+CLASS_TARGETS = ("Linear",)
+EMBEDDING_HINTS = ("embed", "wte", "wpe")
+
+TRANSFORMERS_ASYM = (
+    "transformers loads asymmetric pack-quantized weights only with "
+    "CompressedTensorsConfig(dequantize=True) (the default loader fails on weight_zero_point)"
+)
+VLLM_BITS = "vLLM's CompressedTensorsWNA16 loads pack-quantized weights of 2 to 8 bits only"
+
+
+@dataclass(frozen=True)
+class CTScheme:
+    """The weight scheme of one config group."""
+
+    group: str
+    bits: int
+    symmetric: bool
+    strategy: str  # channel | group
+    group_size: int | None
+
+    def key(self) -> Hashable:
+        """What two fused shards must share (the group name does not matter)."""
+        return (self.bits, self.symmetric, self.strategy, self.group_size)
+
+    def describe(self) -> str:
+        """E.g. ``int4 group 32 asym (group_0)``."""
+        scope = "per-channel" if self.strategy == "channel" else f"group {self.group_size}"
+        return f"int{self.bits} {scope} {'sym' if self.symmetric else 'asym'} ({self.group})"
+
+
+@dataclass(frozen=True)
+class _Group:
+    name: str
+    targets: tuple[str, ...]
+    scheme: CTScheme | None
+
+
+class CompressedTensorsReader(ExportReader):
+    """Checks ``quantization_config`` and every ``weight_packed`` set."""
+
+    format_name = "compressed-tensors"
+
+    def __init__(self, directory: Path, findings: Findings, config: dict[str, Any]) -> None:
+        super().__init__(directory, findings)
+        self.qconfig: dict[str, Any] = dict(config.get("quantization_config") or {})
+        self._check_top_level()
+        self.groups = self._config_groups()
+        ignore = self.qconfig.get("ignore") or []
+        self.ignore: tuple[str, ...] = (
+            tuple(str(i) for i in ignore) if isinstance(ignore, list) else ()
+        )
+        self.store = open_weights(directory, "model", findings)
+        self.modules = self._find_modules()
+        self.packed = {f"{m}.{part}" for m in self.modules for part in PARTS}
+        self._check_float_modules()
+
+    # --- config ----------------------------------------------------------------------------
+
+    def _check_top_level(self) -> None:
+        where = "config.json quantization_config"
+        status = self.qconfig.get("quantization_status")
+        if status != "compressed":
+            self.findings.error(
+                f"{where}: quantization_status {status!r}, expected 'compressed' for a saved checkpoint"
+            )
+        if "format" not in self.qconfig:
+            self.findings.error(f"{where} lacks 'format' (vLLM and transformers read it)")
+        if not isinstance(self.qconfig.get("ignore", []), list):
+            self.findings.error(f"{where}: ignore must be a list")
+
+    def _config_groups(self) -> list[_Group]:
+        groups = self.qconfig.get("config_groups")
+        if not isinstance(groups, dict) or not groups:
+            self.findings.error("config.json quantization_config lacks config_groups")
+            return []
+        found = []
+        for name, group in groups.items():
+            where = f"quantization_config.config_groups.{name}"
+            if not isinstance(group, dict):
+                self.findings.error(f"{where} must be an object")
+                continue
+            targets = group.get("targets")
+            if not isinstance(targets, list) or not targets:
+                self.findings.error(f"{where}.targets must be a non-empty list")
+                targets = []
+            found.append(
+                _Group(name, tuple(str(t) for t in targets), self._group_scheme(name, group))
+            )
+        return found
+
+    def _group_scheme(self, name: str, group: dict[str, Any]) -> CTScheme | None:
+        where = f"quantization_config.config_groups.{name}"
+        group_format = group.get("format") or self.qconfig.get("format")
+        if group_format != PACK_QUANTIZED:
+            self.findings.error(
+                f"{where}: format {group_format!r} is not verified by msquant verify "
+                f"(it reads {PACK_QUANTIZED} weight-only checkpoints)"
+            )
+            return None
+        for key in ("input_activations", "output_activations"):
+            if group.get(key) is not None:
+                self.findings.error(
+                    f"{where}.{key} is set: activation quantization is not verified by msquant verify"
+                )
+                return None
+        weights = group.get("weights")
+        if not isinstance(weights, dict):
+            self.findings.error(f"{where}.weights must be an object")
+            return None
+        return self._weight_args(name, weights, f"{where}.weights")
+
+    def _weight_args(self, name: str, args: dict[str, Any], where: str) -> CTScheme | None:
+        unknown = sorted(set(args) - ARG_KEYS)
+        if unknown:
+            self.findings.error(
+                f"{where}: unknown key(s) {unknown} (compressed-tensors forbids extras)"
+            )
+        bits, kind = args.get("num_bits"), args.get("type", "int")
+        symmetric, group_size = args.get("symmetric", True), args.get("group_size")
+        strategy = args.get("strategy") or _inferred_strategy(group_size)
+        ok = not unknown
+        if (
+            kind != "int"
+            or not isinstance(bits, int)
+            or isinstance(bits, bool)
+            or not 1 <= bits <= 8
+        ):
+            self.findings.error(
+                f"{where}: expected an int type of 1 to 8 bits, got {kind} {bits!r}"
+            )
+            ok = False
+        if not isinstance(symmetric, bool):
+            self.findings.error(f"{where}: symmetric must be true or false")
+            ok = False
+        if args.get("dynamic") not in (None, False):
+            self.findings.error(f"{where}: dynamic weights cannot be stored packed")
+            ok = False
+        if args.get("actorder") not in ALLOWED_ACTORDER:
+            self.findings.error(
+                f"{where}: actorder {args.get('actorder')!r} was removed from compressed-tensors "
+                "(0.20 accepts 'weight', 'static' or null; vLLM rejects the others)"
+            )
+            ok = False
+        ok = self._check_strategy(where, strategy, group_size) and ok
+        if not ok or not isinstance(bits, int) or not isinstance(strategy, str):
+            return None
+        size = group_size if strategy == "group" else None
+        return CTScheme(name, bits, bool(symmetric), strategy, size)
+
+    def _check_strategy(self, where: str, strategy: object, group_size: object) -> bool:
+        if strategy == "group":
+            if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0:
+                self.findings.error(f"{where}: strategy group needs a positive group_size")
+                return False
+            return True
+        if strategy == "channel":
+            if group_size not in (None, -1):
+                self.findings.error(f"{where}: group_size {group_size} needs strategy group")
+                return False
+            return True
+        self.findings.error(
+            f"{where}: strategy {strategy!r} is not verified by msquant verify (channel or group; "
+            "vLLM's weight-only scheme takes only these)"
+        )
+        return False
+
+    # --- module matching ------------------------------------------------------------------
+
+    def _matches(self, module: str, target: str, by_class: bool) -> int:
+        """Match strength of ``target`` on ``module``: 3 exact, 2 regex, 1 class, 0 none."""
+        if target == module:
+            return 3
+        if target.startswith("re:"):
+            try:
+                return 2 if re.match(target[3:], module) else 0
+            except re.error:
+                return 0
+        return 1 if by_class and target in CLASS_TARGETS else 0
+
+    def group_of(self, module: str, by_class: bool = True) -> tuple[_Group | None, int]:
+        """The config group targeting ``module`` (strongest match, then file order)."""
+        best: tuple[_Group | None, int] = (None, 0)
+        for group in self.groups:
+            strength = max((self._matches(module, t, by_class) for t in group.targets), default=0)
+            if strength > best[1]:
+                best = (group, strength)
+        return best
+
+    def ignored(self, module: str, by_class: bool = True) -> bool:
+        """Whether ``ignore`` lists ``module`` (exactly, by ``re:`` regex or by class)."""
+        return any(self._matches(module, entry, by_class) for entry in self.ignore)
+
+    def _find_modules(self) -> list[str]:
+        if self.store is None:
+            return []
+        modules = sorted({m for n in self.store.names() if (m := module_of(n, PARTS)) is not None})
+        for module in modules:
+            for name in self.store.names():
+                leaf = name[len(module) + 1 :] if name.startswith(f"{module}.") else None
+                if leaf is not None and leaf not in (*PARTS[:4], "bias"):
+                    self.findings.error(
+                        f"{name}: unexpected tensor for compressed layer {module} "
+                        f"(expected {', '.join(PARTS[:4])}, bias)"
+                    )
+        return modules
+
+    def _check_float_modules(self) -> None:
+        """Float linears that a target names must be quantized (or listed in ``ignore``)."""
+        if self.store is None:
+            return
+        for name in self.store.names():
+            module = name[: -len(".weight")] if name.endswith(".weight") else None
+            if module is None or len(self.store.infos[name].shape) != 2 or module in self.modules:
+                continue
+            group, strength = self.group_of(module)
+            if group is None or self.ignored(module):
+                continue
+            if strength >= 2:
+                self.findings.error(
+                    f"{name} is stored in float but {group.name} targets {module}, and ignore does "
+                    "not list it: loaders expect weight_packed"
+                )
+            elif not any(hint in module.rpartition(".")[2] for hint in EMBEDDING_HINTS):
+                self.findings.warn(
+                    f"{name} is stored in float but {group.name} targets class Linear and ignore "
+                    f"does not list {module}: if it is a Linear, loaders expect weight_packed"
+                )
+
+    # --- layers ----------------------------------------------------------------------------
+
+    def quantized_modules(self) -> list[str]:
+        return list(self.modules)
+
+    def scheme_of(self, module: str) -> CTScheme | None:
+        """The scheme a loader applies to ``module`` (None when untargeted or ignored)."""
+        group, _ = self.group_of(module)
+        if group is None or self.ignored(module):
+            return None
+        return group.scheme
+
+    def entry(self, module: str) -> LayerReport:
+        scheme = self.scheme_of(module)
+        if scheme is None:
+            return LayerReport(module, PACK_QUANTIZED)
+        return LayerReport(module, scheme.group, scheme.bits, scheme.group_size, scheme.symmetric)
+
+    def decode(self, module: str) -> DecodedLayer | None:
+        group, _ = self.group_of(module)
+        if group is None:
+            self.findings.error(
+                f"{module}.weight_packed is stored but no config_groups target matches {module}"
+            )
+            return None
+        if self.ignored(module):
+            self.findings.error(f"{module}.weight_packed is stored but ignore lists {module}")
+            return None
+        if group.scheme is None or self.store is None:
+            return None  # the group's config error is already reported
+        scheme = group.scheme
+        names = {part: f"{module}.{part}" for part in PARTS}
+        if names["weight_g_idx"] in self.store:
+            self.findings.error(
+                f"{names['weight_g_idx']}: weight_g_idx no longer exists in compressed-tensors"
+            )
+        if scheme.symmetric and names["weight_zero_point"] in self.store:
+            self.findings.error(
+                f"{names['weight_zero_point']}: stored for a symmetric scheme ({scheme.group}), "
+                "which has no zero point"
+            )
+        present = [
+            self.expect(names["weight_packed"], (torch.int32,), None),
+            self.expect(names["weight_shape"], INT_DTYPES, (2,)),
+            self.expect(names["weight_scale"], FLOAT_DTYPES, None),
+        ]
+        if not all(present):
+            return None
+        return self._decode_checked(module, scheme, names)
+
+    def _decode_checked(
+        self, module: str, scheme: CTScheme, names: dict[str, str]
+    ) -> DecodedLayer | None:
+        assert self.store is not None
+        out_features, in_features = (int(v) for v in self.store.get(names["weight_shape"]).tolist())
+        bits = scheme.bits
+        packed = (out_features, words_needed(in_features, bits))
+        where = f" ({scheme.describe()}, weight_shape [{out_features}, {in_features}])"
+        if not self.expect(names["weight_packed"], (torch.int32,), packed, where):
+            return None
+        width = in_features if scheme.group_size is None else scheme.group_size
+        groups = -(-in_features // width)
+        if not self.expect(names["weight_scale"], FLOAT_DTYPES, (out_features, groups), where):
+            return None
+        codes, clean = unpack_int32_stream(
+            self.store.get(names["weight_packed"]), bits, in_features, 1
+        )
+        if not clean:
+            self.findings.error(
+                f"{names['weight_packed']}: padding bits after the last code are not zero"
+            )
+        half = 2 ** (bits - 1)
+        offset = torch.zeros(out_features, groups, dtype=torch.float32)
+        if not scheme.symmetric:
+            zero_shape = (words_needed(out_features, bits), groups)
+            if not self.expect(names["weight_zero_point"], (torch.int32,), zero_shape, where):
+                return None
+            zeros, clean = unpack_int32_stream(
+                self.store.get(names["weight_zero_point"]), bits, out_features, 0
+            )
+            if not clean:
+                self.findings.error(
+                    f"{names['weight_zero_point']}: padding bits after the last zero point are not zero"
+                )
+            offset = (zeros - half).to(torch.float32)
+        scale = self.store.get(names["weight_scale"])
+        return DecodedLayer(
+            name=module,
+            scheme=scheme.group,
+            bits=bits,
+            group_size=scheme.group_size,
+            codes=(codes - half).to(torch.int32),
+            scale=scale.to(torch.float32),
+            offset=offset,
+            g_idx=trivial_g_idx(in_features, width),
+            scale_dtype=scale.dtype,
+            tensors={
+                "codes": names["weight_packed"],
+                "scale": names["weight_scale"],
+                "offset": names["weight_zero_point"],
+                "g_idx": f"{module} (implicit groups)",
+            },
+        )
+
+    def consumer_notes(self, layer: DecodedLayer) -> None:
+        scheme = self.scheme_of(layer.name)
+        if scheme is None:
+            return
+        if not scheme.symmetric:
+            self.findings.note(TRANSFORMERS_ASYM, layer.name)
+        if scheme.bits < 2:
+            self.findings.note(VLLM_BITS, layer.name)
+
+    def schemes(self) -> tuple[dict[str, Hashable], dict[str, str]]:
+        schemes: dict[str, Hashable] = {}
+        describe: dict[str, str] = {}
+        if self.store is None:
+            return schemes, describe
+        for name in self.store.names():
+            if name.endswith(".weight") and len(self.store.infos[name].shape) == 2:
+                module = name[: -len(".weight")]
+                schemes[module], describe[module] = FLOAT, FLOAT
+        for module in self.modules:
+            scheme = self.scheme_of(module)
+            schemes[module] = scheme.key() if scheme is not None else FLOAT
+            describe[module] = scheme.describe() if scheme is not None else FLOAT
+        return schemes, describe
+
+
+def _inferred_strategy(group_size: object) -> str:
+    """compressed-tensors' default: no group_size -> tensor, -1 -> channel, positive -> group."""
+    if group_size is None:
+        return "tensor"
+    return "channel" if group_size == -1 else "group"

@@ -1,0 +1,167 @@
+"""``verify_export`` and ``check_export``: read an export back and check it layer by layer.
+
+Layers are decoded one at a time (only one layer's tensors are in memory), each by the reader of
+its format, then checked the same way whatever the format: parameter values, the consumer rules
+of the format, the in-memory reference (codes bit for bit), the original weights (relative
+error), and the fused-shard rule (q/k/v and gate/up must share a scheme).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+from msquant.model.fused import fused_group_problems
+from msquant.quant.quantized_weight import QuantizedWeight
+from msquant.verify.base import ExportReader, ties_word_embeddings
+from msquant.verify.compare import (
+    compare_float_tensor,
+    compare_original,
+    compare_reference,
+    missing_modules,
+    open_original,
+)
+from msquant.verify.detect import open_reader
+from msquant.verify.errors import ExportVerificationError
+from msquant.verify.layer import check_values
+from msquant.verify.report import Findings, LayerReport, VerifyReport
+from msquant.verify.tensors import TensorStore
+
+__all__ = ["verify_export", "check_export"]
+
+logger = logging.getLogger(__name__)
+
+
+def verify_export(
+    save_path: str | Path,
+    *,
+    reference: Mapping[str, QuantizedWeight] | None = None,
+    model_path: str | Path | None = None,
+) -> VerifyReport:
+    """Read an export folder back and check it; never raises for an inconsistent export.
+
+    :param save_path: an Ascend (msModelSlim v1 or MindIE naming), GPTQ or compressed-tensors
+        export folder; the format is detected.
+    :param reference: module name -> the in-memory :class:`~msquant.QuantizedWeight` of the same
+        run: codes must match bit for bit, zero points exactly, scales within the rounding of
+        their stored dtype, and the module sets must be equal.
+    :param model_path: the original float model folder: per-layer relative error against its
+        weights (bound: :func:`msquant.verify.compare.relative_error_bound`), float tensors equal.
+    :returns: the report; ``report.ok`` is False when any consistency error was found.
+    :raises ExportReadError: when ``save_path`` is missing or holds no known format.
+    :raises msquant.ModelLoadError: when ``model_path`` cannot be read.
+    """
+    path = Path(save_path).expanduser().absolute()
+    findings = Findings()
+    reader = open_reader(path, findings)
+    original = open_original(model_path) if model_path is not None else None
+    report = VerifyReport(reader.format_name, path)
+    try:
+        modules = reader.quantized_modules()
+        if not modules and reader.store is not None:
+            findings.warn("no quantized layer found: every weight is stored in float")
+        if reference is not None:
+            missing_modules(modules, reference, findings)
+        for module in modules:
+            report.layers.append(_check_layer(reader, module, reference, original, findings))
+        for problem in fused_group_problems(*reader.schemes()):
+            findings.error(problem)
+        reader.finish()
+        if original is not None:
+            _check_float_tensors(reader, original, path, findings)
+    finally:
+        if reader.store is not None:
+            reader.store.close()
+        if original is not None:
+            original.close()
+    report.errors = list(findings.errors)
+    report.warnings = findings.warnings + findings.grouped_warnings()
+    logger.debug(
+        "verified %s export %s: %d layer(s), %d error(s), %d warning(s)",
+        report.format,
+        path,
+        len(report.layers),
+        len(report.errors),
+        len(report.warnings),
+    )
+    return report
+
+
+def _check_layer(
+    reader: ExportReader,
+    module: str,
+    reference: Mapping[str, QuantizedWeight] | None,
+    original: TensorStore | None,
+    findings: Findings,
+) -> LayerReport:
+    entry = reader.entry(module)
+    layer = reader.decode(module)
+    if layer is None:
+        return entry
+    entry.bits, entry.group_size = layer.bits, layer.group_size
+    if entry.symmetric is None:  # the format does not declare it (Ascend): read it off the offsets
+        entry.symmetric = layer.symmetric
+    values_ok = check_values(layer, findings)
+    reader.consumer_notes(layer)
+    if reference is not None and module in reference:
+        compare_reference(layer, reference[module], entry, findings)
+    if original is not None and values_ok:
+        weight = f"{module}.weight"
+        if weight in original:
+            compare_original(layer, original.get(weight), entry, findings)
+        else:
+            findings.error(f"{module}: stored quantized but the original model has no {weight}")
+    return entry
+
+
+def _check_float_tensors(
+    reader: ExportReader, original: TensorStore, path: Path, findings: Findings
+) -> None:
+    """Float tensors equal the original's; no original tensor is lost."""
+    if reader.store is None:
+        return
+    for name in reader.float_tensors():
+        if name in original:
+            compare_float_tensor(name, reader.store.get(name), original.get(name), findings)
+    quantized = {f"{m}.weight" for m in reader.quantized_modules()}
+    tied = ties_word_embeddings(_config(path))
+    for name in original.names():
+        if name in reader.store or name in quantized:
+            continue
+        if tied and name.endswith("lm_head.weight"):
+            continue
+        findings.error(f"{name} of the original model is missing from the export")
+
+
+def _config(path: Path) -> dict[str, object] | None:
+    try:
+        data = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def check_export(
+    save_path: str | Path,
+    *,
+    reference: Mapping[str, QuantizedWeight] | None = None,
+    model_path: str | Path | None = None,
+) -> VerifyReport:
+    """:func:`verify_export`, logging its warnings and raising when the export is inconsistent.
+
+    :raises ExportVerificationError: listing the errors (``.report`` holds the full report).
+    :raises ExportReadError: when ``save_path`` is missing or holds no known format.
+    """
+    report = verify_export(save_path, reference=reference, model_path=model_path)
+    for warning in report.warnings:
+        logger.warning("%s export: %s", report.format, warning)
+    if not report.ok:
+        raise ExportVerificationError(report)
+    logger.info(
+        "verified the %s export: %d quantized layer(s) consistent",
+        report.format,
+        len(report.layers),
+    )
+    return report

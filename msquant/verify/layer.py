@@ -1,0 +1,116 @@
+"""The decoded form every format reader produces, and the checks common to all formats.
+
+A :class:`DecodedLayer` uses msquant's signed convention whatever the file format: codes in
+``[-2^(b-1), 2^(b-1)-1]``, a signed zero point ``offset``, and ``w = (codes - offset) * scale``
+with the parameters of column ``i`` taken from group ``g_idx[i]``. Readers convert unsigned
+storage (GPTQ, compressed-tensors: ``q + 2^(b-1)``) into it, so comparisons with the in-memory
+:class:`msquant.QuantizedWeight` are direct.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from msquant.verify.report import Findings
+
+__all__ = ["DecodedLayer", "check_values", "signed_range", "trivial_g_idx"]
+
+
+def signed_range(bits: int) -> tuple[int, int]:
+    """``(-2^(b-1), 2^(b-1) - 1)``."""
+    return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+
+
+@dataclass
+class DecodedLayer:
+    """One quantized linear read back from an export.
+
+    :param name: module name.
+    :param scheme: the format's name for the scheme (for the report).
+    :param bits: code width.
+    :param group_size: group width (``None`` when one group spans all input columns).
+    :param codes: int32 signed codes ``[out, in]``.
+    :param scale: float32 ``[out, G]`` (converted from the storage dtype).
+    :param offset: float32 signed zero points ``[out, G]``.
+    :param g_idx: int64 group of every input column ``[in]``.
+    :param scale_dtype: dtype the scales are stored in (sets the tolerance against a reference).
+    :param tensors: role (``codes``, ``scale``, ``offset``, ``g_idx``) -> stored tensor name, for
+        messages.
+    """
+
+    name: str
+    scheme: str
+    bits: int
+    group_size: int | None
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+    g_idx: torch.Tensor
+    scale_dtype: torch.dtype
+    tensors: dict[str, str]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(out_features, in_features)``."""
+        return int(self.codes.shape[0]), int(self.codes.shape[1])
+
+    @property
+    def symmetric(self) -> bool:
+        """True when every zero point is 0 (the symmetric one)."""
+        return not bool(torch.count_nonzero(self.offset))
+
+    @property
+    def effective_group_size(self) -> int:
+        """Group width in columns (``in_features`` when per-channel)."""
+        return self.shape[1] if self.group_size is None else self.group_size
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight ``(codes - offset[:, g_idx]) * scale[:, g_idx]``."""
+        index = self.g_idx.to(torch.int64)
+        return (self.codes.to(torch.float32) - self.offset[:, index]) * self.scale[:, index]
+
+
+def check_values(layer: DecodedLayer, findings: Findings) -> bool:
+    """Scales finite and positive, zero points finite and in the code range, g_idx in range.
+
+    :returns: whether the layer can be dequantized meaningfully (no error recorded here).
+    """
+    before = len(findings.errors)
+    scale_name = layer.tensors["scale"]
+    finite = torch.isfinite(layer.scale)
+    if not bool(finite.all()):
+        findings.error(f"{scale_name}: {int((~finite).sum())} non-finite scale(s)")
+    non_positive = finite & (layer.scale <= 0)
+    if bool(non_positive.any()):
+        findings.error(f"{scale_name}: {int(non_positive.sum())} scale(s) <= 0")
+    offset_name = layer.tensors["offset"]
+    qmin, qmax = signed_range(layer.bits)
+    finite = torch.isfinite(layer.offset)
+    if not bool(finite.all()):
+        findings.error(f"{offset_name}: {int((~finite).sum())} non-finite zero point(s)")
+    outside = finite & ((layer.offset < qmin) | (layer.offset > qmax))
+    if bool(outside.any()):
+        findings.error(
+            f"{offset_name}: {int(outside.sum())} zero point(s) outside the {layer.bits}-bit code "
+            f"range [{qmin}, {qmax}] (signed convention)"
+        )
+    codes_outside = (layer.codes < qmin) | (layer.codes > qmax)
+    if bool(codes_outside.any()):
+        findings.error(
+            f"{layer.tensors['codes']}: {int(codes_outside.sum())} code(s) outside the "
+            f"{layer.bits}-bit range"
+        )
+    groups = int(layer.scale.shape[1])
+    if layer.g_idx.numel() and (int(layer.g_idx.min()) < 0 or int(layer.g_idx.max()) >= groups):
+        findings.error(
+            f"{layer.tensors['g_idx']}: group indices outside [0, {groups - 1}] "
+            f"(found {int(layer.g_idx.min())}..{int(layer.g_idx.max())})"
+        )
+    return len(findings.errors) == before
+
+
+def trivial_g_idx(in_features: int, group_size: int) -> torch.Tensor:
+    """``i // group_size`` for every input column (int64)."""
+    return torch.arange(in_features, dtype=torch.int64) // group_size

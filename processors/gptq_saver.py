@@ -1,0 +1,633 @@
+"""``gptq_saver``: GPTQ checkpoints (GPTQModel / AutoGPTQ layout) for vLLM, SGLang, transformers.
+
+Sample yaml::
+
+    spec:
+      process:
+        - type: linear_quant
+          qconfig:
+            weight: {scope: per_group, dtype: int4, symmetric: true, method: gptq,
+                     ext: {group_size: 128}}
+      save:
+        - type: gptq_saver
+          part_file_size: 4          # GiB per shard; 0 = one model.safetensors
+          checkpoint_format: auto    # gptq (v1) when symmetric, gptq_v2 when asymmetric
+          strict: false              # true: refuse what vLLM cannot serve instead of warning
+
+Files written (a Hugging Face checkpoint folder):
+
+* ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` (or one
+  ``model.safetensors`` when ``part_file_size`` is 0);
+* ``config.json`` with ``quantization_config``, and the identical ``quantize_config.json``;
+* the model's tokenizer / generation files.
+
+Per quantized linear ``P`` (``b`` bits, ``G`` groups): ``P.qweight`` int32 ``[in*b/32, out]``
+(unsigned codes packed along the input dimension, least significant bits first), ``P.qzeros`` int32
+``[G, out*b/32]`` (unsigned zero points packed along the output dimension; ``gptq`` stores
+``(zero - 1) mod 2^b``, ``gptq_v2`` stores ``zero``; ``auto``, the default, writes ``gptq`` for
+symmetric and ``gptq_v2`` for asymmetric weights, because v1 cannot store an asymmetric zero point
+of 0: ``0 - 1`` wraps to ``2^b - 1``, and the loaders' word-wise ``+0x11111111`` then carries into
+the next column), ``P.scales`` float16 ``[G, out]``, ``P.g_idx``
+int32 ``[in]`` (always ``i // group_size``, hence ``desc_act: false``) and ``P.bias`` float16.
+Dequantization: ``W[o, i] = scales[g, o] * (q[i, o] - zero[g, o])`` with ``g = g_idx[i]``. Every
+other tensor keeps its dtype; tied weights are stored once.
+
+The base ``quantization_config`` is the most common scheme (bits, group size, symmetry); modules
+quantized otherwise get a positive ``dynamic`` rule, linear layers of the decoder layers left in
+float a negative (``-:``) one. Rules are full-name regexes written so that they also match the
+names vLLM matches them against: the fused ``qkv_proj`` / ``gate_up_proj``. Layers vLLM fuses must
+therefore share one scheme, or the export is refused.
+
+Consumers: vLLM 0.33 and SGLang serve only 4/8-bit symmetric GPTQ (Marlin kernels, which also
+limit layer shapes); other results are logged as warnings (errors under ``strict: true``) that point
+to ``type: compressed_tensors``. transformers (optimum + gptqmodel) loads every bit width and
+asymmetric weights but ignores ``dynamic``, so mixed exports are for vLLM, SGLang and GPTQModel.
+
+Lifecycle: ``after_layer`` checks and writes the layer's tensors (shard by shard) and records the
+scheme of each of its linear layers; ``finalize`` adds the remaining tensors (embeddings, final
+norm, head) and writes the configuration files.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+import msquant
+from msquant import (
+    DecoderLayer,
+    Processor,
+    ProcessorConfig,
+    QuantizationError,
+    QuantizedLinear,
+    RunContext,
+    ShardedSafetensorsWriter,
+    fused_group_problems,
+    fused_groups,
+    hf_weights_writer,
+    pack_int32,
+    unique_state_items,
+    write_hf_config,
+)
+
+__all__ = [
+    "GPTQSaverConfig",
+    "GPTQSaver",
+    "GPTQScheme",
+    "gptq_module_tensors",
+    "build_quantization_config",
+]
+
+logger = logging.getLogger(__name__)
+
+CheckpointFormat = Literal["gptq", "gptq_v2"]
+CheckpointFormatChoice = Literal["auto", "gptq", "gptq_v2"]
+
+QUANTIZE_CONFIG_FILE = "quantize_config.json"
+SUPPORTED_BITS = (2, 3, 4, 8)
+#: Bit widths GPTQModel stores only in its planar ``gptq_p`` format.
+PLANAR_BITS = (5, 6, 7)
+#: (bits, sym) pairs vLLM 0.33 / SGLang serve from a GPTQ checkpoint (``uint4b8``, ``uint8b128``).
+VLLM_BITS = (4, 8)
+MARLIN_OUT_MULTIPLE = 64
+MARLIN_IN_MULTIPLE = 128
+MARLIN_GROUP_SIZES = (-1, 32, 64, 128)
+#: How many offending modules a warning lists before "and N more".
+LISTED_MODULES = 6
+CT_ALTERNATIVE = (
+    "use `type: compressed_tensors` instead (pack-quantized, which vLLM serves asymmetric and "
+    "2-8 bit)"
+)
+
+DYNAMIC_WARNING = (
+    "the layers are not all quantized alike, so the checkpoint carries GPTQModel `dynamic` rules; "
+    "vLLM, SGLang and GPTQModel apply them, but transformers (optimum) ignores them and expects "
+    "every linear layer of the decoder layers in the base scheme, so it cannot load this "
+    "checkpoint; for transformers use `type: compressed_tensors`"
+)
+
+
+class GPTQSaverConfig(ProcessorConfig):
+    """Config of ``gptq_saver``."""
+
+    type: Literal["gptq_saver"] = "gptq_saver"
+    part_file_size: int = Field(4, ge=0, description="Shard size in GiB; 0 writes a single file.")
+    checkpoint_format: CheckpointFormatChoice = Field(
+        "auto",
+        description="`gptq` (v1, AutoGPTQ legacy: qzeros store zero - 1), `gptq_v2` (qzeros "
+        "store the zero point; GPTQModel loads asymmetric v2 checkpoints from any quantizer) or "
+        "`auto`: v1 when the first quantized layer is symmetric, v2 when it is asymmetric.",
+    )
+    strict: bool = Field(
+        False,
+        description="Refuse (instead of warning about) results vLLM cannot serve: asymmetric or "
+        "not 4/8-bit weights.",
+    )
+
+
+@dataclass(frozen=True)
+class GPTQScheme:
+    """The per-module settings a GPTQ ``quantization_config`` expresses.
+
+    ``group_size`` is -1 for per-channel weights, as GPTQ writes it.
+    """
+
+    bits: int
+    group_size: int
+    sym: bool
+
+    @classmethod
+    def of(cls, module: QuantizedLinear) -> GPTQScheme:
+        """The scheme of a quantized linear layer."""
+        group_size = -1 if module.group_size is None else module.group_size
+        return cls(module.bits, group_size, module.symmetric)
+
+    def describe(self) -> str:
+        """Human-readable form, e.g. ``int4 group 32 sym``."""
+        scope = "per-channel" if self.group_size == -1 else f"group {self.group_size}"
+        return f"int{self.bits} {scope} {'sym' if self.sym else 'asym'}"
+
+    def as_config(self) -> dict[str, Any]:
+        """The ``bits`` / ``group_size`` / ``sym`` keys of a ``quantization_config``."""
+        return {"bits": self.bits, "group_size": self.group_size, "sym": self.sym}
+
+    def overrides(self, base: GPTQScheme) -> dict[str, Any]:
+        """The keys of a positive ``dynamic`` rule: only those that differ from ``base``."""
+        mine, theirs = self.as_config(), base.as_config()
+        return {key: value for key, value in mine.items() if theirs[key] != value}
+
+    @property
+    def vllm_servable(self) -> bool:
+        """Whether vLLM 0.33 / SGLang have a GPTQ kernel for it (4/8-bit symmetric)."""
+        return self.sym and self.bits in VLLM_BITS
+
+
+#: A linear layer's scheme, or ``None`` for a linear layer left in float.
+MaybeScheme = GPTQScheme | None
+#: A linear layer of a decoder layer, before or after quantization.
+LinearLike = nn.Linear | QuantizedLinear
+
+
+@dataclass(frozen=True)
+class RuleUnit:
+    """What one ``dynamic`` rule must cover inside a decoder layer: a linear layer, or a whole
+    fused group (vLLM matches rules against the fused name, GPTQModel against each member's).
+
+    :param layer: the decoder layer's full name, e.g. ``model.layers.0``.
+    :param pattern: regex of the unit relative to the layer, e.g.
+        ``self_attn\\.(?:q_proj|k_proj|v_proj|qkv_proj)``.
+    :param scheme: the unit's scheme (shared by all members), ``None`` when left in float.
+    :param name: the name vLLM sees (the fused name for a group).
+    :param members: the Hugging Face module names the unit stands for.
+    :param out_features: output width vLLM sees (summed over a fused group's members).
+    :param in_features: input width.
+    """
+
+    layer: str
+    pattern: str
+    scheme: MaybeScheme
+    name: str
+    members: tuple[str, ...]
+    out_features: int
+    in_features: int
+
+
+def _fail(name: str, message: str) -> QuantizationError:
+    return QuantizationError(f"gptq_saver: {name}: {message}")
+
+
+def check_bits(name: str, bits: int) -> None:
+    """Refuse bit widths the (non-planar) GPTQ layout cannot hold.
+
+    :raises QuantizationError: naming the module and the alternative.
+    """
+    if bits in SUPPORTED_BITS:
+        return
+    if bits in PLANAR_BITS:
+        raise _fail(
+            name,
+            f"int{bits} weights need GPTQModel's planar gptq_p format, which this saver does not "
+            f"write (GPTQ stores 2, 3, 4 or 8 bits); {CT_ALTERNATIVE}",
+        )
+    raise _fail(name, f"int{bits} weights cannot be stored as GPTQ (2, 3, 4 or 8 bits)")
+
+
+def fp16_scales(name: str, scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` (float32 ``[out, G]``) as GPTQ's float16 ``scales [G, out]``.
+
+    :raises QuantizationError: when a scale overflows float16 or a nonzero one flushes to 0.
+    """
+    half = scale.to(torch.float16)
+    overflow = ~torch.isfinite(half)
+    underflow = (half == 0) & (scale != 0)
+    if bool(overflow.any()) or bool(underflow.any()):
+        bad = scale[overflow | underflow]
+        raise _fail(
+            name,
+            f"{bad.numel()} scale(s) are not representable in float16 (e.g. {float(bad[0]):.3g}; "
+            "float16 holds about 6e-8 to 65504), which GPTQ requires; this weight cannot be "
+            "exported as GPTQ",
+        )
+    return half.t().contiguous()
+
+
+def stored_zero_points(
+    zeros: torch.Tensor, bits: int, checkpoint_format: CheckpointFormat
+) -> torch.Tensor:
+    """The zero-point fields GPTQ stores: ``(zero - 1) mod 2^b`` for v1 ``gptq``, ``zero`` for
+    ``gptq_v2``."""
+    if checkpoint_format == "gptq":
+        return torch.remainder(zeros - 1, 2**bits)
+    return zeros
+
+
+def check_v1_zero_points(name: str, zeros: torch.Tensor, symmetric: bool) -> None:
+    """v1 ``gptq`` cannot hold an asymmetric zero point of 0 (``0 - 1`` wraps and carries)."""
+    count = int((zeros == 0).sum()) if not symmetric else 0
+    if count:
+        raise _fail(
+            name,
+            f"{count} zero point(s) are 0, which the v1 `gptq` format cannot store (zero - 1 "
+            "wraps to 2^bits - 1 and the loaders' word-wise +1 carries into the next column); "
+            "set `checkpoint_format: gptq_v2` (or `auto`)",
+        )
+
+
+def _check_packable(name: str, bits: int, out_features: int, in_features: int) -> None:
+    """GPTQ packs whole int32 words: ``in * b`` and ``out * b`` must be multiples of 32."""
+    for what, width in (("in_features", in_features), ("out_features", out_features)):
+        if width * bits % 32:
+            raise _fail(
+                name,
+                f"{what} {width} times {bits} bits is not a multiple of 32, so the layer cannot "
+                "be packed into GPTQ's int32 words",
+            )
+
+
+def gptq_module_tensors(
+    name: str, module: QuantizedLinear, checkpoint_format: CheckpointFormat
+) -> dict[str, torch.Tensor]:
+    """The GPTQ tensors of one quantized linear layer ``name`` (CPU tensors, keyed by full name).
+
+    Reads the layer's :class:`msquant.QuantizedWeight` without modifying it.
+
+    :raises QuantizationError: for a bit width GPTQ cannot store, a shape that does not pack into
+        whole words, scales not representable in float16, or a bias overflowing float16.
+    """
+    weight = module.qweight
+    check_bits(name, weight.bits)
+    out_features, in_features = weight.shape
+    _check_packable(name, weight.bits, out_features, in_features)
+    codes = weight.unsigned_codes().cpu()
+    try:
+        zeros = weight.unsigned_zero_points().cpu()
+    except ValueError as error:
+        raise _fail(name, str(error)) from error
+    if checkpoint_format == "gptq":
+        check_v1_zero_points(name, zeros, weight.symmetric)
+    tensors = {
+        f"{name}.qweight": pack_int32(codes.t(), weight.bits, dim=0),
+        f"{name}.qzeros": pack_int32(
+            stored_zero_points(zeros.t(), weight.bits, checkpoint_format), weight.bits, dim=1
+        ),
+        f"{name}.scales": fp16_scales(name, weight.scale.cpu()),
+        f"{name}.g_idx": weight.g_idx(),
+    }
+    if module.bias is not None:
+        bias = module.bias.detach().cpu().to(torch.float16)
+        if not bool(torch.isfinite(bias).all()):
+            raise _fail(name, "the bias overflows float16, which GPTQ stores it in")
+        tensors[f"{name}.bias"] = bias
+    return tensors
+
+
+def _alternation(names: Iterable[str]) -> str:
+    """``(?:a|b)`` of escaped names (the bare escaped name when there is one)."""
+    escaped = [re.escape(n) for n in dict.fromkeys(names)]
+    return escaped[0] if len(escaped) == 1 else f"(?:{'|'.join(escaped)})"
+
+
+def layers_pattern(layer_names: list[str]) -> str:
+    """A regex matching exactly the given decoder layer names (as a prefix of a module name).
+
+    Layers under one parent with numeric indices become ``model\\.layers\\.(?:0|1|5)``.
+    """
+    parents = {name.rpartition(".")[0] for name in layer_names}
+    indices = [name.rpartition(".")[2] for name in layer_names]
+    if len(parents) == 1 and all(index.isdigit() for index in indices):
+        (parent,) = parents
+        return f"{re.escape(parent)}\\.{_alternation(indices)}" if parent else _alternation(indices)
+    return _alternation(layer_names)
+
+
+def layer_units(
+    layer_name: str, linears: Mapping[str, tuple[MaybeScheme, LinearLike]]
+) -> list[RuleUnit]:
+    """The rule units of one decoder layer (fused groups and single linear layers), in module order.
+
+    :param linears: full module name -> (scheme, module) of every linear layer of the layer;
+        fused members must already be known to agree.
+    """
+    prefix = f"{layer_name}."
+    units = []
+    grouped: set[str] = set()
+    for group in fused_groups(linears):
+        parent, _, fused_leaf = group.fused_name.rpartition(".")
+        leaves = [m.rpartition(".")[2] for m in group.members] + [fused_leaf]
+        relative_parent = parent[len(prefix) :] if parent.startswith(prefix) else ""
+        head = f"{re.escape(relative_parent)}\\." if relative_parent else ""
+        first_scheme, first = linears[group.members[0]]
+        units.append(
+            RuleUnit(
+                layer_name,
+                head + _alternation(leaves),
+                first_scheme,
+                group.fused_name,
+                group.members,
+                sum(_features(linears[m][1])[0] for m in group.members),
+                _features(first)[1],
+            )
+        )
+        grouped.update(group.members)
+    for name, (scheme, module) in linears.items():
+        if name not in grouped:
+            out_features, in_features = _features(module)
+            relative = name[len(prefix) :] if name.startswith(prefix) else name
+            units.append(
+                RuleUnit(
+                    layer_name,
+                    re.escape(relative),
+                    scheme,
+                    name,
+                    (name,),
+                    out_features,
+                    in_features,
+                )
+            )
+    order = {name: position for position, name in enumerate(linears)}
+    return sorted(units, key=lambda unit: order[unit.members[0]])
+
+
+def _features(module: LinearLike) -> tuple[int, int]:
+    return int(module.out_features), int(module.in_features)
+
+
+def dynamic_rules(units: list[RuleUnit], base: GPTQScheme) -> dict[str, dict[str, Any]]:
+    """GPTQModel ``dynamic`` rules: ``-:`` for float units, ``+:`` overrides for other schemes.
+
+    Units with the same relative pattern and the same rule across layers share one rule. Negative
+    rules come first (GPTQModel saves them so and vLLM applies rules in file order, first match
+    wins); every pattern is anchored with ``$`` so it matches exactly the names it is written for.
+    """
+    negative: dict[str, list[str]] = {}
+    positive: dict[tuple[str, tuple[tuple[str, Any], ...]], list[str]] = {}
+    for unit in units:
+        if unit.scheme is None:
+            negative.setdefault(unit.pattern, []).append(unit.layer)
+        elif unit.scheme != base:
+            key = (unit.pattern, tuple(unit.scheme.overrides(base).items()))
+            positive.setdefault(key, []).append(unit.layer)
+    rules: dict[str, dict[str, Any]] = {}
+    for pattern, layers in negative.items():
+        rules[f"-:{layers_pattern(layers)}\\.{pattern}$"] = {}
+    for (pattern, override), layers in positive.items():
+        rules[f"+:{layers_pattern(layers)}\\.{pattern}$"] = dict(override)
+    return rules
+
+
+def base_scheme(schemes: Iterable[MaybeScheme]) -> GPTQScheme:
+    """The most common scheme among quantized modules (the first seen on a tie).
+
+    :raises QuantizationError: when no module is quantized.
+    """
+    counts = Counter(scheme for scheme in schemes if scheme is not None)
+    if not counts:
+        raise QuantizationError(
+            "gptq_saver: no linear layer was quantized, so there is nothing to export as GPTQ; "
+            "add a linear_quant step to spec.process (or check its include/exclude patterns)"
+        )
+    return counts.most_common(1)[0][0]
+
+
+def build_quantization_config(
+    units: list[RuleUnit], checkpoint_format: CheckpointFormat, methods: Iterable[str]
+) -> dict[str, Any]:
+    """The ``quantization_config`` (also ``quantize_config.json``) for the recorded units."""
+    base = base_scheme(unit.scheme for unit in units for _ in unit.members)
+    config: dict[str, Any] = {
+        "bits": base.bits,
+        "group_size": base.group_size,
+        "desc_act": False,
+        "sym": base.sym,
+        "lm_head": False,
+        "method": "gptq",
+        "quant_method": "gptq",
+        "format": checkpoint_format,
+        "checkpoint_format": checkpoint_format,
+        "pack_dtype": "int32",
+    }
+    rules = dynamic_rules(units, base)
+    if rules:
+        config["dynamic"] = rules
+    config["meta"] = {
+        "quantizer": [f"msquant:{msquant.__version__}"],
+        "msquant_methods": sorted(set(methods)),
+    }
+    return config
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:LISTED_MODULES])
+    more = len(names) - LISTED_MODULES
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
+def vllm_problem_message(units: list[RuleUnit], checkpoint_format: CheckpointFormat) -> str | None:
+    """Why vLLM 0.33 / SGLang cannot serve these units as GPTQ (None when they can)."""
+    bad = [u for u in units if u.scheme is not None and not u.scheme.vllm_servable]
+    if not bad:
+        return None
+    kinds = sorted({u.scheme.describe() for u in bad if u.scheme is not None})
+    members = [name for unit in bad for name in unit.members]
+    message = (
+        f"{_listing(members)} ({', '.join(kinds)}): vLLM 0.33 and SGLang serve GPTQ checkpoints "
+        "only 4- or 8-bit symmetric (transformers with optimum + gptqmodel and GPTQModel load "
+        f"this one); for vLLM {CT_ALTERNATIVE}"
+    )
+    if checkpoint_format == "gptq" and any(not u.scheme.sym for u in bad if u.scheme is not None):
+        message += (
+            ". GPTQModel also refuses sym=false checkpoints in the v1 `gptq` format that gptqmodel "
+            "did not make: set `checkpoint_format: gptq_v2` (transformers + optimum load both)"
+        )
+    return message
+
+
+def marlin_problem_message(units: list[RuleUnit]) -> str | None:
+    """Which quantized units break the shape limits of vLLM's Marlin GPTQ kernels (None if none)."""
+    bad = []
+    for unit in units:
+        if unit.scheme is None:
+            continue
+        if (
+            unit.out_features % MARLIN_OUT_MULTIPLE
+            or unit.in_features % MARLIN_IN_MULTIPLE
+            or unit.scheme.group_size not in MARLIN_GROUP_SIZES
+        ):
+            shape = f"out {unit.out_features}, in {unit.in_features}"
+            bad.append(f"{unit.name} [{shape}, group_size {unit.scheme.group_size}]")
+    if not bad:
+        return None
+    return (
+        f"vLLM's GPTQ (Marlin) kernels need out_features % {MARLIN_OUT_MULTIPLE} == 0, "
+        f"in_features % {MARLIN_IN_MULTIPLE} == 0 and group_size in {list(MARLIN_GROUP_SIZES)} "
+        f"(at tensor-parallel size 1); these layers do not fit, so vLLM will not load this "
+        f"checkpoint: {_listing(bad)}. `type: compressed_tensors` (pack-quantized) is vLLM's "
+        "other weight-only format"
+    )
+
+
+class GPTQSaver(Processor):
+    """Writes a GPTQ checkpoint (qweight, qzeros, scales, g_idx) as layers finish."""
+
+    type_name = "gptq_saver"
+    config_class = GPTQSaverConfig
+    stage = "save"
+    config: GPTQSaverConfig
+
+    def setup(self, ctx: RunContext) -> None:
+        self.writer: ShardedSafetensorsWriter = hf_weights_writer(
+            self.output_dir(ctx), self.config.part_file_size
+        )
+        self.written: set[str] = set()
+        self.units: list[RuleUnit] = []
+        self.quantized: set[str] = set()
+        self.methods: set[str] = set()
+        choice = self.config.checkpoint_format
+        self.format: CheckpointFormat | None = None if choice == "auto" else choice
+
+    def _resolve_format(self, module: QuantizedLinear) -> CheckpointFormat:
+        """The checkpoint format, fixed by ``auto`` at the first quantized layer."""
+        if self.format is None:
+            self.format = "gptq" if module.symmetric else "gptq_v2"
+            logger.info("gptq_saver: checkpoint_format auto -> %s", self.format)
+        return self.format
+
+    def after_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
+        linears = self._layer_linears(layer)
+        for name, (scheme, _) in linears.items():
+            if scheme is not None:
+                check_bits(name, scheme.bits)
+        self._check_fused(layer, linears)
+        units = layer_units(layer.name, linears)
+        if self.config.strict:
+            problem = vllm_problem_message(units, self.format or "gptq_v2")
+            if problem:
+                raise QuantizationError(f"gptq_saver (strict): {problem}")
+        for name, (scheme, module) in linears.items():
+            if scheme is not None and isinstance(module, QuantizedLinear):
+                self._write_quantized(name, module)
+        for name, tensor in layer.module.state_dict(prefix=f"{layer.name}.").items():
+            if name not in self.written:
+                self._add(name, tensor)
+        self.units.extend(units)
+
+    def finalize(self, ctx: RunContext) -> None:
+        stray = sorted(
+            name
+            for name, module in ctx.model.named_modules()
+            if isinstance(module, QuantizedLinear) and name not in self.quantized
+        )
+        if stray:
+            raise QuantizationError(
+                f"gptq_saver: quantized layers outside the decoder layers ({_listing(stray)}) "
+                "are not supported (the GPTQ export keeps lm_head in float)"
+            )
+        quantization_config = build_quantization_config(
+            self.units, self.format or "gptq", self.methods
+        )
+        for name, tensor in unique_state_items(ctx.model):
+            if name not in self.written:
+                self._add(name, tensor)
+        self.writer.close()
+        write_hf_config(
+            ctx.model_path,
+            self.output_dir(ctx),
+            quantization_config,
+            {QUANTIZE_CONFIG_FILE: quantization_config},
+        )
+        self._warn_consumers(quantization_config)
+        logger.info(
+            "gptq_saver: %d quantized layers, %d tensors (%.1f MiB), base %s, %d dynamic rule(s)",
+            len(self.quantized),
+            len(self.written),
+            self.writer.total_bytes / 2**20,
+            GPTQScheme(
+                quantization_config["bits"],
+                quantization_config["group_size"],
+                quantization_config["sym"],
+            ).describe(),
+            len(quantization_config.get("dynamic", {})),
+        )
+
+    def _layer_linears(self, layer: DecoderLayer) -> dict[str, tuple[MaybeScheme, LinearLike]]:
+        """Every linear layer of ``layer`` (quantized or float) with its scheme, in module order."""
+        linears: dict[str, tuple[MaybeScheme, LinearLike]] = {}
+        for sub, module in layer.module.named_modules():
+            name = f"{layer.name}.{sub}"
+            if isinstance(module, QuantizedLinear):
+                linears[name] = (GPTQScheme.of(module), module)
+            elif isinstance(module, nn.Linear):
+                linears[name] = (None, module)
+        return linears
+
+    @staticmethod
+    def _check_fused(
+        layer: DecoderLayer, linears: Mapping[str, tuple[MaybeScheme, LinearLike]]
+    ) -> None:
+        """Refuse fused groups (q/k/v, gate/up) whose members differ: vLLM loads one matrix."""
+        schemes = {
+            name: "FLOAT" if scheme is None else scheme for name, (scheme, _) in linears.items()
+        }
+        describe = {
+            name: "not quantized" if scheme is None else scheme.describe()
+            for name, (scheme, _) in linears.items()
+        }
+        problems = fused_group_problems(schemes, describe)
+        if problems:
+            raise QuantizationError(
+                f"gptq_saver: {layer.name}: "
+                + "; ".join(problems)
+                + " (GPTQ `dynamic` rules reach vLLM through the fused name)"
+            )
+
+    def _write_quantized(self, name: str, module: QuantizedLinear) -> None:
+        for tensor_name, tensor in gptq_module_tensors(
+            name, module, self._resolve_format(module)
+        ).items():
+            self._add(tensor_name, tensor)
+        self.written.update(module.state_dict(prefix=f"{name}."))
+        self.quantized.add(name)
+        self.methods.add(module.method)
+
+    def _add(self, name: str, tensor: torch.Tensor) -> None:
+        self.writer.add(name, tensor)
+        self.written.add(name)
+
+    def _warn_consumers(self, quantization_config: Mapping[str, Any]) -> None:
+        """Warn once per kind about what vLLM / SGLang / transformers will not load."""
+        problem = vllm_problem_message(self.units, self.format or "gptq")
+        if problem:
+            logger.warning("gptq_saver: %s", problem)
+        if "dynamic" in quantization_config:
+            logger.warning("gptq_saver: %s", DYNAMIC_WARNING)
+        marlin = marlin_problem_message(self.units)
+        if marlin:
+            logger.warning("gptq_saver: %s", marlin)
