@@ -37,6 +37,7 @@ from msquant.export import (
     pack_int4_pairs,
     pack_int32,
     packed_length,
+    safe_file_stem,
     unique_state_items,
     write_hf_config,
 )
@@ -128,6 +129,7 @@ __all__ = [
     "StagedOutputDir",
     "ShardedSafetensorsWriter",
     "copy_model_files",
+    "safe_file_stem",
     "hf_weights_writer",
     "unique_state_items",
     "write_hf_config",

@@ -7,6 +7,7 @@ on a weightless copy of the model. Output is staged and moved into place only on
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Mapping
@@ -188,6 +189,7 @@ def quantize(
         run_layer_wise(ctx, processors, samples, progress=progress)
         if verify:
             _verify_exports(ctx, processors)
+        _write_export_marker(ctx, processors)
     quantized = tuple(n for n, m in model.named_modules() if isinstance(m, QuantizedLinear))
     return QuantizeResult(
         save_path=Path(save_path).expanduser().absolute(),
@@ -236,6 +238,33 @@ def _verify_exports(ctx: RunContext, processors: list[Processor]) -> None:
             len(report.layers),
             time.perf_counter() - started,
         )
+
+
+EXPORT_MARKER = "msquant_export.json"
+
+
+def _write_export_marker(ctx: RunContext, processors: list[Processor]) -> None:
+    """``msquant_export.json`` at the top of the save path: what wrote this folder and how.
+
+    It marks the folder as an msquant export (so ``--overwrite`` may replace it, whatever its
+    format) and records where each saver's files are. Deterministic: no timestamps.
+    """
+    from msquant import __version__
+
+    savers = [
+        {"type": p.type_name, "path": p.output_subdir or "."}
+        for p in processors
+        if p.stage == "save"
+    ]
+    marker = {
+        "msquant_version": __version__,
+        "model_path": str(ctx.model_path),
+        "model_type": ctx.model_type,
+        "savers": savers,
+    }
+    (ctx.output_dir / EXPORT_MARKER).write_text(
+        json.dumps(marker, indent=2) + "\n", encoding="utf-8"
+    )
 
 
 def _log_runner(runner: RunnerType) -> None:

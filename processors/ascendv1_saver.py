@@ -45,6 +45,7 @@ from torch import nn
 
 from msquant import (
     DecoderLayer,
+    MsquantInputError,
     Processor,
     ProcessorConfig,
     QuantizationError,
@@ -54,6 +55,7 @@ from msquant import (
     copy_model_files,
     fused_group_problems,
     pack_int4_pairs,
+    safe_file_stem,
 )
 
 __all__ = ["AscendV1SaverConfig", "AscendV1Saver", "QUANT_TYPE_PRIORITY"]
@@ -91,6 +93,14 @@ class AscendV1Saver(Processor):
     #: File name stem of the weights and the description (``mindie_format_saver`` changes them).
     weights_prefix = WEIGHTS_PREFIX
     plain_when_single = False
+
+    def check_model(self, model: nn.Module, layers: list[DecoderLayer]) -> list[str]:
+        model_type = str(getattr(getattr(model, "config", None), "model_type", "unknown"))
+        try:
+            safe_file_stem(model_type, "model_type")
+        except MsquantInputError as error:
+            return [f"{self.type_name}: {error}"]
+        return []
 
     def setup(self, ctx: RunContext) -> None:
         size = self.config.part_file_size
@@ -154,7 +164,8 @@ class AscendV1Saver(Processor):
         )
         copy_model_files(ctx.model_path, self.directory)
         if ctx.config_text is not None:
-            (self.directory / f"{ctx.model_type}_best_practice.yaml").write_text(
+            stem = safe_file_stem(ctx.model_type, "model_type")
+            (self.directory / f"{stem}_best_practice.yaml").write_text(
                 ctx.config_text, encoding="utf-8"
             )
         logger.info(

@@ -190,7 +190,16 @@ def test_several_savers_write_one_subfolder_each(tiny_llama: Path, tmp_path: Pat
     save = tmp_path / "out"
     savers = [{"type": "ascendv1_saver", "part_file_size": 0}, {"type": "mindie_format_saver"}]
     msquant.quantize(tiny_llama, save, config(save=savers), progress=False)
-    assert sorted(p.name for p in save.iterdir()) == ["ascendv1_saver", "mindie_format_saver"]
+    assert sorted(p.name for p in save.iterdir()) == [
+        "ascendv1_saver",
+        "mindie_format_saver",
+        "msquant_export.json",
+    ]
+    marker = json.loads((save / "msquant_export.json").read_text())
+    assert marker["savers"] == [
+        {"type": "ascendv1_saver", "path": "ascendv1_saver"},
+        {"type": "mindie_format_saver", "path": "mindie_format_saver"},
+    ]
     first = read_ascend_export(save / "ascendv1_saver")
     second = read_ascend_export(
         save / "mindie_format_saver",

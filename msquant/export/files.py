@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
-__all__ = ["COPIED_PATTERNS", "copy_model_files", "strip_quantization_config"]
+from msquant.errors import OutputPathError
+
+__all__ = ["COPIED_PATTERNS", "copy_model_files", "safe_file_stem", "strip_quantization_config"]
+
+_SAFE_STEM = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 # Config, generation config, tokenizer and chat-template files; never weights or weight indexes.
 COPIED_PATTERNS = ("*.json", "*.py", "*.txt", "*.jinja", "*.model", "*.tiktoken")
@@ -39,3 +44,19 @@ def strip_quantization_config(config: dict[str, object]) -> bool:
     if isinstance(text_config, dict):
         removed = text_config.pop("quantization_config", None) is not None or removed
     return removed
+
+
+def safe_file_stem(value: str, what: str) -> str:
+    """``value`` when it is safe inside a file name (letters, digits, ``_ . -``; no ``..``).
+
+    Used for file names built from model metadata (e.g. ``{model_type}_best_practice.yaml``), so
+    a crafted ``config.json`` cannot make a saver write outside its folder.
+
+    :raises OutputPathError: naming ``what`` and the offending value.
+    """
+    if not _SAFE_STEM.fullmatch(value) or ".." in value:
+        raise OutputPathError(
+            f"{what} {value!r} cannot be used in a file name (allowed: letters, digits, '_', '.', "
+            "'-'; no path separators or '..'); fix it in the model's config.json"
+        )
+    return value
