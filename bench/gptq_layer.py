@@ -9,6 +9,10 @@ solve's GFLOP/s by the count ``out * in^2 + in^3 / 3`` next to a float32 ``in^3`
 in the same run. Unless ``--no-baseline``, the textbook algorithm the peers implement (three
 factorisations, then the column loop on the ``[out, in]`` weight, float32; :func:`textbook_gptq`) is
 run on the same inputs too: its time, its errors and the share of codes on which it agrees.
+When ``llmcompressor`` is importable (it pins an older transformers, so install it in a separate
+bench environment: ``pip install torch==2.13.0 llmcompressor==0.14.0.1 && pip install -e . --no-deps``),
+its ``quantize_weight`` runs on the identical weight and Hessian (its default min/max observer
+scales, no act-order) and its time and errors are printed with the ratio to msquant's.
 
     python bench/gptq_layer.py                 # 4096 x 4096 layer, 16384 + 4096 rows
     python bench/gptq_layer.py --size 1024     # quicker (rows scale with the size)
@@ -97,6 +101,41 @@ def make_activations(rows: int, size: int, mixing: torch.Tensor, seed: int) -> t
     x = z @ mixing
     x[:, : max(1, size // 256)] *= 20.0  # outlier channels
     return x
+
+
+def llmcompressor_gptq(
+    weight: torch.Tensor, hessian: torch.Tensor, bits: int, symmetric: bool, group_size: int | None
+) -> torch.Tensor | None:
+    """llm-compressor's GPTQ on the same inputs: its fake-quantized weight (None if not installed).
+
+    Scales come from compressed-tensors' ``calculate_qparams`` on the row / group min and max, what
+    llm-compressor's default ``minmax`` observer computes before the sweep.
+    """
+    try:
+        from compressed_tensors.quantization import QuantizationArgs
+        from compressed_tensors.quantization.utils import calculate_qparams
+        from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
+    except ImportError:
+        return None
+    strategy = "channel" if group_size is None else "group"
+    args = QuantizationArgs(
+        num_bits=bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group_size
+    )
+    out_features, in_features = weight.shape
+    width = in_features if group_size is None else group_size
+    grouped = weight.reshape(out_features, in_features // width, width)
+    scale, zero_point = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+    quantized, _, _ = quantize_weight(
+        weight.unsqueeze(0).clone(),
+        hessian.unsqueeze(0).clone(),
+        scale.unsqueeze(0),
+        zero_point.unsqueeze(0),
+        None,
+        args,
+        blocksize=128,
+        percdamp=0.01,
+    )
+    return quantized[0]
 
 
 def relative_error(gram: torch.Tensor, diff: torch.Tensor, reference: float) -> float:
@@ -204,6 +243,16 @@ def main() -> None:
                 f"held-out {relative_error(held_gram, weight - base_fake, ref_held):.5f}, "
                 f"codes equal to msquant's: {100 * same:.2f}%"
             )
+        peer = ""
+        peer_s, peer_fake = best_time(
+            partial(llmcompressor_gptq, weight, hessian, bits, symmetric, group_size), args.repeat
+        )
+        if peer_fake is not None:
+            peer = (
+                f"\n  llm-compressor GPTQ {peer_s:.3f} s ({peer_s / solve_s:.2f}x msquant's time), "
+                f"errors calib {relative_error(gram, weight - peer_fake, ref_calib):.5f} "
+                f"held-out {relative_error(held_gram, weight - peer_fake, ref_held):.5f}"
+            )
         print(
             f"\n{label} ({size}x{size}, percdamp 0.01, block 128):\n"
             f"  GPTQ solve {solve_s:.3f} s = {gflops:.1f} GFLOP/s "
@@ -211,7 +260,7 @@ def main() -> None:
             f"  rel. output error calib:    GPTQ {errors[0]:.5f}   RTN {errors[2]:.5f}   "
             f"({100 * (1 - errors[0] / errors[2]):.0f}% lower)\n"
             f"  rel. output error held-out: GPTQ {errors[1]:.5f}   RTN {errors[3]:.5f}   "
-            f"({100 * (1 - errors[1] / errors[3]):.0f}% lower)" + baseline
+            f"({100 * (1 - errors[1] / errors[3]):.0f}% lower)" + baseline + peer
         )
 
 
