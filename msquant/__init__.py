@@ -29,6 +29,13 @@ from msquant.errors import (
     QuantizationError,
     RegistryError,
 )
+from msquant.evaluate import (
+    EvaluationError,
+    PerplexityComparison,
+    PerplexityResult,
+    compare_perplexity,
+    evaluate_perplexity,
+)
 from msquant.export import (
     ShardedSafetensorsWriter,
     StagedOutputDir,
@@ -43,6 +50,17 @@ from msquant.export import (
 )
 from msquant.model.fused import FUSED_SHARDS, FusedGroup, fused_group_problems, fused_groups
 from msquant.model.matching import is_selected, unmatched_patterns
+from msquant.planning import (
+    ModelPlan,
+    ModuleDecision,
+    ModulePlanner,
+    PlanRow,
+    analyse_plan,
+    build_plan,
+    check_plan,
+    plan,
+    render_plan,
+)
 from msquant.processor import Processor, ProcessorConfig
 from msquant.quant.gptq import WeightPerChannelGPTQ, WeightPerGroupGPTQ
 from msquant.quant.gptq_solver import GPTQResult, gptq_quantize, resolve_block_size
@@ -55,6 +73,19 @@ from msquant.quant.mse_clip import MSEOptions, mse_minmax_qparams, mse_qparams
 from msquant.quant.qconfig import ActQConfig, LinearQConfig, QDType, QScope, WeightQConfig
 from msquant.quant.quantized_linear import QuantizedLinear, replace_module
 from msquant.quant.quantized_weight import QuantizedWeight
+from msquant.quant.rules import (
+    BASE_SOURCE,
+    DYNAMIC_KEYS,
+    GPTQ_ONLY_KEYS,
+    BaseScheme,
+    DynamicOverrides,
+    DynamicRule,
+    FusedNameMismatch,
+    ResolvedScheme,
+    fused_name_mismatches,
+    parse_dynamic,
+    resolve_module_scheme,
+)
 from msquant.registry import ENTRY_POINT_GROUP, ProcessorRegistry, default_registry
 from msquant.verify import (
     ExportReadError,
@@ -136,6 +167,27 @@ __all__ = [
     "pack_int32",
     "pack_int4_pairs",
     "packed_length",
+    # per-module rules and plans
+    "plan",
+    "build_plan",
+    "check_plan",
+    "analyse_plan",
+    "render_plan",
+    "PlanRow",
+    "ModelPlan",
+    "ModuleDecision",
+    "ModulePlanner",
+    "BaseScheme",
+    "ResolvedScheme",
+    "DynamicRule",
+    "DynamicOverrides",
+    "FusedNameMismatch",
+    "parse_dynamic",
+    "resolve_module_scheme",
+    "fused_name_mismatches",
+    "BASE_SOURCE",
+    "DYNAMIC_KEYS",
+    "GPTQ_ONLY_KEYS",
     # fused layers
     "FUSED_SHARDS",
     "FusedGroup",
@@ -146,6 +198,12 @@ __all__ = [
     "check_export",
     "VerifyReport",
     "LayerReport",
+    # evaluation
+    "evaluate_perplexity",
+    "compare_perplexity",
+    "PerplexityResult",
+    "PerplexityComparison",
+    "EvaluationError",
     # errors
     "ExportReadError",
     "ExportVerificationError",

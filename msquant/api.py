@@ -37,6 +37,7 @@ from msquant.model.loader import (
     load_model_config,
     load_tokenizer,
 )
+from msquant.planning import check_plan
 from msquant.processor import Processor
 from msquant.quant.quantized_linear import QuantizedLinear
 from msquant.registry import ProcessorRegistry, default_registry
@@ -298,6 +299,7 @@ def _calibration_texts(
 def _check_model(processors: list[Processor], meta_model: Any) -> None:
     layers = find_decoder_layers(meta_model)
     problems = [msg for p in processors for msg in p.check_model(meta_model, layers)]
+    problems += check_plan(processors, meta_model, layers)  # across entries: overlaps, fused splits
     if problems:
         count = len(problems)
         raise QuantizationError(

@@ -1,4 +1,4 @@
-"""``msquant`` command line: ``quant``, ``verify``, ``validate`` and ``schema``.
+"""``msquant`` command line: ``quant``, ``verify``, ``validate``, ``schema``, ``eval`` and ``plan``.
 
 Flags of ``quant`` follow ``msmodelslim quant`` so vendor scripts can switch. Exit codes:
 0 success, 2 bad input (config, paths, model, data, device; one clear message, no traceback) or an
@@ -13,11 +13,14 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from msquant import __version__
 from msquant.api import quantize
 from msquant.config.spec import config_json_schema, load_config
 from msquant.errors import MsquantInputError
+from msquant.evaluate import DEFAULT_SEQLEN, compare_perplexity, evaluate_perplexity
+from msquant.planning import build_plan, render_plan
 from msquant.presets import preset_config
 from msquant.registry import default_registry
 from msquant.verify import (
@@ -156,7 +159,84 @@ def build_parser() -> argparse.ArgumentParser:
         "schema", parents=[common], help="print the JSON Schema of config files"
     )
     schema.add_argument("--indent", type=int, default=2)
+    _add_eval_parser(sub, common)
+    _add_plan_parser(sub, common)
     return parser
+
+
+def _add_eval_parser(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
+    """``msquant eval``: perplexity of a model folder or export, or of two compared."""
+    evaluate = sub.add_parser(
+        "eval",
+        parents=[common],
+        help="perplexity of a model or an export on a local text file (exit 0 ok, 2 bad input)",
+    )
+    evaluate.add_argument(
+        "model_dir",
+        nargs="?",
+        metavar="MODEL_DIR",
+        help="float Hugging Face model folder or one export folder (Ascend, MindIE, GPTQ, "
+        "compressed-tensors)",
+    )
+    evaluate.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("ORIGINAL", "QUANTIZED"),
+        help="evaluate both on the same tokens and print the relative increase",
+    )
+    evaluate.add_argument(
+        "--data", required=True, help="local text file (.txt, .jsonl or .json as for calibration)"
+    )
+    evaluate.add_argument(
+        "--seqlen",
+        type=_positive_int,
+        default=DEFAULT_SEQLEN,
+        help=f"window length in tokens (default {DEFAULT_SEQLEN})",
+    )
+    evaluate.add_argument(
+        "--stride",
+        type=_positive_int,
+        default=None,
+        help="distance between window starts (default seqlen: non-overlapping)",
+    )
+    evaluate.add_argument(
+        "--max_samples", type=_positive_int, default=None, help="evaluate at most N windows"
+    )
+    evaluate.add_argument("--json", metavar="OUT.json", help="also write the result as JSON here")
+    evaluate.add_argument("--device", default="cpu", help="cpu | cuda[:N] | npu[:N] (default cpu)")
+    evaluate.add_argument(
+        "--trust_remote_code",
+        nargs="?",
+        const=True,
+        default=False,
+        type=_bool_flag,
+        help="allow model code from the model folder",
+    )
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
+    """``msquant plan``: the per-module plan of a config on a model, without quantizing."""
+    plan = sub.add_parser(
+        "plan",
+        parents=[common],
+        help="print which scheme every linear layer gets and which rule decided, without "
+        "loading weights (exit 0 ok, 2 the config cannot be applied)",
+    )
+    plan.add_argument("--model_path", required=True, help="local Hugging Face model directory")
+    source = plan.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config_path", help="YAML config (msModelSlim v1 schema)")
+    source.add_argument("--quant_type", help="named preset instead of a YAML file: w8a16")
+    plan.add_argument(
+        "--json", action="store_true", help="print the plan as JSON instead of a table"
+    )
+    plan.add_argument(
+        "--trust_remote_code",
+        nargs="?",
+        const=True,
+        default=False,
+        type=_bool_flag,
+        help="allow model code from the model directory",
+    )
 
 
 class _CurrentStderrHandler(logging.StreamHandler):
@@ -258,11 +338,68 @@ def _cmd_schema(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    """Print the perplexity (or both and the relative increase); write JSON when asked."""
+    if (args.model_dir is None) == (args.compare is None):
+        raise MsquantInputError(
+            "pass either MODEL_DIR or --compare ORIGINAL QUANTIZED (exactly one of them)"
+        )
+    options: dict[str, Any] = dict(
+        seqlen=args.seqlen,
+        stride=args.stride,
+        max_samples=args.max_samples,
+        device=args.device,
+        trust_remote_code=args.trust_remote_code,
+    )
+    if args.compare is not None:
+        original, quantized = args.compare
+        comparison = compare_perplexity(original, quantized, args.data, **options)
+        summary, data = comparison.summary(), comparison.to_dict()
+    else:
+        result = evaluate_perplexity(args.model_dir, args.data, **options)
+        summary, data = result.summary(), result.to_dict()
+    print(summary)
+    if args.json is not None:
+        try:
+            with open(args.json, "w", encoding="utf-8") as handle:
+                handle.write(json.dumps(data, indent=2) + "\n")
+        except OSError as exc:
+            raise MsquantInputError(f"cannot write --json {args.json}: {exc}") from exc
+    return EXIT_OK
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    """Print the plan (table or JSON) on stdout; exit 2 when the config cannot be applied."""
+    config: object = args.config_path
+    if args.quant_type is not None:
+        try:
+            config = preset_config(args.quant_type)
+        except KeyError as exc:
+            raise MsquantInputError(str(exc.args[0])) from None
+    result = build_plan(
+        args.model_path,
+        config,  # type: ignore[arg-type]
+        trust_remote_code=args.trust_remote_code,
+    )
+    print(json.dumps(result.to_dict(), indent=2) if args.json else render_plan(result))
+    if not result.ok:
+        count = len(result.errors)
+        print(
+            f"msquant: error: the config cannot be applied to this model ({count} problem(s), "
+            "listed in the plan above)",
+            file=sys.stderr,
+        )
+        return EXIT_INPUT
+    return EXIT_OK
+
+
 COMMANDS = {
     "quant": _cmd_quant,
     "verify": _cmd_verify,
     "validate": _cmd_validate,
     "schema": _cmd_schema,
+    "eval": _cmd_eval,
+    "plan": _cmd_plan,
 }
 
 

@@ -6,30 +6,50 @@ Sample yaml::
       process:
         - type: linear_quant
           qconfig:
-            weight: {scope: per_channel, dtype: int8, symmetric: true, method: gptq,
-                     ext: {percdamp: 0.01, block_size: 128}}
+            weight: {scope: per_group, dtype: int4, symmetric: true, method: gptq,
+                     ext: {percdamp: 0.01, group_size: 128}}
           include: ["*"]
           exclude: ["*down_proj"]
+          dynamic:                                 # GPTQModel's per-module overrides
+            '-:.*\\.0\\..*': {}                      # layer 0 stays in float
+            '.*\\.(?:1[0-5])\\..*': {bits: 8}           # layers 10-15: int8, the rest from qconfig
+            '.*\\.(?:1[6-9]|20|21)\\..*': {bits: 8, group_size: 64}
+
+(Single quotes in YAML: inside double quotes a backslash starts an escape and ``"\\."`` is an error.)
+
+Several entries may each quantize a different set of modules (a module selected by two entries is
+refused). ``dynamic`` follows GPTQModel exactly (:mod:`msquant.quant.rules`): regexes matched with
+``re.match`` on the full module name, ``-:`` rules (skip) first, then the first matching positive
+rule overrides the keys it names (``bits`` 2-8, ``group_size`` with -1 = per-channel, ``sym``,
+``desc_act``, ``damp_percent``/``percdamp``, ``mse``, ``static_groups``); no fall-through.
 
 Lifecycle:
 
 * ``check_config``: the ``(dtype, scope, method)`` combination is implemented, ``ext`` is valid for
-  the method, activations are float (weight-only quantization).
-* ``check_model``: ``group_size`` divides the ``in_features`` of every selected layer; include
-  patterns that match no linear layer are logged.
+  the method, activations are float (weight-only quantization), every ``dynamic`` rule is a valid
+  regex with known override keys.
+* ``check_model`` (meta model): the resolved group size divides the ``in_features`` of every
+  selected layer (naming the rule that set it); the shards of a fused layer (q/k/v, gate/up) that
+  this entry selects resolve alike. Cross-entry checks (overlaps, fused layers split between
+  entries) and warnings (include patterns or rules matching nothing, rules that vLLM would match
+  differently on fused names) come from :func:`msquant.check_plan` through :meth:`plan_modules`.
 * ``before_layer`` (``method: gptq``): a forward hook on each selected ``nn.Linear`` feeds its
   inputs to a :class:`~msquant.WeightPerChannelGPTQ` / :class:`~msquant.WeightPerGroupGPTQ`
   Hessian while the runner pushes the calibration set through the layer (float weights, as
   msModelSlim does, so every layer is calibrated on the float model's activations).
 * ``after_layer``: the hooks are removed; each selected ``nn.Linear`` is quantized (round-to-nearest
-  or GPTQ) and replaced by a ``QuantizedLinear`` (whose state dict is the W8A16 layout savers write).
+  or GPTQ) with its resolved scheme and replaced by a ``QuantizedLinear`` (whose state dict is the
+  W8A16 layout savers write); modules skipped by a ``-:`` rule stay ``nn.Linear``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from fnmatch import fnmatchcase
 from functools import cached_property
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, ValidationError
@@ -38,31 +58,52 @@ from torch.utils.hooks import RemovableHandle
 from tqdm.auto import tqdm
 
 from msquant import (
+    BASE_SOURCE,
+    DYNAMIC_KEYS,
+    GPTQ_ONLY_KEYS,
     WEIGHT_METHODS,
+    BaseScheme,
     ConfigIssue,
     DecoderLayer,
+    DynamicRule,
     GPTQExt,
     LinearQConfig,
     MinMaxExt,
+    ModuleDecision,
+    MSEOptions,
     NotImplementedYetError,
     Processor,
     ProcessorConfig,
     QDType,
     QScope,
     QuantizedLinear,
+    ResolvedScheme,
     RunContext,
     WeightPerChannelGPTQ,
     WeightPerGroupGPTQ,
     divisors,
-    is_selected,
+    fused_group_problems,
+    fused_groups,
+    parse_dynamic,
     quantize_weight_minmax,
     replace_module,
+    resolve_module_scheme,
     unmatched_patterns,
 )
 
 __all__ = ["LinearQuantConfig", "LinearQuantProcessor"]
 
 logger = logging.getLogger(__name__)
+
+DYNAMIC_DESCRIPTION = (
+    "GPTQModel-compatible per-module overrides: regex on the full module name (matched with "
+    "re.match, from the start) -> overrides. A `-:` prefix leaves the matched modules in float "
+    "(value {}); `+:` or no prefix overrides keys of qconfig for them: "
+    f"{', '.join(DYNAMIC_KEYS)} (bits 2-8; group_size -1 = per-channel). Negative rules are tried "
+    "first, then the first matching positive rule decides alone (keys it lacks come from "
+    "qconfig, never from a later rule). Quote patterns with single quotes in YAML "
+    "('.*\\.0\\..*'); `msquant plan` shows which rule decides each module."
+)
 
 
 class LinearQuantConfig(ProcessorConfig):
@@ -76,6 +117,22 @@ class LinearQuantConfig(ProcessorConfig):
     exclude: list[str] = Field(
         default_factory=list, description="Module-name globs to skip (wins)."
     )
+    dynamic: dict[str, Any] = Field(
+        default_factory=dict,
+        description=DYNAMIC_DESCRIPTION,
+        json_schema_extra={
+            "additionalProperties": {
+                "type": "object",
+                "properties": {key: {} for key in DYNAMIC_KEYS},
+                "additionalProperties": False,
+            }
+        },
+    )
+
+
+def _glob_match(name: str, patterns: Sequence[str]) -> str | None:
+    """The first glob of ``patterns`` matching ``name`` (case-sensitive), or None."""
+    return next((pattern for pattern in patterns if fnmatchcase(name, pattern)), None)
 
 
 class LinearQuantProcessor(Processor):
@@ -110,6 +167,7 @@ class LinearQuantProcessor(Processor):
             )
         weight = config.qconfig.weight
         method = WEIGHT_METHODS.get(weight.method)
+        issues += parse_dynamic(config.dynamic, cls._dynamic_keys(weight.method))[1]
         if method is None:
             issues.append(
                 ConfigIssue(
@@ -144,6 +202,13 @@ class LinearQuantProcessor(Processor):
             logger.warning("qconfig.weight.ext.group_size is ignored with scope per_channel")
         return issues
 
+    @staticmethod
+    def _dynamic_keys(method: str) -> tuple[str, ...]:
+        """The ``dynamic`` override keys valid for ``method`` (GPTQ-only keys need gptq)."""
+        if method == "gptq":
+            return DYNAMIC_KEYS
+        return tuple(key for key in DYNAMIC_KEYS if key not in GPTQ_ONLY_KEYS)
+
     @cached_property
     def ext(self) -> MinMaxExt | GPTQExt:
         """The validated ``ext`` options of the configured method (defaults filled in)."""
@@ -154,17 +219,83 @@ class LinearQuantProcessor(Processor):
 
     @property
     def group_size(self) -> int | None:
-        """Group width for per_group, None for per_channel."""
+        """Base group width for per_group, None for per_channel (rules may override it)."""
         if self.config.qconfig.weight.scope is not QScope.PER_GROUP:
             return None
         return self.ext.group_size
 
-    def selected(self, layer: DecoderLayer) -> list[tuple[str, nn.Linear]]:
-        """The layer's linear modules this processor quantizes."""
+    @cached_property
+    def base_scheme(self) -> BaseScheme:
+        """The scheme ``qconfig`` gives every selected module no rule overrides."""
+        weight = self.config.qconfig.weight
+        ext = self.ext
+        scheme = BaseScheme(
+            bits=weight.dtype.bits,
+            group_size=-1 if self.group_size is None else self.group_size,
+            sym=weight.symmetric,
+            mse=ext.mse_norm if ext.mse else 0.0,
+            mse_norm=ext.mse_norm,
+        )
+        if isinstance(ext, GPTQExt):
+            scheme = replace(
+                scheme,
+                desc_act=ext.desc_act,
+                percdamp=ext.percdamp,
+                static_groups=ext.static_groups,
+            )
+        return scheme
+
+    @cached_property
+    def rules(self) -> tuple[DynamicRule, ...]:
+        """The ``dynamic`` rules in evaluation order (negative first); validated by check_config."""
+        rules, issues = parse_dynamic(self.config.dynamic, self._dynamic_keys(self.method))
+        if issues:
+            raise ValueError("; ".join(str(issue) for issue in issues))
+        return rules
+
+    def decide(self, name: str) -> ModuleDecision:
+        """What this entry does with module ``name``: not selected (with the exclude glob that
+        dropped it), or its resolved scheme (possibly skipped by a ``-:`` rule)."""
+        excluded = _glob_match(name, self.config.exclude)
+        if excluded is not None:
+            return ModuleDecision(None, self.method, f"exclude {excluded}")
+        if _glob_match(name, self.config.include) is None:
+            return ModuleDecision(None, self.method)
+        return ModuleDecision(
+            resolve_module_scheme(name, self.base_scheme, self.rules), self.method
+        )
+
+    def selected(self, layer: DecoderLayer) -> list[tuple[str, nn.Linear, ResolvedScheme]]:
+        """The layer's linear modules this processor quantizes, with their resolved scheme
+        (modules a ``-:`` rule skips are left out)."""
+        chosen = []
+        for name, module in layer.named_linears():
+            scheme = self.decide(name).scheme
+            if scheme is not None and not scheme.skipped:
+                chosen.append((name, module, scheme))
+        return chosen
+
+    # -- planning (msquant.ModulePlanner) -------------------------------------------------------
+
+    def plan_modules(
+        self, model: nn.Module, layers: Sequence[DecoderLayer]
+    ) -> Mapping[str, ModuleDecision]:
+        """Decision for every linear layer of the decoder layers."""
+        return {name: self.decide(name) for layer in layers for name, _ in layer.named_linears()}
+
+    def plan_rules(self) -> Sequence[DynamicRule]:
+        """The ``dynamic`` rules in evaluation order."""
+        return self.rules
+
+    def plan_notes(self, model: nn.Module, layers: Sequence[DecoderLayer]) -> list[str]:
+        """Include patterns that match no linear layer of the decoder layers."""
+        names = [name for layer in layers for name, _ in layer.named_linears()]
+        missing = unmatched_patterns(names, self.config.include)
+        if not missing:
+            return []
         return [
-            (name, module)
-            for name, module in layer.named_linears()
-            if is_selected(name, self.config.include, self.config.exclude)
+            f"linear_quant include pattern(s) matched no decoder linear layer: {missing} "
+            "(globs match the full module name, e.g. *q_proj or model.layers.0.*)"
         ]
 
     def check_model(self, model: nn.Module, layers: list[DecoderLayer]) -> list[str]:
@@ -174,41 +305,78 @@ class LinearQuantProcessor(Processor):
                 f"linear_quant method {method.name!r} is not implemented yet in this msquant version; "
                 "use method: minmax (round-to-nearest) for now"
             )
+        decisions = self.plan_modules(model, layers)
         problems = []
-        all_names = [name for layer in layers for name, _ in layer.named_linears()]
-        missing = unmatched_patterns(all_names, self.config.include)
-        if missing:
-            logger.warning(
-                "linear_quant include pattern(s) matched no decoder linear layer: %s", missing
-            )
-        group_size = self.group_size
-        if group_size is not None:
-            for layer in layers:
-                for name, module in self.selected(layer):
-                    if module.in_features % group_size:
-                        problems.append(
-                            f"{name}: group_size {group_size} does not divide in_features "
-                            f"{module.in_features} (weight [{module.out_features}, {module.in_features}]); "
-                            f"valid group sizes: {divisors(module.in_features)} - or exclude this layer"
-                        )
-        return problems
+        for layer in layers:
+            for name, module in layer.named_linears():
+                scheme = decisions[name].scheme
+                if scheme is not None and not scheme.skipped:
+                    problems += self._divisor_problem(name, module, scheme)
+        return problems + self._fused_problems(decisions)
 
-    def _new_gptq(self, name: str, in_features: int) -> WeightPerChannelGPTQ | WeightPerGroupGPTQ:
-        """A GPTQ quantizer for one module, configured from ``qconfig.weight`` and its ``ext``."""
-        weight_cfg = self.config.qconfig.weight
+    def _divisor_problem(self, name: str, module: nn.Linear, scheme: ResolvedScheme) -> list[str]:
+        """The group size (from qconfig or a rule) must divide the module's input width."""
+        group_size = scheme.group_size_or_none
+        if group_size is None or module.in_features % group_size == 0:
+            return []
+        from_rule = any(
+            rule.source == scheme.decided_by and "group_size" in rule.overrides
+            for rule in self.rules
+        )
+        origin = f", group_size set by {scheme.decided_by}" if from_rule else ""
+        return [
+            f"{name}: group_size {group_size} does not divide in_features {module.in_features} "
+            f"(weight [{module.out_features}, {module.in_features}]{origin}); "
+            f"valid group sizes: {divisors(module.in_features)} - or exclude this layer"
+        ]
+
+    @staticmethod
+    def _fused_problems(decisions: Mapping[str, ModuleDecision]) -> list[str]:
+        """Fused layers (q/k/v, gate/up) whose shards this entry all selects but resolves
+        differently (splits involving other entries are checked by msquant.check_plan)."""
+        schemes: dict[str, tuple[object, ...]] = {}
+        describe: dict[str, str] = {}
+        for group in fused_groups(decisions):
+            found = [decisions[m].scheme for m in group.members]
+            if any(scheme is None for scheme in found):
+                continue
+            for member, scheme in zip(group.members, found, strict=True):
+                assert scheme is not None
+                schemes[member] = scheme.signature()
+                describe[member] = f"{scheme.describe()} by {scheme.decided_by}"
+        return [f"linear_quant: {problem}" for problem in fused_group_problems(schemes, describe)]
+
+    # -- quantization ---------------------------------------------------------------------------
+
+    def _mse(self, scheme: ResolvedScheme) -> MSEOptions | None:
+        """The MSE search options of a module (grid and shrink from ext, norm from the scheme)."""
+        if not scheme.mse:
+            return None
+        return MSEOptions(grid=self.ext.mse_grid, maxshrink=self.ext.mse_maxshrink, norm=scheme.mse)
+
+    def _new_gptq(
+        self, name: str, in_features: int, scheme: ResolvedScheme
+    ) -> WeightPerChannelGPTQ | WeightPerGroupGPTQ:
+        """A GPTQ quantizer for one module: ``ext`` with the module's resolved overrides."""
         ext = self.ext.model_dump()
-        if self.group_size is None:
+        ext.update(
+            percdamp=scheme.percdamp,
+            desc_act=scheme.desc_act,
+            static_groups=scheme.static_groups,
+            mse=bool(scheme.mse),
+            mse_norm=scheme.mse or ext["mse_norm"],
+            group_size=scheme.group_size_or_none,
+        )
+        if scheme.group_size_or_none is None:
             ext.pop("static_groups")  # meaningless without groups
-            return WeightPerChannelGPTQ.from_ext(
-                weight_cfg.dtype.bits, weight_cfg.symmetric, ext, name
-            )
-        return WeightPerGroupGPTQ.from_ext(weight_cfg.dtype.bits, weight_cfg.symmetric, ext, name)
+            return WeightPerChannelGPTQ.from_ext(scheme.bits, scheme.sym, ext, name)
+        return WeightPerGroupGPTQ.from_ext(scheme.bits, scheme.sym, ext, name)
 
     def before_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
         if self.method != "gptq":
             return
-        for name, module in self.selected(layer):
-            self._gptq[name] = self._new_gptq(name, module.in_features)
+        for name, module, scheme in self.selected(layer):
+            self._gptq[name] = self._new_gptq(name, module.in_features, scheme)
 
             def accumulate(
                 _: nn.Module, args: tuple[torch.Tensor, ...], __: torch.Tensor, name: str = name
@@ -248,11 +416,8 @@ class LinearQuantProcessor(Processor):
         self._hooks.clear()
         self._last_input = None
         self._share_with.clear()
-        weight_cfg = self.config.qconfig.weight
-        bits = weight_cfg.dtype.bits
-        group_size = self.group_size
         modules = self.selected(layer)
-        for name, module in tqdm(
+        for name, module, scheme in tqdm(
             modules,
             desc=layer.name,
             unit="linear",
@@ -269,9 +434,11 @@ class LinearQuantProcessor(Processor):
                 )  # fmt: skip
             else:
                 qweight = quantize_weight_minmax(
-                    module.weight, bits, weight_cfg.symmetric, group_size, name=name,
-                    mse=self.ext.mse_options(),
+                    module.weight, scheme.bits, scheme.sym, scheme.group_size_or_none, name=name,
+                    mse=self._mse(scheme),
                 )  # fmt: skip
+            if scheme.decided_by != BASE_SOURCE:
+                logger.debug("%s: %s (%s)", name, scheme.describe(), scheme.decided_by)
             replace_module(
                 ctx.model, name, QuantizedLinear.from_linear(module, qweight, self.method)
             )

@@ -132,8 +132,29 @@ def test_split_fused_layers_are_refused(
     with pytest.raises(QuantizationError) as info:
         msquant.quantize(tiny_llama, tmp_path / "out", config(exclude=exclude), progress=False)
     message = str(info.value)
-    assert fused in message and "FLOAT" in message and "W8A16 per-channel sym" in message
+    assert fused in message and "not quantized (spec.process[0] exclude" in message
+    assert "int8 per-channel sym by spec.process[0]" in message
     assert not (tmp_path / "out").exists()
+
+
+def test_ascend_saver_refuses_split_fused_layers_itself(tiny_llama: Path) -> None:
+    """Defence in depth: the saver checks each layer even when the run's pre-check is bypassed."""
+    from transformers import AutoModelForCausalLM
+
+    from msquant import DecoderLayer, QuantizedLinear, replace_module
+    from msquant.processors.ascendv1_saver import AscendV1Saver, AscendV1SaverConfig
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
+    layer = DecoderLayer(0, "model.layers.0", model.model.layers[0])
+    for name, linear in layer.named_linears():
+        if not name.endswith("q_proj"):
+            qweight = msquant.quantize_weight_minmax(linear.weight, 4, True, None)
+            replace_module(model, name, QuantizedLinear.from_linear(linear, qweight, "minmax"))
+    saver = AscendV1Saver(AscendV1SaverConfig())
+    with pytest.raises(QuantizationError) as info:
+        saver._check_fused(layer)
+    assert "model.layers.0.self_attn.qkv_proj" in str(info.value)
+    assert "q_proj: FLOAT" in str(info.value) and "k_proj: W4A16 per-channel sym" in str(info.value)
 
 
 def test_fused_groups_resolve_shards_and_ignore_lone_layers() -> None:

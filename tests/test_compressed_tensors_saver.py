@@ -337,7 +337,11 @@ def test_tied_head_and_bias_are_written_in_model_dtype(
     [
         (
             [_entry(4, True, 32, exclude=["*v_proj"])],
-            ["model.layers.0.self_attn.qkv_proj", "v_proj: unquantized", "q_proj: int4"],
+            [
+                "model.layers.0.self_attn.qkv_proj",
+                "v_proj: not quantized (spec.process[0] exclude *v_proj)",
+                "q_proj: int4 group 32 sym by spec.process[0]",
+            ],
         ),
         (
             [
@@ -347,8 +351,8 @@ def test_tied_head_and_bias_are_written_in_model_dtype(
             [
                 "model.layers.0.self_attn.qkv_proj",
                 "model.layers.0.mlp.gate_up_proj",
-                "q_proj: int4 per_group(32) sym",
-                "k_proj: int8 per_channel sym",
+                "q_proj: int4 group 32 sym by spec.process[0]",
+                "k_proj: int8 per-channel sym by spec.process[1]",
             ],
         ),
     ],
