@@ -154,6 +154,17 @@ def main() -> None:
     parser.add_argument(
         "--no-baseline", action="store_true", help="skip the textbook float32 implementation"
     )
+    parser.add_argument(
+        "--full-range",
+        action="store_true",
+        help="msquant's symmetric scales max|w| / (2^(b-1) - 0.5) (ext full_range), as the peers",
+    )
+    parser.add_argument(
+        "--static-groups",
+        action="store_true",
+        help="msquant's group parameters from the original weight (ext static_groups), as "
+        "llm-compressor's observer fixes them",
+    )
     args = parser.parse_args()
 
     size = args.size
@@ -215,10 +226,20 @@ def main() -> None:
             hessian_scale=2.0 / count,
             nsamples=count,
             name="bench",
+            full_range=args.full_range,
+            static_groups=args.static_groups,
         )
         solve_s, result = best_time(solve, args.repeat)
         rtn_s, rtn = best_time(
-            partial(quantize_weight_minmax, weight, bits, symmetric, group_size, name="bench"),
+            partial(
+                quantize_weight_minmax,
+                weight,
+                bits,
+                symmetric,
+                group_size,
+                name="bench",
+                full_range=args.full_range,
+            ),
             args.repeat,
         )
         gptq_diff = weight - result.quantized.dequantize()
@@ -253,6 +274,10 @@ def main() -> None:
                 f"errors calib {relative_error(gram, weight - peer_fake, ref_calib):.5f} "
                 f"held-out {relative_error(held_gram, weight - peer_fake, ref_held):.5f}"
             )
+        if args.full_range and symmetric:
+            label += ", full_range"
+        if args.static_groups and group_size is not None:
+            label += ", static groups"
         print(
             f"\n{label} ({size}x{size}, percdamp 0.01, block 128):\n"
             f"  GPTQ solve {solve_s:.3f} s = {gflops:.1f} GFLOP/s "

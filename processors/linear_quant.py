@@ -435,7 +435,7 @@ class LinearQuantProcessor(Processor):
             else:
                 qweight = quantize_weight_minmax(
                     module.weight, scheme.bits, scheme.sym, scheme.group_size_or_none, name=name,
-                    mse=self._mse(scheme),
+                    mse=self._mse(scheme), full_range=self.ext.full_range,
                 )  # fmt: skip
             if scheme.decided_by != BASE_SOURCE:
                 logger.debug("%s: %s (%s)", name, scheme.describe(), scheme.decided_by)

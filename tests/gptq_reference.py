@@ -31,16 +31,18 @@ class ReferenceResult:
 
 
 def reference_qparams(
-    low: torch.Tensor, high: torch.Tensor, bits: int, symmetric: bool
+    low: torch.Tensor, high: torch.Tensor, bits: int, symmetric: bool, full_range: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """msModelSlim's grid parameters, evaluated in float32 and returned as float64."""
+    """msModelSlim's grid parameters, evaluated in float32 and returned as float64.
+
+    ``full_range``: symmetric magnitude over ``2^(b-1) - 0.5`` (GPTQModel / llm-compressor)."""
     smallest = -(2 ** (bits - 1))
     largest = 2 ** (bits - 1) - 1
     eps = torch.finfo(torch.float32).eps
     low32 = torch.minimum(low.to(torch.float32), torch.zeros_like(low, dtype=torch.float32))
     high32 = torch.maximum(high.to(torch.float32), torch.zeros_like(high, dtype=torch.float32))
     if symmetric:
-        scale = torch.maximum(-low32, high32) / largest
+        scale = torch.maximum(-low32, high32) / (largest + 0.5 if full_range else largest)
         scale = torch.where(scale < eps, torch.full_like(scale, eps), scale)
         offset = torch.zeros_like(scale)
     else:
@@ -62,6 +64,7 @@ def reference_gptq(
     desc_act: bool = False,
     static_groups: bool = False,
     dtype: torch.dtype = torch.float64,
+    full_range: bool = False,
 ) -> ReferenceResult:
     """GPTQ of ``weight`` ``[out, in]`` with Hessian ``[in, in]``, linear algebra in ``dtype``.
 
@@ -78,7 +81,9 @@ def reference_gptq(
     static = group_size is not None and (static_groups or desc_act)
 
     if group_size is None:  # per-channel: from the untouched rows
-        s, o = reference_qparams(W.min(dim=1).values, W.max(dim=1).values, bits, symmetric)
+        s, o = reference_qparams(
+            W.min(dim=1).values, W.max(dim=1).values, bits, symmetric, full_range
+        )
         scale[:, 0], offset[:, 0] = s.to(dtype), o.to(dtype)
 
     for i in range(cols):  # dead columns
@@ -91,7 +96,7 @@ def reference_gptq(
         for g in range(groups):
             part = W[:, g * group_size : (g + 1) * group_size]
             s, o = reference_qparams(
-                part.min(dim=1).values, part.max(dim=1).values, bits, symmetric
+                part.min(dim=1).values, part.max(dim=1).values, bits, symmetric, full_range
             )
             scale[:, g], offset[:, g] = s, o
 
@@ -127,7 +132,7 @@ def reference_gptq(
                 if col % group_size == 0:  # recompute from the full (lazily updated) matrix
                     part = W[:, col : col + group_size]
                     s, o = reference_qparams(
-                        part.min(dim=1).values, part.max(dim=1).values, bits, symmetric
+                        part.min(dim=1).values, part.max(dim=1).values, bits, symmetric, full_range
                     )
                     scale[:, g], offset[:, g] = s.to(dtype), o.to(dtype)
             w = W1[:, i]

@@ -108,6 +108,7 @@ class _GPTQ:
         mse_grid: int,
         mse_maxshrink: float,
         mse_norm: float,
+        full_range: bool = False,
     ) -> None:
         _check_options(
             name, bits, percdamp, block_size, damp_auto_increment, max_damp_retries,
@@ -124,6 +125,7 @@ class _GPTQ:
         self.mse_grid = mse_grid
         self.mse_maxshrink = float(mse_maxshrink)
         self.mse_norm = float(mse_norm)
+        self.full_range = bool(full_range)
         self.name = name
         self.accumulator = HessianAccumulator(in_features, name=name)
 
@@ -184,11 +186,13 @@ class _GPTQ:
             hessian_scale=2.0 / count,
             nsamples=count,
             mse=self.mse_options,
+            full_range=self.full_range,
         )
 
     def __repr__(self) -> str:
         group = "" if self.group_size is None else f", group_size={self.group_size}"
         mse = "" if not self.mse else f", mse={self.mse_options}"
+        mse += ", full_range=True" if self.full_range else ""
         return (
             f"{type(self).__name__}(name={self.name!r}, bits={self.bits}, symmetric={self.symmetric}"
             f"{group}, percdamp={self.percdamp}, block_size={self.block_size}, desc_act={self.desc_act}"
@@ -214,6 +218,8 @@ class WeightPerChannelGPTQ(_GPTQ):
     :param mse_grid: the range shrinks in steps of ``1 / mse_grid``.
     :param mse_maxshrink: the largest fraction of the range that may be cut (in (0, 1)).
     :param mse_norm: exponent of the error the search minimises.
+    :param full_range: symmetric scales ``max|w| / (2^(b-1) - 0.5)`` using the code ``-2^(b-1)``
+        (GPTQModel / llm-compressor) instead of msModelSlim's ``/ (2^(b-1) - 1)``; off by default.
     :param name: module name for messages.
     :param in_features: expected input width (taken from the first batch when None).
     """
@@ -231,6 +237,7 @@ class WeightPerChannelGPTQ(_GPTQ):
         mse_grid: int = 100,
         mse_maxshrink: float = 0.2,
         mse_norm: float = 2.4,
+        full_range: bool = False,
         name: str = "layer",
         in_features: int | None = None,
     ) -> None:
@@ -248,6 +255,7 @@ class WeightPerChannelGPTQ(_GPTQ):
             mse_grid=mse_grid,
             mse_maxshrink=mse_maxshrink,
             mse_norm=mse_norm,
+            full_range=full_range,
         )
 
     @classmethod
@@ -286,6 +294,7 @@ class WeightPerGroupGPTQ(_GPTQ):
         mse_grid: int = 100,
         mse_maxshrink: float = 0.2,
         mse_norm: float = 2.4,
+        full_range: bool = False,
         name: str = "layer",
         in_features: int | None = None,
     ) -> None:
@@ -305,6 +314,7 @@ class WeightPerGroupGPTQ(_GPTQ):
             mse_grid=mse_grid,
             mse_maxshrink=mse_maxshrink,
             mse_norm=mse_norm,
+            full_range=full_range,
         )
 
     @classmethod

@@ -130,6 +130,7 @@ def gptq_quantize(
     nsamples: int = 0,
     solve_dtype: torch.dtype = torch.float32,
     mse: MSEOptions | None = None,
+    full_range: bool = False,
 ) -> GPTQResult:
     """Quantize one ``[out, in]`` weight by GPTQ given its Hessian (neither is modified).
 
@@ -143,6 +144,8 @@ def gptq_quantize(
     :param solve_dtype: float32 (default) or float64 for the linear algebra and the sweep.
     :param mse: MSE clipping search options for every scale/offset computed from weights; None
         (default) for plain min/max, msModelSlim's numerics.
+    :param full_range: symmetric scales ``max|w| / (2^(b-1) - 0.5)`` (GPTQModel / llm-compressor)
+        instead of msModelSlim's ``/ (2^(b-1) - 1)``.
     :raises QuantizationError: bad weight/Hessian shapes or values, bad ``block_size``, or a
         Cholesky that still fails after ``max_damp_retries`` damping increases.
     """
@@ -171,7 +174,7 @@ def gptq_quantize(
 
     # 3. Per-channel parameters come from the original rows (before dead columns are zeroed).
     if group_size is None:
-        scale, offset = range_qparams(work, bits, symmetric, mse, dim=0)
+        scale, offset = range_qparams(work, bits, symmetric, mse, dim=0, full_range=full_range)
         scale_t, offset_t = scale.unsqueeze(0), offset.unsqueeze(0)
 
     # 4. Dead columns: W[:, i] = 0 here, H[i, i] = 1 when the factor is built.
@@ -185,7 +188,9 @@ def gptq_quantize(
         n_groups = in_features // group_size
         if static:
             grouped = work.reshape(n_groups, group_size, out_features)
-            scale_t, offset_t = range_qparams(grouped, bits, symmetric, mse, dim=1)
+            scale_t, offset_t = range_qparams(
+                grouped, bits, symmetric, mse, dim=1, full_range=full_range
+            )
         else:
             scale_t = torch.zeros((n_groups, out_features), dtype=torch.float32, device=device)
             offset_t = torch.zeros_like(scale_t)
@@ -233,6 +238,7 @@ def gptq_quantize(
         symmetric=symmetric,
         backend=backend,
         mse=mse,
+        full_range=full_range,
     )
 
     # 9. Back to [out, in] in the original column order; assemble the result.
@@ -345,6 +351,7 @@ def _sweep(
     symmetric: bool,
     backend: Backend,
     mse: MSEOptions | None = None,
+    full_range: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the rows of ``work`` (``[in, out]``, processing order; updated in place).
 
@@ -417,7 +424,7 @@ def _sweep(
                 assert group_size is not None
                 _dynamic_group_params(
                     work, orig, rfac, start, end, group_size, bits, symmetric, scale_t, offset_t,
-                    backend, mse,
+                    backend, mse, full_range,
                 )  # fmt: skip
             process(start, end, level + 1)
             # 6. The errors of this range update the rest of the enclosing one.
@@ -441,6 +448,7 @@ def _dynamic_group_params(
     offset_t: torch.Tensor,
     backend: Backend,
     mse: MSEOptions | None = None,
+    full_range: bool = False,
 ) -> None:
     """Parameters of the groups starting in ``[start, end)``, from the reference's running weight.
 
@@ -462,6 +470,6 @@ def _dynamic_group_params(
             inverse = backend.solve_triangular(window, eye, upper=True)[:, group_start - start :]
             delta = work[start:stop] - orig[start:stop]
             running = torch.addmm(orig[group_start:stop], inverse.t(), delta)
-        scale, offset = range_qparams(running, bits, symmetric, mse, dim=0)
+        scale, offset = range_qparams(running, bits, symmetric, mse, dim=0, full_range=full_range)
         scale_t[group_start // group_size].copy_(scale)
         offset_t[group_start // group_size].copy_(offset)

@@ -46,6 +46,15 @@ MseNorm = Annotated[
         description="MSE search: exponent of the error measured, sum |w - w_q|^mse_norm.",
     ),
 ]
+FullRange = Annotated[
+    bool,
+    Field(
+        description="Symmetric only: scale = max|w| / (2^(b-1) - 0.5), using the code -2^(b-1) "
+        "(GPTQModel's and llm-compressor's convention: a 7 % finer step at int4, 0.4 % at int8) "
+        "instead of msModelSlim's max|w| / (2^(b-1) - 1). Pays off at int4; at int8 with small "
+        "groups it can cost more than it saves. Default false: msModelSlim's numerics."
+    ),
+]
 
 
 class MinMaxExt(BaseModel):
@@ -60,6 +69,7 @@ class MinMaxExt(BaseModel):
     mse_grid: MseGrid = 100
     mse_maxshrink: MseMaxShrink = 0.2
     mse_norm: MseNorm = 2.4
+    full_range: FullRange = False
 
     def mse_options(self) -> MSEOptions | None:
         """The MSE search options, or None when ``mse`` is off (plain min/max)."""
@@ -100,6 +110,7 @@ class GPTQExt(BaseModel):
     mse_grid: MseGrid = 100
     mse_maxshrink: MseMaxShrink = 0.2
     mse_norm: MseNorm = 2.4
+    full_range: FullRange = False
 
     def mse_options(self) -> MSEOptions | None:
         """The MSE search options, or None when ``mse`` is off (plain min/max)."""

@@ -60,6 +60,7 @@ def quantize_weight_minmax(
     group_size: int | None = None,
     name: str = "weight",
     mse: MSEOptions | None = None,
+    full_range: bool = False,
 ) -> QuantizedWeight:
     """Quantize a 2-D weight by round-to-nearest with min/max-derived parameters.
 
@@ -70,8 +71,10 @@ def quantize_weight_minmax(
     :param name: module name for error messages.
     :param mse: MSE clipping search options (:mod:`msquant.quant.mse_clip`); None (default) for
         plain min/max parameters, msModelSlim's numerics.
+    :param full_range: symmetric scales ``max|w| / (2^(b-1) - 0.5)`` using the code ``-2^(b-1)``
+        (GPTQModel / llm-compressor) instead of msModelSlim's ``/ (2^(b-1) - 1)``.
     """
     check_weight(weight, name, group_size)
-    scale, offset = weight_qparams(weight, bits, symmetric, group_size, mse)
+    scale, offset = weight_qparams(weight, bits, symmetric, group_size, mse, full_range)
     codes = quantize(weight, scale, offset, bits, group_size)
     return QuantizedWeight(codes, scale, offset, bits, symmetric, group_size)

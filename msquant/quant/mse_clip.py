@@ -101,6 +101,7 @@ def mse_qparams(
     grid: int = 100,
     maxshrink: float = 0.2,
     norm: float = 2.4,
+    full_range: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and signed offset of every slice along ``dim``, with the range shrunk to minimise error.
 
@@ -114,7 +115,7 @@ def mse_qparams(
     # 1. Observed range of every slice, in float32 (the plain min/max candidate is p = 1).
     values = values.detach().float()
     low, high = values.amin(dim), values.amax(dim)
-    best_scale, best_offset = compute_qparams(low, high, bits, symmetric)
+    best_scale, best_offset = compute_qparams(low, high, bits, symmetric, full_range)
     best_err: torch.Tensor | None = None
     fake = torch.empty_like(values)
     for p in shrink_factors(grid, maxshrink):
@@ -122,7 +123,7 @@ def mse_qparams(
         if p == 1.0:
             scale, offset = best_scale, best_offset
         else:
-            scale, offset = compute_qparams(low * p, high * p, bits, symmetric)
+            scale, offset = compute_qparams(low * p, high * p, bits, symmetric, full_range)
         scale_b, offset_b = scale.unsqueeze(dim), offset.unsqueeze(dim)
         # 3. Fake-quantize exactly as the quantizer does: (clamp(round(w / s + o)) - o) * s.
         torch.div(values, scale_b, out=fake)
@@ -151,6 +152,7 @@ def mse_minmax_qparams(
     symmetric: bool,
     group_size: int | None,
     options: MSEOptions,
+    full_range: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel or per-group parameters of a 2-D weight, MSE-searched (cf. ``minmax_qparams``).
 
@@ -169,6 +171,7 @@ def mse_minmax_qparams(
         grid=options.grid,
         maxshrink=options.maxshrink,
         norm=options.norm,
+        full_range=full_range,
     )
 
 
@@ -178,15 +181,23 @@ def range_qparams(
     symmetric: bool,
     mse: MSEOptions | None,
     dim: int = -1,
+    full_range: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Parameters of every slice along ``dim``: plain min/max when ``mse`` is None, else searched.
 
     The plain branch is exactly ``compute_qparams(values.amin(dim), values.amax(dim), ...)``.
     """
     if mse is None:
-        return compute_qparams(values.amin(dim), values.amax(dim), bits, symmetric)
+        return compute_qparams(values.amin(dim), values.amax(dim), bits, symmetric, full_range)
     return mse_qparams(
-        values, bits, symmetric, dim=dim, grid=mse.grid, maxshrink=mse.maxshrink, norm=mse.norm
+        values,
+        bits,
+        symmetric,
+        dim=dim,
+        grid=mse.grid,
+        maxshrink=mse.maxshrink,
+        norm=mse.norm,
+        full_range=full_range,
     )
 
 
@@ -196,8 +207,9 @@ def weight_qparams(
     symmetric: bool,
     group_size: int | None,
     mse: MSEOptions | None,
+    full_range: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Round-to-nearest parameters of a 2-D weight: ``minmax_qparams`` or the MSE search."""
     if mse is None:
-        return minmax_qparams(weight, bits, symmetric, group_size)
-    return mse_minmax_qparams(weight, bits, symmetric, group_size, mse)
+        return minmax_qparams(weight, bits, symmetric, group_size, full_range)
+    return mse_minmax_qparams(weight, bits, symmetric, group_size, mse, full_range)
