@@ -351,3 +351,76 @@ def test_per_group_128_seed_yaml_is_refused_on_smollm2(smollm2_dir: Path, tmp_pa
     )
     assert "32, 36, 48, 64, 72, 96, 144, 192, 288, 576" in message
     assert not (tmp_path / "out").exists()
+
+
+# --- issue 5: the user's per-module rules on the real model ---------------------------------------
+
+USER_RULES_BITS = {
+    r".*\.(?:1[0-5])\..*": {"bits": 8},
+    r".*\.(?:1[6-9]|20|21)\..*": {"bits": 8, "group_size": 64},
+}
+LINEAR_SUFFIXES = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+# The user's second example, with the gate rules widened to the whole fused gate/up group (a rule
+# on gate_proj alone splits the matrix vLLM fuses and is refused before weights load).
+USER_RULES_SKIP = {
+    r"+:.*\.18\..*(?:gate|up)_proj": {"bits": 4, "group_size": 32},
+    r".*\.19\..*(?:gate|up)_proj": {"bits": 8, "group_size": 64},
+    r"-:.*\.20\..*(?:gate|up)_proj": {},
+    r"-:.*down.*": {},
+}
+
+
+def _expected_scheme(name: str, rules: dict[str, dict[str, int]]) -> tuple[int, int] | None:
+    """GPTQModel's rule semantics, written out for the test: negatives first, then first match."""
+    import re
+
+    for pattern in rules:
+        if pattern.startswith("-:") and re.match(pattern[2:], name):
+            return None
+    for pattern, override in rules.items():
+        if pattern.startswith("-:"):
+            continue
+        if re.match(pattern.removeprefix("+:"), name):
+            return override.get("bits", 4), override.get("group_size", 32)
+    return 4, 32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rules", [USER_RULES_BITS, USER_RULES_SKIP], ids=["bits", "skip"])
+def test_user_dynamic_rules_on_smollm2(
+    rules: dict[str, dict[str, int]], smollm2_dir: Path, tmp_path: Path
+) -> None:
+    """The user's rules on an int4 group-32 base, round-to-nearest, compressed-tensors export:
+    every decoder linear ends with the scheme the rules give it, checked in the written config."""
+    import msquant
+
+    weight = {"dtype": "int4", "scope": "per_group", "method": "minmax", "ext": {"group_size": 32}}
+    config = {
+        "spec": {
+            "process": [{"type": "linear_quant", "qconfig": {"weight": weight}, "dynamic": rules}],
+            "save": [{"type": "compressed_tensors", "part_file_size": 0}],
+        }
+    }
+    result = msquant.quantize(smollm2_dir, tmp_path / "out", config, progress=False)
+    groups = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    found: dict[str, tuple[int, int] | None] = {}
+    for group in groups["config_groups"].values():
+        scheme = (group["weights"]["num_bits"], group["weights"]["group_size"])
+        for target in group["targets"]:
+            found[target] = scheme
+    default = found.pop("Linear")
+    for name in groups["ignore"]:
+        found[name] = None
+    names = [f"model.layers.{i}.{m}" for i in range(30) for m in LINEAR_SUFFIXES]
+    for name in names:
+        assert found.get(name, default) == _expected_scheme(name, rules), name
+    quantized = {n for n in names if _expected_scheme(n, rules) is not None}
+    assert set(result.quantized_modules) == quantized
