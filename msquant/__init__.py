@@ -70,6 +70,7 @@ from msquant.quant.int_quant import quantize as quantize_codes
 from msquant.quant.methods import WEIGHT_METHODS, GPTQExt, MinMaxExt, WeightMethod
 from msquant.quant.minmax import check_weight, divisors, quantize_weight_minmax
 from msquant.quant.mse_clip import MSEOptions, mse_minmax_qparams, mse_qparams
+from msquant.quant.output_error import relative_output_errors
 from msquant.quant.qconfig import ActQConfig, LinearQConfig, QDType, QScope, WeightQConfig
 from msquant.quant.quantized_linear import QuantizedLinear, replace_module
 from msquant.quant.quantized_weight import QuantizedWeight
@@ -87,6 +88,17 @@ from msquant.quant.rules import (
     resolve_module_scheme,
 )
 from msquant.registry import ENTRY_POINT_GROUP, ProcessorRegistry, default_registry
+from msquant.report import (
+    REPORT_FILE,
+    LayerTiming,
+    ModuleReport,
+    RunReport,
+    calibration_sha256,
+    config_sha256,
+    render_report,
+    strip_timings,
+    write_report,
+)
 from msquant.verify import (
     ExportReadError,
     ExportVerificationError,
@@ -204,6 +216,17 @@ __all__ = [
     "PerplexityResult",
     "PerplexityComparison",
     "EvaluationError",
+    # run report
+    "RunReport",
+    "ModuleReport",
+    "LayerTiming",
+    "REPORT_FILE",
+    "write_report",
+    "render_report",
+    "strip_timings",
+    "config_sha256",
+    "calibration_sha256",
+    "relative_output_errors",
     # errors
     "ExportReadError",
     "ExportVerificationError",

@@ -10,14 +10,15 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
-from msquant.backends import get_backend
+from msquant.backends import Backend, get_backend
 from msquant.calibration import (
     default_dataset_path,
     read_calibration_texts,
@@ -41,6 +42,14 @@ from msquant.planning import check_plan
 from msquant.processor import Processor
 from msquant.quant.quantized_linear import QuantizedLinear
 from msquant.registry import ProcessorRegistry, default_registry
+from msquant.report import (
+    REPORT_FILE,
+    RunReport,
+    calibration_sha256,
+    config_sha256,
+    render_report,
+    write_report,
+)
 from msquant.runner import needs_calibration, run_layer_wise
 
 __all__ = [
@@ -69,6 +78,7 @@ class QuantizeResult:
     quantized_modules: tuple[str, ...]
     calibration_samples: int
     seconds: float
+    report: RunReport
 
 
 @dataclass(frozen=True)
@@ -187,10 +197,12 @@ def quantize(
             resolved.config.model_dump(mode="json"), sort_keys=False
         )
         ctx = RunContext(model, model_dir, staging, backend, layers, config_text, progress)
+        _start_report(ctx, resolved.config, samples, backend)
         run_layer_wise(ctx, processors, samples, progress=progress)
         if verify:
             _verify_exports(ctx, processors)
         _write_export_marker(ctx, processors)
+        _write_report(ctx, started)
     quantized = tuple(n for n, m in model.named_modules() if isinstance(m, QuantizedLinear))
     return QuantizeResult(
         save_path=Path(save_path).expanduser().absolute(),
@@ -198,6 +210,7 @@ def quantize(
         quantized_modules=quantized,
         calibration_samples=len(samples) if samples else 0,
         seconds=time.perf_counter() - started,
+        report=ctx.report,
     )
 
 
@@ -266,6 +279,34 @@ def _write_export_marker(ctx: RunContext, processors: list[Processor]) -> None:
     (ctx.output_dir / EXPORT_MARKER).write_text(
         json.dumps(marker, indent=2) + "\n", encoding="utf-8"
     )
+
+
+def _start_report(
+    ctx: RunContext,
+    config: QuantConfig,
+    samples: Sequence[torch.Tensor] | None,
+    backend: Backend,
+) -> None:
+    """Fill the run-wide fields of ``ctx.report`` (versions, hashes, model, device)."""
+    from msquant import __version__
+
+    report = ctx.report
+    report.msquant_version = __version__
+    report.config_sha256 = config_sha256(config.model_dump(mode="json"))
+    report.calibration_sha256 = calibration_sha256(samples)
+    report.calibration_samples = len(samples) if samples else 0
+    report.calibration_tokens = sum(int(s.numel()) for s in samples) if samples else 0
+    report.model_path = str(ctx.model_path)
+    report.model_type = ctx.model_type
+    report.device = str(backend.device)
+
+
+def _write_report(ctx: RunContext, started: float) -> None:
+    """``quant_report.json`` beside ``msquant_export.json`` (staged, moved with the export) and
+    the same as a table at INFO."""
+    ctx.report.total_seconds = time.perf_counter() - started
+    write_report(ctx.report, ctx.output_dir)
+    logger.info("run report (%s):\n%s", REPORT_FILE, render_report(ctx.report))
 
 
 def _log_runner(runner: RunnerType) -> None:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from msquant.report import RunReport
+
 if TYPE_CHECKING:
     from msquant.backends.base import Backend
 
@@ -49,6 +51,8 @@ class RunContext:
     :param config_text: the YAML text of the config, when the run came from a file.
     :param progress: whether processors may show progress bars.
     :param extras: free-form per-run values processors may share (keyed by processor type).
+    :param report: the run report (``quant_report.json``); processors record each module they
+        quantize with ``ctx.report.add_module(...)``, the runner records layer times.
     """
 
     model: nn.Module
@@ -59,6 +63,7 @@ class RunContext:
     config_text: str | None = None
     progress: bool = True
     extras: dict[str, Any] = field(default_factory=dict)
+    report: RunReport = field(default_factory=RunReport)
 
     @property
     def model_type(self) -> str:

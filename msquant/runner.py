@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from msquant.context import RunContext
 from msquant.model.capture import capture_layer_inputs
 from msquant.processor import Processor
+from msquant.report import LayerTiming
 
 __all__ = ["needs_calibration", "run_layer_wise"]
 
@@ -50,11 +51,12 @@ def run_layer_wise(
             raise ValueError("calibration samples are required by the configured processors")
         started = time.perf_counter()
         activations = capture_layer_inputs(ctx.model, ctx.layers, samples)
+        ctx.report.capture_seconds = time.perf_counter() - started
         logger.info(
             "captured decoder inputs for %d sample(s), %d token(s) in %.1f s",
             len(samples),
             activations.token_count,
-            time.perf_counter() - started,
+            ctx.report.capture_seconds,
         )
     for layer in tqdm(ctx.layers, desc="layers", unit="layer", disable=not progress):
         started = time.perf_counter()
@@ -67,6 +69,8 @@ def run_layer_wise(
             processor.after_layer(ctx, layer)
         ctx.backend.offload(layer.module)
         ctx.backend.empty_cache()
-        logger.debug("layer %s done in %.2f s", layer.name, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        ctx.report.add_layer(LayerTiming(layer.index, layer.name, seconds))
+        logger.debug("layer %s done in %.2f s", layer.name, seconds)
     for processor in processors:
         processor.finalize(ctx)

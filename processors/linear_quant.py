@@ -70,6 +70,7 @@ from msquant import (
     LinearQConfig,
     MinMaxExt,
     ModuleDecision,
+    ModuleReport,
     MSEOptions,
     NotImplementedYetError,
     Processor,
@@ -77,6 +78,7 @@ from msquant import (
     QDType,
     QScope,
     QuantizedLinear,
+    QuantizedWeight,
     ResolvedScheme,
     RunContext,
     WeightPerChannelGPTQ,
@@ -86,6 +88,7 @@ from msquant import (
     fused_groups,
     parse_dynamic,
     quantize_weight_minmax,
+    relative_output_errors,
     replace_module,
     resolve_module_scheme,
     unmatched_patterns,
@@ -425,20 +428,64 @@ class LinearQuantProcessor(Processor):
             disable=not ctx.progress or len(modules) < 2,
         ):
             if self.method == "gptq":
-                result = self._gptq.pop(name).quantize(module.weight, backend=ctx.backend)
-                qweight = result.quantized
-                logger.debug(
-                    "%s: GPTQ loss %.4g, percdamp %.4g (%d retries), %d dead columns, %.2f s",
-                    name, result.loss, result.percdamp, result.damp_retries,
-                    result.dead_columns, result.seconds,
-                )  # fmt: skip
+                qweight = self._quantize_gptq(ctx, name, module, scheme)
             else:
-                qweight = quantize_weight_minmax(
-                    module.weight, scheme.bits, scheme.sym, scheme.group_size_or_none, name=name,
-                    mse=self._mse(scheme), full_range=self.ext.full_range,
-                )  # fmt: skip
+                qweight = self._quantize_rtn(module, scheme, name)
+                ctx.report.add_module(self._module_report(name, scheme))
             if scheme.decided_by != BASE_SOURCE:
                 logger.debug("%s: %s (%s)", name, scheme.describe(), scheme.decided_by)
             replace_module(
                 ctx.model, name, QuantizedLinear.from_linear(module, qweight, self.method)
             )
+
+    def _quantize_rtn(
+        self, module: nn.Linear, scheme: ResolvedScheme, name: str
+    ) -> QuantizedWeight:
+        """Round-to-nearest weight of ``module`` with its resolved scheme (``minmax``)."""
+        return quantize_weight_minmax(
+            module.weight, scheme.bits, scheme.sym, scheme.group_size_or_none, name=name,
+            mse=self._mse(scheme), full_range=self.ext.full_range,
+        )  # fmt: skip
+
+    def _quantize_gptq(
+        self, ctx: RunContext, name: str, module: nn.Linear, scheme: ResolvedScheme
+    ) -> QuantizedWeight:
+        """GPTQ-quantize ``module`` and record it in the run report with its output errors (GPTQ
+        and round-to-nearest, on the calibration Hessian, read before the quantizer is dropped;
+        the accumulator is not freed here since q/k/v or gate/up may share it)."""
+        quantizer = self._gptq.pop(name)
+        result = quantizer.quantize(module.weight, backend=ctx.backend)
+        hessian, _ = quantizer.accumulator.raw_sum()
+        rtn = self._quantize_rtn(module, scheme, name)
+        errors = relative_output_errors(
+            module.weight, [result.quantized.dequantize(), rtn.dequantize()], hessian
+        )
+        logger.debug(
+            "%s: GPTQ loss %.4g, percdamp %.4g (%d retries), %d dead columns, output error %.4g "
+            "(round-to-nearest %.4g), %.2f s",
+            name, result.loss, result.percdamp, result.damp_retries, result.dead_columns,
+            errors[0], errors[1], result.seconds,
+        )  # fmt: skip
+        ctx.report.add_module(
+            replace(
+                self._module_report(name, scheme),
+                gptq_loss=result.loss,
+                percdamp=result.percdamp,
+                damp_retries=result.damp_retries,
+                dead_columns=result.dead_columns,
+                output_error=errors[0],
+                rtn_output_error=errors[1],
+                solve_seconds=result.seconds,
+            )
+        )
+        return result.quantized
+
+    def _module_report(self, name: str, scheme: ResolvedScheme) -> ModuleReport:
+        """The scheme part of a module's report entry (GPTQ adds its solve statistics)."""
+        return ModuleReport(
+            name=name,
+            method=self.method,
+            bits=scheme.bits,
+            group_size=scheme.group_size_or_none,
+            symmetric=scheme.sym,
+        )

@@ -215,6 +215,7 @@ def test_several_savers_write_one_subfolder_each(tiny_llama: Path, tmp_path: Pat
         "ascendv1_saver",
         "mindie_format_saver",
         "msquant_export.json",
+        "quant_report.json",
     ]
     marker = json.loads((save / "msquant_export.json").read_text())
     assert marker["savers"] == [

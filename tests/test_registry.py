@@ -456,7 +456,11 @@ def test_quantize_with_a_plugin_saver(
     save = tmp_path / "out"
     result = msquant.quantize(tiny_llama, save, config, registry=registry, progress=False)
     # no default saver added; msquant_export.json marks every export folder
-    assert sorted(p.name for p in save.iterdir()) == ["manifest.json", "msquant_export.json"]
+    assert sorted(p.name for p in save.iterdir()) == [
+        "manifest.json",
+        "msquant_export.json",
+        "quant_report.json",
+    ]
     assert json.loads((save / "manifest.json").read_text()) == sorted(result.quantized_modules)
 
 

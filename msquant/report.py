@@ -1,0 +1,230 @@
+"""The run report: machine-readable evidence of what a quantization run did and what it cost.
+
+Every run writes ``quant_report.json`` at the top of the save path (see :func:`write_report`).
+Processors record their modules through :meth:`RunReport.add_module`, the runner records the
+decoder-layer times, and :func:`msquant.quantize` fills in the run-wide fields.
+
+Deterministic by design: two identical runs give identical reports apart from the fields whose
+names end in ``seconds`` (every timing lives in such a field), so scripts can diff reports across
+runs after dropping those keys (:func:`strip_timings`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import platform
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "REPORT_FILE",
+    "LayerTiming",
+    "ModuleReport",
+    "RunReport",
+    "calibration_sha256",
+    "config_sha256",
+    "render_report",
+    "strip_timings",
+    "write_report",
+]
+
+REPORT_FILE = "quant_report.json"
+REPORT_FORMAT = 1  # bumped when a field changes meaning or disappears
+
+
+@dataclass(frozen=True)
+class ModuleReport:
+    """One quantized linear module.
+
+    :param name: full module name.
+    :param method: ``gptq`` or ``minmax`` (round-to-nearest).
+    :param bits: weight bit width.
+    :param group_size: group width over input columns; None per-channel.
+    :param symmetric: symmetric (no zero point) or asymmetric scheme.
+    :param gptq_loss: GPTQ's own loss (see :class:`msquant.GPTQResult`); None for ``minmax``.
+    :param percdamp: damping finally used, relative to ``mean(diag H)``; None for ``minmax``.
+    :param damp_retries: times damping was raised after a failed Cholesky; None for ``minmax``.
+    :param dead_columns: input columns never activated by the calibration set; None for ``minmax``.
+    :param output_error: ``||X W^T - X W_hat^T|| / ||X W^T||`` on the calibration inputs
+        (:func:`msquant.quant.output_error.relative_output_errors`); None without calibration.
+    :param rtn_output_error: the same for the round-to-nearest weight of the same scheme, for
+        comparison; None without calibration.
+    :param solve_seconds: wall time of the GPTQ solve; None for ``minmax``.
+    """
+
+    name: str
+    method: str
+    bits: int
+    group_size: int | None
+    symmetric: bool
+    gptq_loss: float | None = None
+    percdamp: float | None = None
+    damp_retries: int | None = None
+    dead_columns: int | None = None
+    output_error: float | None = None
+    rtn_output_error: float | None = None
+    solve_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    """Wall time of one decoder layer (load, every processor's hooks, offload)."""
+
+    index: int
+    name: str
+    seconds: float
+
+
+@dataclass
+class RunReport:
+    """Everything ``quant_report.json`` holds; run-wide fields are set by :func:`msquant.quantize`.
+
+    ``calibration_sha256`` hashes the token ids (:func:`calibration_sha256`), ``config_sha256`` the
+    validated config (:func:`config_sha256`); ``capture_seconds`` is the time spent running the
+    model's embeddings to capture the first decoder layer's inputs (None without calibration),
+    ``total_seconds`` the whole run up to writing the report.
+    """
+
+    msquant_version: str = ""
+    torch_version: str = field(default_factory=lambda: torch.__version__)
+    transformers_version: str = field(default_factory=lambda: _version_of("transformers"))
+    python_version: str = field(default_factory=platform.python_version)
+    config_sha256: str | None = None
+    calibration_sha256: str | None = None
+    calibration_samples: int = 0
+    calibration_tokens: int = 0
+    model_path: str = ""
+    model_type: str = ""
+    device: str = ""
+    modules: list[ModuleReport] = field(default_factory=list)
+    layers: list[LayerTiming] = field(default_factory=list)
+    capture_seconds: float | None = None
+    total_seconds: float = 0.0
+
+    def add_module(self, module: ModuleReport) -> None:
+        """Record a quantized module (processors call this once per module they quantize)."""
+        self.modules.append(module)
+
+    def add_layer(self, layer: LayerTiming) -> None:
+        """Record a finished decoder layer (the runner calls this)."""
+        self.layers.append(layer)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document (non-finite floats become null: JSON has no NaN or Infinity)."""
+        data = {"format": REPORT_FORMAT, **asdict(self)}
+        return _finite(data)
+
+    def to_json(self) -> str:
+        """The document as written to disk: indented, keys in declaration order, final newline."""
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+
+def write_report(report: RunReport, directory: Path) -> Path:
+    """Write ``quant_report.json`` into ``directory`` and return its path."""
+    path = Path(directory) / REPORT_FILE
+    path.write_text(report.to_json(), encoding="utf-8")
+    return path
+
+
+def config_sha256(config_json: Mapping[str, Any]) -> str:
+    """sha256 of a validated config as canonical JSON (``model_dump(mode="json")``, sorted keys)."""
+    text = json.dumps(config_json, sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def calibration_sha256(samples: Sequence[torch.Tensor] | None) -> str | None:
+    """sha256 over the calibration token ids in order; None when no calibration was used.
+
+    Each sample contributes its token count then its ids, all as little-endian int64, so the
+    hash changes when ids move between samples as well as when they change.
+    """
+    if not samples:
+        return None
+    digest = hashlib.sha256()
+    for sample in samples:
+        ids = sample.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
+        digest.update(int(ids.numel()).to_bytes(8, "little"))
+        digest.update(_int64_le_bytes(ids))
+    return digest.hexdigest()
+
+
+def strip_timings(data: Any) -> Any:
+    """A copy of a report document without the keys ending in ``seconds`` (at any depth)."""
+    if isinstance(data, dict):
+        return {k: strip_timings(v) for k, v in data.items() if not k.endswith("seconds")}
+    if isinstance(data, list):
+        return [strip_timings(v) for v in data]
+    return data
+
+
+def render_report(report: RunReport) -> str:
+    """A human-readable table of the modules and the run totals (for the INFO log)."""
+    headers = ("module", "method", "bits", "group", "sym", "loss", "damp", "err", "rtn err", "s")
+    rows = [headers] + [_module_row(m) for m in report.modules]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(headers))]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    errors = [m.output_error for m in report.modules if m.output_error is not None]
+    rtn = [m.rtn_output_error for m in report.modules if m.rtn_output_error is not None]
+    summary = f"{len(report.modules)} module(s), {len(report.layers)} layer(s)"
+    if errors and rtn:
+        summary += (
+            f", mean output error {sum(errors) / len(errors):.4g} "
+            f"(round-to-nearest {sum(rtn) / len(rtn):.4g})"
+        )
+    summary += f", {report.total_seconds:.1f} s"
+    return "\n".join([*lines, summary])
+
+
+def _module_row(module: ModuleReport) -> tuple[str, ...]:
+    seconds = module.solve_seconds
+    return (
+        module.name,
+        module.method,
+        str(module.bits),
+        "channel" if module.group_size is None else str(module.group_size),
+        "yes" if module.symmetric else "no",
+        _fmt(module.gptq_loss),
+        _fmt(module.percdamp),
+        _fmt(module.output_error),
+        _fmt(module.rtn_output_error),
+        "-" if seconds is None else f"{seconds:.2f}",
+    )
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def _finite(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_finite(v) for v in data]
+    if isinstance(data, float) and not math.isfinite(data):
+        return None
+    return data
+
+
+def _int64_le_bytes(ids: torch.Tensor) -> bytes:
+    data = ids.numpy()
+    return bytes(data.astype("<i8", copy=False).tobytes())
+
+
+def _version_of(package: str) -> str:
+    """Installed version of ``package`` (``"unknown"`` when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "unknown"
