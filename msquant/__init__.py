@@ -88,6 +88,12 @@ from msquant.quant.rules import (
     resolve_module_scheme,
 )
 from msquant.registry import ENTRY_POINT_GROUP, ProcessorRegistry, default_registry
+from msquant.regression import (
+    RegressionResult,
+    compare_reports,
+    load_baseline_report,
+    parse_tolerance,
+)
 from msquant.report import (
     REPORT_FILE,
     LayerTiming,
@@ -227,6 +233,11 @@ __all__ = [
     "config_sha256",
     "calibration_sha256",
     "relative_output_errors",
+    # regression gate
+    "RegressionResult",
+    "compare_reports",
+    "load_baseline_report",
+    "parse_tolerance",
     # errors
     "ExportReadError",
     "ExportVerificationError",

@@ -23,6 +23,12 @@ from msquant.evaluate import DEFAULT_SEQLEN, compare_perplexity, evaluate_perple
 from msquant.planning import build_plan, render_plan
 from msquant.presets import preset_config
 from msquant.registry import default_registry
+from msquant.regression import (
+    EXIT_REGRESSION,
+    compare_reports,
+    load_baseline_report,
+    parse_tolerance,
+)
 from msquant.verify import (
     ExportVerificationError,
     VerifyReport,
@@ -34,6 +40,7 @@ from msquant.verify import (
 __all__ = ["main", "build_parser"]
 
 EXIT_OK, EXIT_INTERNAL, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+DEFAULT_LAYER_ERROR_INCREASE = "1%"
 logger = logging.getLogger("msquant.cli")
 
 
@@ -129,6 +136,18 @@ def build_parser() -> argparse.ArgumentParser:
         dest="no_verify",
         action="store_true",
         help="skip reading the export back and comparing it with the in-memory result",
+    )
+    quant.add_argument(
+        "--baseline_report",
+        metavar="JSON",
+        help="quant_report.json of an earlier run: exit 3 when a module's output error grew more "
+        "than --max_layer_error_increase (the export is still written)",
+    )
+    quant.add_argument(
+        "--max_layer_error_increase",
+        metavar="TOL",
+        help="allowed relative growth of each module's output error against --baseline_report, "
+        "e.g. 5%% or 0.05 (default 1%%)",
     )
 
     verify = sub.add_parser(
@@ -274,6 +293,7 @@ def _cmd_quant(args: argparse.Namespace) -> int:
             raise MsquantInputError(str(exc.args[0])) from None
     else:
         config = args.config_path
+    baseline, tolerance = _regression_gate(args)  # checked before any work
     result = quantize(
         args.model_path,
         args.save_path,
@@ -293,7 +313,23 @@ def _cmd_quant(args: argparse.Namespace) -> int:
         result.seconds,
         result.save_path,
     )
+    if baseline is not None:
+        outcome = compare_reports(baseline, result.report.to_dict(), tolerance)
+        if not outcome.ok:
+            print(f"msquant: regression against the baseline:\n{outcome.render()}", file=sys.stderr)
+            return EXIT_REGRESSION
+        logger.info("%s", outcome.render())
     return EXIT_OK
+
+
+def _regression_gate(args: argparse.Namespace) -> tuple[dict[str, object] | None, float]:
+    """The baseline report and tolerance of ``--baseline_report`` (validated up front)."""
+    if args.baseline_report is None:
+        if args.max_layer_error_increase is not None:
+            raise MsquantInputError("--max_layer_error_increase needs --baseline_report")
+        return None, 0.0
+    tolerance = parse_tolerance(args.max_layer_error_increase or DEFAULT_LAYER_ERROR_INCREASE)
+    return load_baseline_report(args.baseline_report), tolerance
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
