@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -51,6 +51,14 @@ def ties_word_embeddings(config: dict[str, Any] | None) -> bool:
     return bool(config.get("tie_word_embeddings", nested))
 
 
+class SchemeLike(Protocol):
+    """A format's per-module scheme: comparable key and readable description."""
+
+    def key(self) -> Hashable: ...
+
+    def describe(self) -> str: ...
+
+
 class ExportReader(ABC):
     """Reads one export format: inventory and metadata checks on construction, layers on demand.
 
@@ -81,6 +89,25 @@ class ExportReader(ABC):
     def schemes(self) -> tuple[dict[str, Hashable], dict[str, str]]:
         """Module -> comparable scheme (``FLOAT`` when unquantized) and a readable description,
         for the fused-shard check."""
+
+    def hf_schemes(
+        self, modules: list[str], scheme_of: Callable[[str], SchemeLike | None]
+    ) -> tuple[dict[str, Hashable], dict[str, str]]:
+        """:meth:`schemes` of a Hugging Face checkpoint (GPTQ, compressed-tensors): every stored
+        2-D ``.weight`` is a float linear, every quantized module gets ``scheme_of(module)``."""
+        schemes: dict[str, Hashable] = {}
+        describe: dict[str, str] = {}
+        if self.store is None:
+            return schemes, describe
+        for name in self.store.names():
+            if name.endswith(".weight") and len(self.store.infos[name].shape) == 2:
+                module = name[: -len(".weight")]
+                schemes[module], describe[module] = FLOAT, FLOAT
+        for module in modules:
+            scheme = scheme_of(module)
+            schemes[module] = scheme.key() if scheme is not None else FLOAT
+            describe[module] = scheme.describe() if scheme is not None else FLOAT
+        return schemes, describe
 
     def consumer_notes(self, layer: DecodedLayer) -> None:
         """Record the consumer rules one decoded layer falls under (default: none)."""

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from msquant.verify.base import FLOAT, ExportReader, module_of
+from msquant.verify.base import ExportReader, module_of
 from msquant.verify.layer import DecodedLayer, trivial_g_idx
 from msquant.verify.report import Findings, LayerReport
 from msquant.verify.tensors import open_weights
@@ -395,19 +395,7 @@ class CompressedTensorsReader(ExportReader):
             self.findings.note(VLLM_BITS, layer.name)
 
     def schemes(self) -> tuple[dict[str, Hashable], dict[str, str]]:
-        schemes: dict[str, Hashable] = {}
-        describe: dict[str, str] = {}
-        if self.store is None:
-            return schemes, describe
-        for name in self.store.names():
-            if name.endswith(".weight") and len(self.store.infos[name].shape) == 2:
-                module = name[: -len(".weight")]
-                schemes[module], describe[module] = FLOAT, FLOAT
-        for module in self.modules:
-            scheme = self.scheme_of(module)
-            schemes[module] = scheme.key() if scheme is not None else FLOAT
-            describe[module] = scheme.describe() if scheme is not None else FLOAT
-        return schemes, describe
+        return self.hf_schemes(self.modules, self.scheme_of)
 
 
 def _inferred_strategy(group_size: object) -> str:

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, TypeGuard
 import torch
 
 from msquant.model.fused import fused_groups
-from msquant.verify.base import FLOAT, ExportReader, module_of, read_json
+from msquant.verify.base import ExportReader, module_of, read_json
 from msquant.verify.layer import DecodedLayer, trivial_g_idx
 from msquant.verify.report import Findings, LayerReport
 from msquant.verify.tensors import open_weights
@@ -67,6 +67,10 @@ class GPTQScheme(NamedTuple):
     group_size: int
     sym: bool
     desc_act: bool
+
+    def key(self) -> Hashable:
+        """The comparable form of the scheme (the tuple itself)."""
+        return tuple(self)
 
     def describe(self) -> str:
         """E.g. ``int4 group 32 sym``."""
@@ -428,19 +432,7 @@ class GPTQReader(ExportReader):
                 )
 
     def schemes(self) -> tuple[dict[str, Hashable], dict[str, str]]:
-        schemes: dict[str, Hashable] = {}
-        describe: dict[str, str] = {}
-        if self.store is None:
-            return schemes, describe
-        for name in self.store.names():
-            if name.endswith(".weight") and len(self.store.infos[name].shape) == 2:
-                module = name[: -len(".weight")]
-                schemes[module], describe[module] = FLOAT, FLOAT
-        for module in self.modules:
-            scheme = self.resolve(module)
-            schemes[module] = scheme if scheme is not None else FLOAT
-            describe[module] = scheme.describe() if scheme is not None else FLOAT
-        return schemes, describe
+        return self.hf_schemes(self.modules, self.resolve)
 
 
 def _is_int(value: object) -> TypeGuard[int]:
