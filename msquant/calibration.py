@@ -57,24 +57,25 @@ def resolve_dataset_path(name: str, config_dir: Path | None) -> Path:
     return path
 
 
-def read_calibration_texts(path: str | Path) -> list[str]:
-    """Read the text samples of a calibration file.
+def read_calibration_texts(path: str | Path, role: str = "calibration") -> list[str]:
+    """Read the text samples of a calibration file (or any text file in the same formats).
 
+    :param role: what the file is for, in messages (``"evaluation data"`` for ``msquant eval``).
     :raises CalibrationDataError: when the file is missing, unreadable, malformed or has no samples.
     """
     file = Path(path)
     if not file.is_file():
         what = "is a directory" if file.is_dir() else "does not exist"
-        raise CalibrationDataError(f"calibration file {file} {what}")
+        raise CalibrationDataError(f"{role} file {file} {what}")
     if file.suffix not in SUFFIXES:
         raise CalibrationDataError(
-            f"calibration file {file} has unsupported extension {file.suffix!r}; "
+            f"{role} file {file} has unsupported extension {file.suffix!r}; "
             f"use one of {', '.join(SUFFIXES)}"
         )
     try:
         content = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise CalibrationDataError(f"cannot read calibration file {file}: {exc}") from exc
+        raise CalibrationDataError(f"cannot read {role} file {file}: {exc}") from exc
     if file.suffix == ".jsonl":
         texts = _parse_jsonl(content, file)
     elif file.suffix == ".json":
@@ -83,7 +84,7 @@ def read_calibration_texts(path: str | Path) -> list[str]:
         texts = [block.strip() for block in content.split("\n\n")]
     texts = [t for t in texts if t.strip()]
     if not texts:
-        raise CalibrationDataError(f"calibration file {file} contains no text samples")
+        raise CalibrationDataError(f"{role} file {file} contains no text samples")
     return texts
 
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from msquant.backends import get_backend
-from msquant.calibration import SUFFIXES, read_calibration_texts
+from msquant.calibration import read_calibration_texts
 from msquant.errors import CalibrationDataError, ModelLoadError, MsquantInputError
 from msquant.model.loader import (
     check_model_dir,
@@ -268,18 +268,10 @@ def read_eval_tokens(data_path: str | Path, tokenizer: Any) -> torch.Tensor:
     :raises EvaluationError: when the file is missing, unreadable, malformed or yields no token.
     """
     path = Path(data_path)
-    if not path.is_file():
-        what = "is a directory" if path.is_dir() else "does not exist"
-        raise EvaluationError(f"evaluation data file {path} {what}")
-    if path.suffix not in SUFFIXES:
-        raise EvaluationError(
-            f"evaluation data file {path} has unsupported extension {path.suffix!r}; "
-            f"use one of {', '.join(SUFFIXES)}"
-        )
     try:
-        texts = read_calibration_texts(path)
+        texts = read_calibration_texts(path, role="evaluation data")
     except CalibrationDataError as exc:
-        raise EvaluationError(f"evaluation data: {exc}") from exc
+        raise EvaluationError(str(exc)) from exc
     text = SAMPLE_SEPARATOR.join(texts)
     ids = tokenizer(text, return_tensors="pt", verbose=False)["input_ids"].reshape(-1)
     if ids.numel() < 2:
