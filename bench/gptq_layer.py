@@ -16,6 +16,7 @@ scales, no act-order) and its time and errors are printed with the ratio to msqu
 
     python bench/gptq_layer.py                 # 4096 x 4096 layer, 16384 + 4096 rows
     python bench/gptq_layer.py --size 1024     # quicker (rows scale with the size)
+    python bench/gptq_layer.py --device cuda   # on a GPU (data built on the CPU, then moved)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import TypeVar
 
 import torch
 
+from msquant.backends import Backend, get_backend
 from msquant.quant.gptq_solver import gptq_quantize
 from msquant.quant.hessian import HessianAccumulator
 from msquant.quant.int_quant import compute_qparams, qrange
@@ -44,12 +46,17 @@ CONFIGS: list[tuple[str, int, bool, int | None]] = [
 ]
 
 
-def best_time(fn: Callable[[], T], repeat: int) -> tuple[float, T]:
-    """Minimum wall time of ``repeat`` (>= 1) calls and the last call's result."""
+def best_time(fn: Callable[[], T], repeat: int, backend: Backend | None = None) -> tuple[float, T]:
+    """Minimum wall time of ``repeat`` (>= 1) calls and the last call's result (the backend's
+    device is synchronised before and after each call, so queued device work is counted)."""
     best = math.inf
     for _ in range(repeat):
+        if backend is not None:
+            backend.synchronize()
         started = time.perf_counter()
         result = fn()
+        if backend is not None:
+            backend.synchronize()
         best = min(best, time.perf_counter() - started)
     return best, result
 
@@ -72,8 +79,8 @@ def textbook_gptq(
     H.diagonal().add_(0.01 * torch.mean(torch.diag(H)))
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     scale, offset = compute_qparams(weight.amin(1), weight.amax(1), bits, symmetric)
-    codes = torch.zeros(rows, cols, dtype=torch.int8)
-    fake = torch.zeros(rows, cols)
+    codes = torch.zeros(rows, cols, dtype=torch.int8, device=W.device)
+    fake = torch.zeros(rows, cols, device=W.device)
     for first in range(0, cols, 128):
         last = min(first + 128, cols)
         W1 = W[:, first:last].clone()
@@ -165,14 +172,18 @@ def main() -> None:
         help="msquant's group parameters from the original weight (ext static_groups), as "
         "llm-compressor's observer fixes them",
     )
+    parser.add_argument("--device", default="cpu", help="cpu | cuda[:N] | npu[:N] (default cpu)")
     args = parser.parse_args()
+    backend = get_backend(args.device)
+    timed = partial(best_time, backend=backend)
 
     size = args.size
     rows = args.rows or 4 * size
     heldout = args.heldout or size
     torch.manual_seed(0)
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{platform.processor() or platform.machine()}, device {backend.device}"
     )
 
     # 1. Data: X = Z M with singular values of M decaying from 1 to e^-5; weight ~ N(0, 0.02).
@@ -183,16 +194,17 @@ def main() -> None:
     calib = make_activations(rows, size, mixing, seed=2)
     held = make_activations(heldout, size, mixing, seed=3)
     weight = torch.randn(size, size, generator=generator) * 0.02
+    calib, held, weight = (backend.tensor_to_device(t) for t in (calib, held, weight))
 
     # 2. Throughput reference: float32 size^3 matmul.
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    a, b = (backend.tensor_to_device(torch.randn(size, size)) for _ in range(2))
     a @ b
-    matmul_s, _ = best_time(lambda: a @ b, 3)
+    matmul_s, _ = timed(lambda: a @ b, 3)
     matmul_gflops = 2 * size**3 / matmul_s / 1e9
     print(f"float32 {size}^3 matmul: {matmul_s:.3f} s = {matmul_gflops:.1f} GFLOP/s")
 
     # 3. Hessian accumulation in batches vs one plain X^T X.
-    plain_s, gram = best_time(lambda: calib.t() @ calib, args.repeat)
+    plain_s, gram = timed(lambda: calib.t() @ calib, args.repeat)
 
     def accumulate() -> HessianAccumulator:
         acc = HessianAccumulator(size, name="bench")
@@ -201,7 +213,7 @@ def main() -> None:
         acc.flush()
         return acc
 
-    accum_s, acc = best_time(accumulate, args.repeat)
+    accum_s, acc = timed(accumulate, args.repeat)
     raw, count = acc.raw_sum()
     print(
         f"Hessian: {rows} rows in batches of {args.batch}: {accum_s:.3f} s; plain X^T X: "
@@ -228,9 +240,10 @@ def main() -> None:
             name="bench",
             full_range=args.full_range,
             static_groups=args.static_groups,
+            backend=backend,
         )
-        solve_s, result = best_time(solve, args.repeat)
-        rtn_s, rtn = best_time(
+        solve_s, result = timed(solve, args.repeat)
+        rtn_s, rtn = timed(
             partial(
                 quantize_weight_minmax,
                 weight,
@@ -253,7 +266,7 @@ def main() -> None:
         gflops = flop / solve_s / 1e9
         baseline = ""
         if not args.no_baseline:
-            base_s, base = best_time(
+            base_s, base = timed(
                 partial(textbook_gptq, weight, hessian, bits, symmetric, group_size), 1
             )
             base_codes, base_fake = base
@@ -265,7 +278,7 @@ def main() -> None:
                 f"codes equal to msquant's: {100 * same:.2f}%"
             )
         peer = ""
-        peer_s, peer_fake = best_time(
+        peer_s, peer_fake = timed(
             partial(llmcompressor_gptq, weight, hessian, bits, symmetric, group_size), args.repeat
         )
         if peer_fake is not None:
