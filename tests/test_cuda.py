@@ -72,8 +72,10 @@ def _run(model: Path, save: Path, config: dict[str, object], device: str) -> Non
     )  # fmt: skip
 
 
-def _compare_exports(cpu: Path, cuda: Path, max_code_share: float) -> None:
-    """Same tensors and descriptions; codes equal but for a small share; scales close."""
+def _compare_exports(cpu: Path, cuda: Path, max_share: float) -> None:
+    """Same tensors and descriptions; codes equal and scales/offsets close but for a share of at
+    most ``max_share`` of the entries (a group whose minimum or maximum moves by one rounding step
+    gets another zero point, and its codes follow)."""
     a, b = read_ascend_export(cpu), read_ascend_export(cuda)
     assert a.description == b.description
     assert set(a.tensors) == set(b.tensors)
@@ -81,10 +83,11 @@ def _compare_exports(cpu: Path, cuda: Path, max_code_share: float) -> None:
         other = b.tensors[name]
         assert tensor.dtype == other.dtype and tensor.shape == other.shape, name
         if tensor.dtype == torch.int8:
-            share = float((tensor != other).float().mean())
-            assert share <= max_code_share, f"{name}: {100 * share:.2f}% of the codes differ"
+            differ = tensor != other
         else:
-            torch.testing.assert_close(other, tensor, rtol=2e-3, atol=1e-5, msg=name)
+            differ = ~torch.isclose(other.float(), tensor.float(), rtol=2e-3, atol=1e-5)
+        share = float(differ.float().mean())
+        assert share <= max_share, f"{name}: {100 * share:.2f}% of the entries differ"
 
 
 @pytest.mark.parametrize("config", [GPTQ_GROUP, GPTQ_CHANNEL_ACT_ORDER], ids=["g32", "act_order"])
@@ -93,20 +96,20 @@ def test_cuda_run_matches_cpu_run(
 ) -> None:
     _run(tiny_llama, tmp_path / "cpu", config, "cpu")
     _run(tiny_llama, tmp_path / "cuda", config, "cuda")
-    _compare_exports(tmp_path / "cpu", tmp_path / "cuda", max_code_share=0.01)
+    _compare_exports(tmp_path / "cpu", tmp_path / "cuda", max_share=0.01)
 
 
 def test_cuda_run_on_bf16_model_matches_cpu(tiny_llama_bf16: Path, tmp_path: Path) -> None:
     _run(tiny_llama_bf16, tmp_path / "cpu", GPTQ_GROUP, "cpu")
     _run(tiny_llama_bf16, tmp_path / "cuda", GPTQ_GROUP, "cuda")
     # bf16 layer outputs differ more between devices (different kernels), so more ties flip
-    _compare_exports(tmp_path / "cpu", tmp_path / "cuda", max_code_share=0.05)
+    _compare_exports(tmp_path / "cpu", tmp_path / "cuda", max_share=0.05)
 
 
 def test_cuda_run_twice_is_deterministic(tiny_llama: Path, tmp_path: Path) -> None:
     _run(tiny_llama, tmp_path / "one", GPTQ_GROUP, "cuda")
     _run(tiny_llama, tmp_path / "two", GPTQ_GROUP, "cuda")
-    _compare_exports(tmp_path / "one", tmp_path / "two", max_code_share=0.0)
+    _compare_exports(tmp_path / "one", tmp_path / "two", max_share=0.0)
 
 
 def test_cuda_perplexity_matches_cpu(tiny_llama: Path, tmp_path: Path) -> None:
