@@ -19,6 +19,7 @@ from torch import nn
 
 import msquant
 from msquant.calibration import read_calibration_texts, tokenize_samples
+from msquant.model.capture import batch_samples
 from msquant.model.loader import load_causal_lm, load_tokenizer
 
 SEED_YAMLS = ["w8a16_per_channel_gptq.yaml", "w8a16_per_group_gptq.yaml"]
@@ -32,7 +33,9 @@ def tiny_llama_128(tiny_model_factory: Callable[..., Path]) -> Path:
 
 
 def _float_inputs(model_dir: Path, max_tokens: int) -> dict[str, list[torch.Tensor]]:
-    """Inputs of every decoder linear layer in a plain float forward, per calibration sample."""
+    """Inputs of every decoder linear layer in a plain float forward of the whole model, per
+    calibration batch (equal-length samples stacked as the runner stacks them: the same rows, and
+    the same float summation order in every product)."""
     model = load_causal_lm(model_dir)
     samples = tokenize_samples(
         read_calibration_texts(CALIB_TXT), load_tokenizer(model_dir), max_tokens
@@ -49,7 +52,7 @@ def _float_inputs(model_dir: Path, max_tokens: int) -> dict[str, list[torch.Tens
 
             handles.append(module.register_forward_hook(record))
     with torch.no_grad():
-        for ids in samples:
+        for ids in batch_samples(samples):
             model(input_ids=ids)
     for handle in handles:
         handle.remove()

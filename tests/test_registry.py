@@ -490,16 +490,28 @@ def test_quantize_feeds_calibration_to_a_plugin(
         "after_layer",
         "finalize",
     ]
-    # Between before_layer and after_layer every layer ran once per sample, on [1, seq<=16, hidden].
+    # Between before_layer and after_layer every layer ran once per batch of equal-length samples
+    # ([n, seq<=16, hidden], at most 4096 tokens), each sample exactly once.
+    lengths = sorted(len(ids) for ids in _calib_ids(tiny_llama, 16))
     for index in (0, 1):
         shapes = calib.forward_calls[index]
-        assert len(shapes) == samples
-        assert all(s[0] == 1 and 1 <= s[1] <= 16 and s[2] == 64 for s in shapes)
+        assert sorted(s[1] for s in shapes for _ in range(s[0])) == lengths
+        assert all(1 <= s[1] <= 16 and s[2] == 64 and s[0] * s[1] <= 4096 for s in shapes)
+        assert len(shapes) < samples  # truncation to 16 tokens makes most samples equal length
     assert calib.forward_calls[0] == calib.forward_calls[1]
     # The plain probe shares the run and sees the same forwards through its own hooks.
     (probe,) = ProbeProcessor.instances
     assert probe.forward_calls == calib.forward_calls
     assert (save / "quant_model_description.json").is_file()
+
+
+def _calib_ids(model_dir: Path, max_tokens: int) -> list[list[int]]:
+    """The token ids msquant calibrates on for CALIB_TXT (truncated to ``max_tokens``)."""
+    from msquant.calibration import read_calibration_texts, tokenize_samples
+    from msquant.model.loader import load_tokenizer
+
+    texts = read_calibration_texts(CALIB_TXT)
+    return [s[0].tolist() for s in tokenize_samples(texts, load_tokenizer(model_dir), max_tokens)]
 
 
 def test_calibration_forward_matches_the_model(tiny_llama: Path, tmp_path: Path) -> None:
@@ -560,7 +572,7 @@ def test_calibration_plugin_without_data_uses_the_shipped_set(
         tiny_llama, tmp_path / "out", config, registry=registry, max_calib_tokens=8, progress=False
     )
     probe = CalibProbeProcessor.instances[0]
-    assert [len(probe.forward_calls[i]) for i in (0, 1)] == [len(shipped), len(shipped)]
+    assert [sum(s[0] for s in probe.forward_calls[i]) for i in (0, 1)] == [len(shipped)] * 2
 
 
 def test_msmodelslim_default_dataset_name_maps_to_the_shipped_set(tmp_path: Path) -> None:
@@ -590,7 +602,7 @@ def test_calibration_dataset_is_resolved_beside_the_yaml(
         tiny_llama, tmp_path / "out", config_file, registry=registry, progress=False
     )
     assert result.calibration_samples == 3
-    assert len(CalibProbeProcessor.instances[0].forward_calls[0]) == 3
+    assert sum(s[0] for s in CalibProbeProcessor.instances[0].forward_calls[0]) == 3
 
 
 def test_failing_plugin_leaves_no_output(tiny_llama: Path, tmp_path: Path) -> None:

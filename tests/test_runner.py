@@ -14,6 +14,7 @@ import msquant
 from msquant import DecoderLayer, Processor, ProcessorConfig, RunContext
 from msquant.backends import get_backend
 from msquant.calibration import read_calibration_texts, tokenize_samples
+from msquant.model.capture import batch_samples
 from msquant.model.layers import find_decoder_layers
 from msquant.model.loader import load_causal_lm, load_tokenizer
 from msquant.runner import run_layer_wise
@@ -115,6 +116,43 @@ def test_layer_inputs_match_full_forward(
     assert all(
         type(layer.module).__name__.endswith("DecoderLayer") for layer in find_decoder_layers(model)
     )
+
+
+def test_equal_length_samples_run_as_one_batch(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Samples of one length are stacked; each row equals that sample's own forward (sliding
+    window and full attention layers mixed, so both masks must be batched correctly)."""
+    model_dir = tiny_model_factory(
+        "qwen2", num_layers=3, use_sliding_window=True, sliding_window=6, max_window_layers=1
+    )
+    model = load_causal_lm(model_dir)
+    samples = tokenize_samples(read_calibration_texts(CALIB)[:5], load_tokenizer(model_dir), 12)
+    assert {s.shape[1] for s in samples} == {12}
+    with torch.no_grad():
+        reference = [model(input_ids=s, output_hidden_states=True).hidden_states for s in samples]
+    probe = Probe(ProbeConfig())
+    ctx = RunContext(model, model_dir, tmp_path, get_backend("cpu"), find_decoder_layers(model))
+    run_layer_wise(ctx, [probe], samples, progress=False)
+    for i in range(3):
+        (batch,) = probe.inputs[i]
+        assert batch.shape == (5, 12, 64)
+        for row, ref in enumerate(reference):
+            torch.testing.assert_close(batch[row : row + 1], ref[i], rtol=1e-5, atol=1e-5)
+
+
+def test_batch_samples_groups_equal_lengths_within_the_token_budget() -> None:
+    def ids(length: int, value: int) -> torch.Tensor:
+        return torch.full((1, length), value)
+
+    samples = [ids(4, 0), ids(3, 1), ids(4, 2), ids(4, 3), ids(9, 4), ids(3, 5), ids(4, 6)]
+    batches = batch_samples(samples, max_batch_tokens=12)
+    # length 4: three per batch (12 tokens); length 3: both; a sample over the budget runs alone
+    assert [b[:, 0].tolist() for b in batches] == [[0, 2, 3], [1, 5], [4], [6]]
+    assert sum(int(b.shape[0]) for b in batches) == len(samples)
+    assert [b.shape[0] for b in batch_samples(samples, max_batch_tokens=1)] == [1] * 7
+    with pytest.raises(ValueError, match=r"\[1, seq\] tensors, got \(2, 4\)"):
+        batch_samples([torch.zeros(2, 4)])
 
 
 def test_data_free_processors_skip_calibration(tiny_llama: Path, tmp_path: Path) -> None:
