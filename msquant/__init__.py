@@ -49,6 +49,14 @@ from msquant.export import (
     write_hf_config,
 )
 from msquant.model.fused import FUSED_SHARDS, FusedGroup, fused_group_problems, fused_groups
+from msquant.model.head import (
+    OutputHeadStage,
+    OutputHeadUser,
+    find_final_norm,
+    find_output_head,
+    head_is_tied,
+    tied_head_message,
+)
 from msquant.model.matching import is_selected, unmatched_patterns
 from msquant.planning import (
     ModelPlan,
@@ -90,12 +98,14 @@ from msquant.quant.rules import (
 from msquant.registry import ENTRY_POINT_GROUP, ProcessorRegistry, default_registry
 from msquant.regression import (
     RegressionResult,
+    check_ppl_baseline,
     compare_reports,
     load_baseline_report,
     parse_tolerance,
 )
 from msquant.report import (
     REPORT_FILE,
+    EvaluationReport,
     LayerTiming,
     ModuleReport,
     RunReport,
@@ -105,6 +115,7 @@ from msquant.report import (
     strip_timings,
     write_report,
 )
+from msquant.report_html import load_report, render_html, report_from_dict, write_html
 from msquant.verify import (
     ExportReadError,
     ExportVerificationError,
@@ -146,6 +157,12 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "RunContext",
     "DecoderLayer",
+    "OutputHeadStage",
+    "OutputHeadUser",
+    "find_output_head",
+    "find_final_norm",
+    "head_is_tied",
+    "tied_head_message",
     "is_selected",
     "unmatched_patterns",
     # devices
@@ -226,6 +243,7 @@ __all__ = [
     "RunReport",
     "ModuleReport",
     "LayerTiming",
+    "EvaluationReport",
     "REPORT_FILE",
     "write_report",
     "render_report",
@@ -233,8 +251,13 @@ __all__ = [
     "config_sha256",
     "calibration_sha256",
     "relative_output_errors",
+    "load_report",
+    "report_from_dict",
+    "render_html",
+    "write_html",
     # regression gate
     "RegressionResult",
+    "check_ppl_baseline",
     "compare_reports",
     "load_baseline_report",
     "parse_tolerance",

@@ -28,19 +28,22 @@ from msquant.calibration import (
 from msquant.config.spec import QuantConfig, RunnerType, validate_config
 from msquant.config.yaml_loader import load_yaml_file
 from msquant.context import RunContext
-from msquant.errors import QuantizationError
+from msquant.errors import ConfigError, ConfigIssue, QuantizationError
+from msquant.evaluate import DEFAULT_SEQLEN, load_model_for_eval, prepare_evaluation
 from msquant.export.staging import StagedOutputDir, check_save_path
 from msquant.model.layers import find_decoder_layers, layer_list_name
 from msquant.model.loader import (
     build_meta_model,
     check_model_dir,
-    load_causal_lm,
     load_model_config,
     load_tokenizer,
 )
+from msquant.model.placement import load_for_run, streams
 from msquant.planning import check_plan
 from msquant.processor import Processor
 from msquant.quant.quantized_linear import QuantizedLinear
+from msquant.quant.quantized_weight import QuantizedWeight
+from msquant.quant.spill import MergedWeights
 from msquant.registry import ProcessorRegistry, default_registry
 from msquant.report import (
     REPORT_FILE,
@@ -143,6 +146,10 @@ def quantize(
     progress: bool = True,
     overwrite: bool = False,
     verify: bool = True,
+    eval_data: str | Path | None = None,
+    eval_seqlen: int = DEFAULT_SEQLEN,
+    eval_stride: int | None = None,
+    eval_max_samples: int | None = None,
 ) -> QuantizeResult:
     """Quantize a local Hugging Face causal LM as ``config`` says and write the export to ``save_path``.
 
@@ -161,6 +168,12 @@ def quantize(
     :param verify: read every export of a built-in format back with the independent readers of
         :mod:`msquant.verify` and compare it with the in-memory result before it is moved into
         place (a mismatch raises :class:`msquant.ExportVerificationError` and writes nothing).
+    :param eval_data: a local text file (as for ``msquant eval``): after the export is verified,
+        measure the quantized in-memory model's perplexity on it and record it in the report's
+        ``evaluation`` (read and checked before any work starts).
+    :param eval_seqlen: window length of that evaluation.
+    :param eval_stride: distance between its window starts (default ``eval_seqlen``).
+    :param eval_max_samples: evaluate at most this many windows.
     :raises msquant.MsquantInputError: (a subclass) for any problem with the inputs.
     """
     started = time.perf_counter()
@@ -171,38 +184,65 @@ def quantize(
     backend = get_backend(device)
     check_save_path(save_path, overwrite)
     texts = _calibration_texts(resolved, calib_path, needs_calibration(processors))
+    evaluation = (
+        None
+        if eval_data is None
+        else prepare_evaluation(eval_data, eval_seqlen, eval_stride, eval_max_samples)
+    )
 
     model_dir = check_model_dir(model_path)
     model_config = load_model_config(model_dir, trust_remote_code)
+    if evaluation is not None:
+        evaluation.check_model(model_config, model_dir)
     meta_model = build_meta_model(model_config, trust_remote_code)
     _check_model(processors, meta_model)
-    del meta_model
+    if evaluation is not None and streams(resolved.config.spec.runner):
+        _check_evaluable_export(processors)
 
-    samples = None
-    if texts is not None:
+    samples = eval_ids = None
+    if texts is not None or evaluation is not None:
         tokenizer = load_tokenizer(model_dir, trust_remote_code)
+    if texts is not None:
         samples = tokenize_samples(texts, tokenizer, max_calib_tokens)
         logger.info("calibration: %d sample(s)", len(samples))
-    model = load_causal_lm(model_dir, trust_remote_code)
-    layers = find_decoder_layers(model)
-    logger.info(
-        "%s: %d decoder layers found under %s",
-        type(model).__name__,
-        len(layers),
-        layer_list_name(layers),
-    )
-
-    with StagedOutputDir(save_path, overwrite) as staging:
-        config_text = resolved.text or yaml.safe_dump(
-            resolved.config.model_dump(mode="json"), sort_keys=False
+    if evaluation is not None:
+        eval_ids = evaluation.tokens(tokenizer)
+    streaming = streams(resolved.config.spec.runner)
+    with load_for_run(
+        model_dir,
+        meta_model,
+        streaming=streaming,
+        scratch_parent=Path(save_path).expanduser().absolute().parent,
+        keep_reference=verify,
+        trust_remote_code=trust_remote_code,
+    ) as loaded:
+        del meta_model
+        model, layers = loaded.model, loaded.layers
+        logger.info(
+            "%s: %d decoder layers found under %s (%s)",
+            type(model).__name__,
+            len(layers),
+            layer_list_name(layers),
+            "streamed from disk one at a time" if streaming else "all loaded in memory",
         )
-        ctx = RunContext(model, model_dir, staging, backend, layers, config_text, progress)
-        _start_report(ctx, resolved.config, samples, backend)
-        run_layer_wise(ctx, processors, samples, progress=progress)
-        if verify:
-            _verify_exports(ctx, processors)
-        _write_export_marker(ctx, processors)
-        _write_report(ctx, started)
+        with StagedOutputDir(save_path, overwrite) as staging:
+            config_text = resolved.text or yaml.safe_dump(
+                resolved.config.model_dump(mode="json"), sort_keys=False
+            )
+            ctx = RunContext(
+                model, model_dir, staging, backend, layers, config_text, progress,
+                streamed=loaded.streamed, spill=loaded.spill,
+            )  # fmt: skip
+            _start_report(ctx, resolved.config, samples, backend)
+            run_layer_wise(ctx, processors, samples, progress=progress)
+            if verify:
+                _verify_exports(ctx, processors)
+            if evaluation is not None and eval_ids is not None:
+                ctx.report.evaluation = evaluation.evaluate(
+                    _model_to_evaluate(ctx, processors, trust_remote_code), eval_ids, backend
+                )
+            _write_export_marker(ctx, processors)
+            _write_report(ctx, started)
     quantized = tuple(n for n, m in model.named_modules() if isinstance(m, QuantizedLinear))
     return QuantizeResult(
         save_path=Path(save_path).expanduser().absolute(),
@@ -228,11 +268,7 @@ def _verify_exports(ctx: RunContext, processors: list[Processor]) -> None:
     """
     from msquant.verify import ExportVerificationError, verify_export
 
-    reference = {
-        name: module.qweight
-        for name, module in ctx.model.named_modules()
-        if isinstance(module, QuantizedLinear)
-    }
+    reference = _reference(ctx)
     for saver in processors:
         if saver.stage != "save":
             continue
@@ -252,6 +288,45 @@ def _verify_exports(ctx: RunContext, processors: list[Processor]) -> None:
             len(report.layers),
             time.perf_counter() - started,
         )
+
+
+def _reference(ctx: RunContext) -> Mapping[str, QuantizedWeight]:
+    """The run's quantized weights: those still in memory and, in a streamed run, those the
+    runner kept on disk when it released their layers."""
+    in_memory = {
+        name: module.qweight
+        for name, module in ctx.model.named_modules()
+        if isinstance(module, QuantizedLinear) and not module.weight.is_meta
+    }
+    return in_memory if ctx.spill is None else MergedWeights(in_memory, ctx.spill)
+
+
+def _check_evaluable_export(processors: list[Processor]) -> None:
+    """A streamed run evaluates its export read back from disk: one must be readable."""
+    if not any(p.stage == "save" and p.type_name in VERIFIABLE_SAVERS for p in processors):
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "spec.save",
+                    "--eval_data in a streamed run (spec.runner auto or layer_wise) evaluates the "
+                    "export read back from disk, and none of the configured savers writes a format "
+                    f"msquant reads ({', '.join(sorted(VERIFIABLE_SAVERS))}); add one, or set "
+                    "spec.runner: model_wise to evaluate the quantized model in memory",
+                )
+            ]
+        )
+
+
+def _model_to_evaluate(
+    ctx: RunContext, processors: list[Processor], trust_remote_code: bool
+) -> torch.nn.Module:
+    """The quantized model in memory, or in a streamed run the first readable export, rebuilt
+    from the staging folder (identical to the in-memory result: it was just verified)."""
+    if ctx.streamed is None:
+        return ctx.model
+    saver = next(p for p in processors if p.stage == "save" and p.type_name in VERIFIABLE_SAVERS)
+    model, _ = load_model_for_eval(saver.output_dir(ctx), trust_remote_code)
+    return model
 
 
 EXPORT_MARKER = "msquant_export.json"
@@ -310,14 +385,16 @@ def _write_report(ctx: RunContext, started: float) -> None:
 
 
 def _log_runner(runner: RunnerType) -> None:
-    """All runners execute layer-wise here; the results do not depend on the schedule."""
+    """Say how ``runner`` is executed (results never depend on it)."""
     if runner is RunnerType.DP_LAYER_WISE:
         logger.warning(
             "runner dp_layer_wise is not implemented yet; running layer_wise on one device "
             "(the quantized weights are the same)"
         )
     elif runner is RunnerType.MODEL_WISE:
-        logger.info("runner model_wise: running layer_wise (the quantized weights are the same)")
+        logger.info("runner model_wise: every weight is loaded before the layer-wise run")
+    else:
+        logger.info("runner %s: decoder layers are streamed from disk one at a time", runner.value)
 
 
 def _calibration_texts(

@@ -1,4 +1,5 @@
-"""``msquant`` command line: ``quant``, ``verify``, ``validate``, ``schema``, ``eval`` and ``plan``.
+"""``msquant`` command line: ``quant``, ``verify``, ``validate``, ``schema``, ``eval``, ``plan``
+and ``report``.
 
 Flags of ``quant`` follow ``msmodelslim quant`` so vendor scripts can switch. Exit codes:
 0 success, 2 bad input (config, paths, model, data, device; one clear message, no traceback) or an
@@ -19,16 +20,24 @@ from msquant import __version__
 from msquant.api import quantize
 from msquant.config.spec import config_json_schema, load_config
 from msquant.errors import MsquantInputError
-from msquant.evaluate import DEFAULT_SEQLEN, compare_perplexity, evaluate_perplexity
+from msquant.evaluate import (
+    DEFAULT_SEQLEN,
+    compare_perplexity,
+    evaluate_perplexity,
+    prepare_evaluation,
+)
 from msquant.planning import build_plan, render_plan
 from msquant.presets import preset_config
 from msquant.registry import default_registry
 from msquant.regression import (
     EXIT_REGRESSION,
+    check_ppl_baseline,
     compare_reports,
     load_baseline_report,
     parse_tolerance,
 )
+from msquant.report import render_report
+from msquant.report_html import load_report, report_from_dict, write_html
 from msquant.verify import (
     ExportVerificationError,
     VerifyReport,
@@ -141,14 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--baseline_report",
         metavar="JSON",
         help="quant_report.json of an earlier run: exit 3 when a module's output error grew more "
-        "than --max_layer_error_increase (the export is still written)",
+        "than --max_layer_error_increase or the perplexity more than --max_ppl_increase (the "
+        "export is still written)",
     )
     quant.add_argument(
         "--max_layer_error_increase",
         metavar="TOL",
         help="allowed relative growth of each module's output error against --baseline_report, "
-        "e.g. 5%% or 0.05 (default 1%%)",
+        "e.g. 5%% or 0.05 (default 1%% when --max_ppl_increase is not given)",
     )
+    _add_eval_gate_arguments(quant)
 
     verify = sub.add_parser(
         "verify",
@@ -180,7 +191,60 @@ def build_parser() -> argparse.ArgumentParser:
     schema.add_argument("--indent", type=int, default=2)
     _add_eval_parser(sub, common)
     _add_plan_parser(sub, common)
+    _add_report_parser(sub, common)
     return parser
+
+
+def _add_eval_gate_arguments(quant: _Parser) -> None:
+    """``quant --eval_data ... --max_ppl_increase``: perplexity in the report, and its gate."""
+    quant.add_argument(
+        "--eval_data",
+        metavar="TEXT_FILE",
+        help="after the run, measure the quantized model's perplexity on this local text file "
+        "(.txt/.jsonl/.json as for msquant eval) and record it in quant_report.json",
+    )
+    quant.add_argument(
+        "--eval_seqlen",
+        metavar="N",
+        type=_positive_int,
+        default=None,
+        help=f"window length of that evaluation (default {DEFAULT_SEQLEN})",
+    )
+    quant.add_argument(
+        "--eval_stride",
+        metavar="N",
+        type=_positive_int,
+        default=None,
+        help="distance between its window starts (default --eval_seqlen)",
+    )
+    quant.add_argument(
+        "--eval_max_samples",
+        metavar="N",
+        type=_positive_int,
+        default=None,
+        help="evaluate at most N windows",
+    )
+    quant.add_argument(
+        "--max_ppl_increase",
+        metavar="TOL",
+        help="with --baseline_report and --eval_data: exit 3 when the perplexity grew more than "
+        "this relative to the baseline's, e.g. 0.5%% or 0.005",
+    )
+
+
+def _add_report_parser(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
+    """``msquant report``: a run report as a table, or as a self-contained HTML page."""
+    report = sub.add_parser(
+        "report",
+        parents=[common],
+        help="print a quant_report.json as a table, or render it as an HTML page with --html",
+    )
+    report.add_argument("report_path", metavar="REPORT.json", help="quant_report.json of a run")
+    report.add_argument(
+        "--html",
+        metavar="OUT.html",
+        help="write a self-contained HTML page (charts, no network) here instead of printing",
+    )
 
 
 def _add_eval_parser(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
@@ -293,7 +357,7 @@ def _cmd_quant(args: argparse.Namespace) -> int:
             raise MsquantInputError(str(exc.args[0])) from None
     else:
         config = args.config_path
-    baseline, tolerance = _regression_gate(args)  # checked before any work
+    baseline, tolerance, ppl_tolerance = _regression_gate(args)  # checked before any work
     result = quantize(
         args.model_path,
         args.save_path,
@@ -305,6 +369,10 @@ def _cmd_quant(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         overwrite=args.overwrite,
         verify=not args.no_verify,
+        eval_data=args.eval_data,
+        eval_seqlen=args.eval_seqlen or DEFAULT_SEQLEN,
+        eval_stride=args.eval_stride,
+        eval_max_samples=args.eval_max_samples,
     )
     logger.info(
         "quantized %d linear layer(s) of %s in %.1f s -> %s",
@@ -314,7 +382,7 @@ def _cmd_quant(args: argparse.Namespace) -> int:
         result.save_path,
     )
     if baseline is not None:
-        outcome = compare_reports(baseline, result.report.to_dict(), tolerance)
+        outcome = compare_reports(baseline, result.report.to_dict(), tolerance, ppl_tolerance)
         if not outcome.ok:
             print(f"msquant: regression against the baseline:\n{outcome.render()}", file=sys.stderr)
             return EXIT_REGRESSION
@@ -322,14 +390,43 @@ def _cmd_quant(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _regression_gate(args: argparse.Namespace) -> tuple[dict[str, object] | None, float]:
-    """The baseline report and tolerance of ``--baseline_report`` (validated up front)."""
+def _regression_gate(
+    args: argparse.Namespace,
+) -> tuple[dict[str, object] | None, float | None, float | None]:
+    """The baseline report and the tolerances of its gates, validated up front.
+
+    The per-module gate runs when ``--max_layer_error_increase`` is given, or by default when no
+    gate is named; the perplexity gate when ``--max_ppl_increase`` is given (it needs
+    ``--eval_data``, and a baseline evaluated on the same file and windows).
+    """
+    if args.eval_data is None:
+        for flag in ("eval_seqlen", "eval_stride", "eval_max_samples", "max_ppl_increase"):
+            if getattr(args, flag) is not None:
+                raise MsquantInputError(
+                    f"--{flag} needs --eval_data TEXT_FILE (the text the perplexity is measured on)"
+                )
     if args.baseline_report is None:
-        if args.max_layer_error_increase is not None:
-            raise MsquantInputError("--max_layer_error_increase needs --baseline_report")
-        return None, 0.0
-    tolerance = parse_tolerance(args.max_layer_error_increase or DEFAULT_LAYER_ERROR_INCREASE)
-    return load_baseline_report(args.baseline_report), tolerance
+        for flag in ("max_layer_error_increase", "max_ppl_increase"):
+            if getattr(args, flag) is not None:
+                raise MsquantInputError(f"--{flag} needs --baseline_report")
+        return None, None, None
+    ppl_tolerance = None
+    if args.max_ppl_increase is not None:
+        ppl_tolerance = parse_tolerance(args.max_ppl_increase)
+    layer_text = args.max_layer_error_increase
+    if layer_text is None and ppl_tolerance is None:
+        layer_text = DEFAULT_LAYER_ERROR_INCREASE
+    tolerance = None if layer_text is None else parse_tolerance(layer_text)
+    baseline = load_baseline_report(args.baseline_report)
+    if ppl_tolerance is not None:
+        evaluation = prepare_evaluation(
+            args.eval_data,
+            args.eval_seqlen or DEFAULT_SEQLEN,
+            args.eval_stride,
+            args.eval_max_samples,
+        )
+        check_ppl_baseline(baseline, evaluation.settings())
+    return baseline, tolerance, ppl_tolerance
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -404,6 +501,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    """Print the report's table, or write its HTML page with ``--html``."""
+    data = load_report(args.report_path)
+    if args.html is None:
+        print(render_report(report_from_dict(data)))
+    else:
+        write_html(data, args.html)
+    return EXIT_OK
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Print the plan (table or JSON) on stdout; exit 2 when the config cannot be applied."""
     config: object = args.config_path
@@ -436,6 +543,7 @@ COMMANDS = {
     "schema": _cmd_schema,
     "eval": _cmd_eval,
     "plan": _cmd_plan,
+    "report": _cmd_report,
 }
 
 

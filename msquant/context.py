@@ -12,6 +12,8 @@ from msquant.report import RunReport
 
 if TYPE_CHECKING:
     from msquant.backends.base import Backend
+    from msquant.model.streaming import StreamedWeights
+    from msquant.quant.spill import QuantizedWeightSpill
 
 __all__ = ["DecoderLayer", "RunContext"]
 
@@ -53,6 +55,11 @@ class RunContext:
     :param extras: free-form per-run values processors may share (keyed by processor type).
     :param report: the run report (``quant_report.json``); processors record each module they
         quantize with ``ctx.report.add_module(...)``, the runner records layer times.
+    :param streamed: for a streamed run, where the decoder layers' weights are on disk: the runner
+        loads each layer before its processors run and returns it to the meta device after its
+        ``after_layer`` (savers must write a layer's tensors there, not in ``finalize``).
+    :param spill: for a streamed run, where the runner keeps each released layer's quantized
+        weights for the read-back check of the exports.
     """
 
     model: nn.Module
@@ -64,6 +71,8 @@ class RunContext:
     progress: bool = True
     extras: dict[str, Any] = field(default_factory=dict)
     report: RunReport = field(default_factory=RunReport)
+    streamed: StreamedWeights | None = None
+    spill: QuantizedWeightSpill | None = None
 
     @property
     def model_type(self) -> str:

@@ -13,14 +13,20 @@ format specifications, independently of the savers): the float model is built fr
 ``config.json``, its float tensors are loaded as stored, and each quantized linear gets its
 dequantized weight ``(codes - offset) * scale`` cast to the model dtype. What is evaluated is thus
 exactly what a consumer that dequantizes the checkpoint computes, not msquant's in-memory result.
+
+``msquant quant --eval_data`` measures the same perplexity on the run's in-memory quantized model
+(:func:`prepare_evaluation`, :meth:`EvaluationData.evaluate`), which the run has just verified to
+be identical to its export; both paths share :func:`measure_perplexity`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from msquant.backends import get_backend
+from msquant.backends import Backend, get_backend
 from msquant.calibration import read_calibration_texts
 from msquant.errors import CalibrationDataError, ModelLoadError, MsquantInputError
 from msquant.model.loader import (
@@ -37,6 +43,7 @@ from msquant.model.loader import (
     load_model_config,
     load_tokenizer,
 )
+from msquant.report import EvaluationReport
 from msquant.verify.ascend import description_files
 from msquant.verify.base import ExportReader
 from msquant.verify.detect import detect_format, export_folders, open_reader
@@ -44,14 +51,19 @@ from msquant.verify.errors import ExportReadError
 from msquant.verify.report import Findings
 
 __all__ = [
+    "EvaluationData",
     "EvaluationError",
+    "PerplexityMeasurement",
     "PerplexityResult",
     "PerplexityComparison",
     "Window",
     "evaluate_perplexity",
     "compare_perplexity",
+    "file_sha256",
     "load_model_for_eval",
+    "measure_perplexity",
     "model_kind",
+    "prepare_evaluation",
     "read_eval_tokens",
     "sliding_windows",
     "sliding_window_perplexity",
@@ -257,6 +269,52 @@ def sliding_window_perplexity(
     return float(total_nll), scored, len(windows)
 
 
+@dataclass(frozen=True)
+class PerplexityMeasurement:
+    """What :func:`measure_perplexity` found on a token stream.
+
+    :param nll: mean negative log-likelihood per scored token (natural log).
+    :param tokens: scored tokens.
+    :param windows: windows evaluated.
+    :param text_tokens: tokens in the whole stream.
+    :param seconds: time of the forward passes.
+    """
+
+    nll: float
+    tokens: int
+    windows: int
+    text_tokens: int
+    seconds: float
+
+    @property
+    def ppl(self) -> float:
+        """``exp(nll)``."""
+        return math.exp(self.nll)
+
+
+def measure_perplexity(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    seqlen: int = DEFAULT_SEQLEN,
+    stride: int | None = None,
+    max_samples: int | None = None,
+) -> PerplexityMeasurement:
+    """The perplexity of an already loaded ``model`` (on its device) on a token stream: the core
+    shared by ``msquant eval`` and the evaluation at the end of a quantization run.
+
+    :raises EvaluationError: for window settings out of range or fewer than 2 tokens.
+    """
+    started = time.perf_counter()
+    nll, tokens, windows = sliding_window_perplexity(model, input_ids, seqlen, stride, max_samples)
+    return PerplexityMeasurement(
+        nll=nll / tokens,
+        tokens=tokens,
+        windows=windows,
+        text_tokens=int(input_ids.numel()),
+        seconds=time.perf_counter() - started,
+    )
+
+
 # --- data ------------------------------------------------------------------------------------
 
 
@@ -268,10 +326,18 @@ def read_eval_tokens(data_path: str | Path, tokenizer: Any) -> torch.Tensor:
     :raises EvaluationError: when the file is missing, unreadable, malformed or yields no token.
     """
     path = Path(data_path)
+    return _tokenize_texts(_read_eval_texts(path), tokenizer, path)
+
+
+def _read_eval_texts(path: Path) -> list[str]:
     try:
-        texts = read_calibration_texts(path, role="evaluation data")
+        return read_calibration_texts(path, role="evaluation data")
     except CalibrationDataError as exc:
         raise EvaluationError(str(exc)) from exc
+
+
+def _tokenize_texts(texts: Sequence[str], tokenizer: Any, path: Path) -> torch.Tensor:
+    """The samples joined with blank lines, tokenized once; at least 2 tokens."""
     text = SAMPLE_SEPARATOR.join(texts)
     ids = tokenizer(text, return_tensors="pt", verbose=False)["input_ids"].reshape(-1)
     if ids.numel() < 2:
@@ -279,6 +345,21 @@ def read_eval_tokens(data_path: str | Path, tokenizer: Any) -> torch.Tensor:
             f"evaluation data file {path} yields {ids.numel()} token(s); at least 2 are needed"
         )
     return ids.to(torch.long)
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file's bytes (``sha256sum`` prints the same).
+
+    :raises EvaluationError: when the file cannot be read.
+    """
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError as exc:
+        raise EvaluationError(f"cannot read evaluation data file {path}: {exc.strerror}") from None
+    return digest.hexdigest()
 
 
 # --- models ----------------------------------------------------------------------------------
@@ -502,32 +583,31 @@ def evaluate_perplexity(
     model = backend.to_device(model)
     loaded = time.perf_counter()
     logger.info("evaluating %s [%s] on %s (%d tokens)", model_dir, kind, data_path, ids.numel())
-    nll, tokens, windows = sliding_window_perplexity(model, ids, seqlen, stride, max_samples)
-    finished = time.perf_counter()
-    mean = nll / tokens
+    measured = measure_perplexity(model, ids, seqlen, stride, max_samples)
     return PerplexityResult(
         model=str(model_dir),
         kind=kind,
         data=str(data_path),
-        ppl=math.exp(mean),
-        nll=mean,
-        tokens=tokens,
-        windows=windows,
-        text_tokens=int(ids.numel()),
+        ppl=measured.ppl,
+        nll=measured.nll,
+        tokens=measured.tokens,
+        windows=measured.windows,
+        text_tokens=measured.text_tokens,
         seqlen=seqlen,
         stride=seqlen if stride is None else stride,
         dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
-        seconds=finished - loaded,
+        seconds=measured.seconds,
         load_seconds=loaded - started,
     )
 
 
-def _check_seqlen(seqlen: int, config: Any, model_dir: str | Path) -> None:
+def _check_seqlen(seqlen: int, config: Any, model_dir: str | Path, flag: str = "--seqlen") -> None:
+    """Refuse windows longer than the model's positions; ``flag`` names the option to fix."""
     limit = max_positions(config)
     if limit is not None and seqlen > limit:
         raise EvaluationError(
-            f"seqlen {seqlen} is longer than the model's max_position_embeddings ({limit}) in "
-            f"{model_dir}; pass --seqlen {limit} or less"
+            f"{flag.lstrip('-').replace('_', ' ')} {seqlen} is longer than the model's "
+            f"max_position_embeddings ({limit}) in {model_dir}; pass {flag} {limit} or less"
         )
 
 
@@ -562,3 +642,119 @@ def compare_perplexity(
     original = evaluate_perplexity(original_dir, data_path, **options)
     quantized = evaluate_perplexity(quantized_dir, data_path, **options)
     return PerplexityComparison(original, quantized)
+
+
+# --- the evaluation of a quantization run ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvaluationData:
+    """An evaluation text file read and checked before a quantization run starts
+    (``quant --eval_data``), measured on the run's in-memory model once the export is verified.
+
+    :param path: the text file.
+    :param sha256: sha256 of its bytes.
+    :param texts: its samples.
+    :param seqlen: window length in tokens.
+    :param stride: distance between window starts.
+    :param max_samples: evaluate at most this many windows (None: the whole text).
+    """
+
+    path: Path
+    sha256: str
+    texts: tuple[str, ...]
+    seqlen: int
+    stride: int
+    max_samples: int | None
+
+    def settings(self) -> dict[str, Any]:
+        """What makes two evaluations comparable (and the file), keyed as in the report's
+        ``evaluation``."""
+        return {
+            "data": str(self.path),
+            "data_sha256": self.sha256,
+            "seqlen": self.seqlen,
+            "stride": self.stride,
+            "max_samples": self.max_samples,
+        }
+
+    def check_model(self, config: Any, model_dir: str | Path) -> None:
+        """Refuse a ``seqlen`` longer than the model's positions (from its config, no weights).
+
+        :raises EvaluationError: naming the longest allowed value.
+        """
+        _check_seqlen(self.seqlen, config, model_dir, flag="--eval_seqlen")
+
+    def tokens(self, tokenizer: Any) -> torch.Tensor:
+        """The token ids of the text, as ``msquant eval`` tokenizes it.
+
+        :raises EvaluationError: when the text yields fewer than 2 tokens.
+        """
+        return _tokenize_texts(self.texts, tokenizer, self.path)
+
+    def evaluate(
+        self, model: nn.Module, input_ids: torch.Tensor, backend: Backend | None = None
+    ) -> EvaluationReport:
+        """The perplexity of ``model`` on the tokens, for the run report.
+
+        With a ``backend`` the whole model is moved to its device for the forward passes and
+        back to host memory afterwards (as ``msquant eval`` runs it: the model must fit).
+        """
+        if backend is not None:
+            model = backend.to_device(model)
+        try:
+            logger.info(
+                "evaluating the quantized model on %s (%d tokens)", self.path, input_ids.numel()
+            )
+            measured = measure_perplexity(
+                model, input_ids, self.seqlen, self.stride, self.max_samples
+            )
+        finally:
+            if backend is not None:
+                backend.offload(model)
+        logger.info(
+            "perplexity %.4f on %s (%d tokens in %d window(s) of %d, stride %d) in %.1f s",
+            measured.ppl,
+            self.path,
+            measured.tokens,
+            measured.windows,
+            self.seqlen,
+            self.stride,
+            measured.seconds,
+        )
+        return EvaluationReport(
+            data=str(self.path),
+            data_sha256=self.sha256,
+            seqlen=self.seqlen,
+            stride=self.stride,
+            max_samples=self.max_samples,
+            windows=measured.windows,
+            tokens=measured.tokens,
+            text_tokens=measured.text_tokens,
+            nll=measured.nll,
+            ppl=measured.ppl,
+            seconds=measured.seconds,
+        )
+
+
+def prepare_evaluation(
+    data_path: str | Path,
+    seqlen: int = DEFAULT_SEQLEN,
+    stride: int | None = None,
+    max_samples: int | None = None,
+) -> EvaluationData:
+    """Check the window settings and read the text file, before any model is loaded.
+
+    :raises EvaluationError: for settings out of range or a missing, unreadable or empty file.
+    """
+    sliding_windows(2, seqlen, stride, max_samples)  # validates the settings
+    path = Path(data_path)
+    texts = _read_eval_texts(path)
+    return EvaluationData(
+        path=path,
+        sha256=file_sha256(path),
+        texts=tuple(texts),
+        seqlen=seqlen,
+        stride=seqlen if stride is None else stride,
+        max_samples=max_samples,
+    )

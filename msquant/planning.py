@@ -6,6 +6,8 @@ Quantizing processors (``linear_quant``) describe their per-module decisions thr
 on a weightless (meta) copy of the model and checks what no single entry can see:
 
 * a module selected by two entries is an error (naming the module and both ``spec.process[i]``);
+* an output head (``lm_head``) tied to the input embeddings cannot be quantized (error naming the
+  model, ``tie_word_embeddings`` and the fix);
 * the shards of a layer vLLM fuses (q/k/v, gate/up) must resolve alike across entries (the
   entries check their own shards in ``check_model``);
 * warnings: ``include`` patterns and ``dynamic`` rules matching nothing, and rules that match a
@@ -28,6 +30,7 @@ from torch import nn
 from msquant.context import DecoderLayer
 from msquant.errors import QuantizationError
 from msquant.model.fused import FusedGroup, fused_group_problems, fused_groups
+from msquant.model.head import find_output_head, head_is_tied, tied_head_message
 from msquant.quant.rules import (
     BASE_SOURCE,
     DynamicRule,
@@ -274,6 +277,24 @@ def _fused_errors(
     return fused_group_problems(members, describe)
 
 
+def _tied_head_errors(
+    model: nn.Module, selected_by: Mapping[str, list[tuple[int, ModuleDecision]]]
+) -> list[str]:
+    """A quantized output head must not share its weight with the input embeddings."""
+    found = find_output_head(model)
+    if found is None:
+        return []
+    name = found[0]
+    quantizing = [
+        index
+        for index, decision in selected_by.get(name, [])
+        if decision.scheme is not None and not decision.scheme.skipped
+    ]
+    if not quantizing or not head_is_tied(model):
+        return []
+    return [tied_head_message(model, name, f"{entry_path(quantizing[0])} (lm_head: true)")]
+
+
 def _mismatch_warnings(index: int, mismatches: Sequence[FusedNameMismatch]) -> list[str]:
     """Rules matching a fused name differently from its shards, one warning per rule and kind."""
     kinds: dict[tuple[str, str, bool, tuple[str, ...]], list[FusedNameMismatch]] = {}
@@ -301,10 +322,17 @@ def _rule_warnings(
     rules: Sequence[DynamicRule],
     selected: Sequence[str],
     groups: Sequence[FusedGroup],
+    head: str | None = None,
 ) -> list[str]:
-    """Rules matching none of the entry's modules, and fused-name mismatches."""
+    """Rules matching none of the entry's modules, and fused-name mismatches.
+
+    :param head: the output head's name: a rule matching it while the entry does not select the
+        head is explained by the entry's own notes (``lm_head: false``), not reported here.
+    """
     warnings = []
     for rule in rules:
+        if head is not None and head not in selected and rule.matches(head):
+            continue
         if not any(rule.matches(name) for name in selected):
             example = selected[0] if selected else "model.layers.0.mlp.down_proj"
             warnings.append(
@@ -342,11 +370,15 @@ def analyse_plan(
     groups = fused_groups(names)
     by_name = {row.module: row for row in rows}
     errors = _overlap_errors(selected_by) + _fused_errors(groups, selected_by, by_name)
+    errors += _tied_head_errors(model, selected_by)
+    head = find_output_head(model)
     warnings: list[str] = []
     for (index, planner), found in zip(planners, decisions, strict=True):
         warnings += [f"{entry_path(index)}: {note}" for note in planner.plan_notes(model, layers)]
         selected = [name for name, d in found.items() if d.scheme is not None]
-        warnings += _rule_warnings(index, planner.plan_rules(), selected, groups)
+        warnings += _rule_warnings(
+            index, planner.plan_rules(), selected, groups, head[0] if head else None
+        )
     model_type = str(getattr(getattr(model, "config", None), "model_type", "unknown"))
     return ModelPlan(rows, errors, warnings, model_type)
 

@@ -24,6 +24,7 @@ import torch
 
 __all__ = [
     "REPORT_FILE",
+    "EvaluationReport",
     "LayerTiming",
     "ModuleReport",
     "RunReport",
@@ -81,6 +82,36 @@ class LayerTiming:
     seconds: float
 
 
+@dataclass(frozen=True)
+class EvaluationReport:
+    """Perplexity of the quantized model on a text file (``quant --eval_data``).
+
+    :param data: the text file as given.
+    :param data_sha256: sha256 of the file's bytes (what the regression gate matches on).
+    :param seqlen: window length in tokens.
+    :param stride: distance between window starts.
+    :param max_samples: window limit asked for; None for the whole text.
+    :param windows: windows evaluated.
+    :param tokens: scored tokens.
+    :param text_tokens: tokens in the whole text.
+    :param nll: mean negative log-likelihood per scored token (natural log).
+    :param ppl: ``exp(nll)``.
+    :param seconds: time of the forward passes.
+    """
+
+    data: str
+    data_sha256: str
+    seqlen: int
+    stride: int
+    max_samples: int | None
+    windows: int
+    tokens: int
+    text_tokens: int
+    nll: float
+    ppl: float
+    seconds: float
+
+
 @dataclass
 class RunReport:
     """Everything ``quant_report.json`` holds; run-wide fields are set by :func:`msquant.quantize`.
@@ -88,7 +119,8 @@ class RunReport:
     ``calibration_sha256`` hashes the token ids (:func:`calibration_sha256`), ``config_sha256`` the
     validated config (:func:`config_sha256`); ``capture_seconds`` is the time spent running the
     model's embeddings to capture the first decoder layer's inputs (None without calibration),
-    ``total_seconds`` the whole run up to writing the report.
+    ``total_seconds`` the whole run up to writing the report. ``evaluation`` is the quantized
+    model's perplexity when the run was asked for one (``eval_data``), else None.
     """
 
     msquant_version: str = ""
@@ -104,6 +136,7 @@ class RunReport:
     device: str = ""
     modules: list[ModuleReport] = field(default_factory=list)
     layers: list[LayerTiming] = field(default_factory=list)
+    evaluation: EvaluationReport | None = None
     capture_seconds: float | None = None
     total_seconds: float = 0.0
 
@@ -182,6 +215,12 @@ def render_report(report: RunReport) -> str:
             f"(round-to-nearest {sum(rtn) / len(rtn):.4g})"
         )
     summary += f", {report.total_seconds:.1f} s"
+    evaluation = report.evaluation
+    if evaluation is not None:
+        summary += (
+            f"\nperplexity {evaluation.ppl:.4f} on {evaluation.data} ({evaluation.tokens} tokens in "
+            f"{evaluation.windows} window(s) of {evaluation.seqlen}, stride {evaluation.stride})"
+        )
     return "\n".join([*lines, summary])
 
 

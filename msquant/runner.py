@@ -4,6 +4,11 @@ For each layer in order: move it to the device, call every processor's ``before_
 layer over the calibration activations (only when a processor needs calibration; the outputs become
 the next layer's inputs), call every ``after_layer``, and move the layer back to host memory.
 Device memory is therefore bounded by one layer plus its calibration activations.
+
+In a streamed run (``ctx.streamed``) the layers' weights are on disk: each layer is read just
+before its processors run and returned to the meta device after its ``after_layer`` (its
+quantized weights go to ``ctx.spill`` first, for the read-back check of the exports), so host
+memory too holds one layer at a time.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from msquant.context import RunContext
+from msquant.context import DecoderLayer, RunContext
 from msquant.model.capture import capture_layer_inputs
+from msquant.model.head import run_output_head
 from msquant.processor import Processor
 from msquant.report import LayerTiming
 
@@ -50,6 +56,8 @@ def run_layer_wise(
         if not samples:
             raise ValueError("calibration samples are required by the configured processors")
         started = time.perf_counter()
+        if ctx.streamed is not None:  # capture runs the first layer once to learn its output type
+            ctx.streamed.materialize(ctx.layers[0].module, ctx.layers[0].name)
         activations = capture_layer_inputs(ctx.model, ctx.layers, samples)
         ctx.report.capture_seconds = time.perf_counter() - started
         logger.info(
@@ -60,6 +68,8 @@ def run_layer_wise(
         )
     for layer in tqdm(ctx.layers, desc="layers", unit="layer", disable=not progress):
         started = time.perf_counter()
+        if ctx.streamed is not None:
+            ctx.streamed.materialize(layer.module, layer.name)
         ctx.backend.to_device(layer.module)
         for processor in processors:
             processor.before_layer(ctx, layer)
@@ -68,9 +78,21 @@ def run_layer_wise(
         for processor in processors:
             processor.after_layer(ctx, layer)
         ctx.backend.offload(layer.module)
+        if ctx.streamed is not None:
+            _release(ctx, layer)
         ctx.backend.empty_cache()
         seconds = time.perf_counter() - started
         ctx.report.add_layer(LayerTiming(layer.index, layer.name, seconds))
         logger.debug("layer %s done in %.2f s", layer.name, seconds)
+    # lm_head, only when a processor asked for it (linear_quant lm_head: true)
+    run_output_head(ctx, processors, activations.hidden if activations is not None else None)
     for processor in processors:
         processor.finalize(ctx)
+
+
+def _release(ctx: RunContext, layer: DecoderLayer) -> None:
+    """Keep the layer's quantized weights in the spill, then free all of its tensors."""
+    assert ctx.streamed is not None
+    if ctx.spill is not None:
+        ctx.spill.add_modules(layer.module, layer.name)
+    ctx.streamed.release(layer.module)

@@ -26,11 +26,20 @@ byte along the input dimension (column ``2i`` in the low nibble, ``2i+1`` in the
 msModelSlim packs int4); scale and offset as for W8A16. No vLLM-Ascend release has a W4A16 *linear*
 scheme yet (vllm-project/vllm-ascend#6481), so such exports are for MindIE or later releases.
 
+Output head (``linear_quant`` with ``lm_head: true``): written when the runner's head stage
+reaches this saver, as ``lm_head.weight`` int8 (``W8A16``; ``W4A16`` packed as above) with
+``lm_head.weight_scale`` / ``lm_head.weight_offset`` of the same type in the description.
+msModelSlim itself never quantizes the head (it visits decoder layers only). vLLM-Ascend's
+``AscendModelSlimConfig`` gives its ``ParallelLMHead`` (a ``VocabParallelEmbedding``) the linear
+scheme of ``lm_head.weight``'s type, so a per-channel W8A16 head loads there (read in its source,
+not run on hardware); MindIE support is unknown. A warning says so.
+
 Fused layers: vLLM-Ascend loads q/k/v and gate/up as one matrix and raises ``ValueError`` when the
 shards' types differ, so such an export is refused here with the layers named.
 
-Lifecycle: ``after_layer`` queues the layer's tensors (written shard by shard); ``finalize`` adds
-the remaining tensors (embeddings, final norm, head) and writes the description and copied files.
+Lifecycle: ``after_layer`` queues the layer's tensors (written shard by shard; the head stage
+alike); ``finalize`` adds the remaining tensors (embeddings, final norm, a float head) and writes
+the description and copied files.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from torch import nn
 from msquant import (
     DecoderLayer,
     MsquantInputError,
+    OutputHeadStage,
     Processor,
     ProcessorConfig,
     QuantizationError,
@@ -70,6 +80,11 @@ GIB = 1024**3
 # which msModelSlim v1 does not export, ranks above W8A16 (the more compressed weight type).
 QUANT_TYPE_PRIORITY = ("FLOAT", "W16A16S", "W8A16", "W4A16", "W8A8_DYNAMIC", "W8A8_MIX", "W8A8")
 QUANT_TYPES_BY_BITS = {8: "W8A16", 4: "W4A16"}
+HEAD_WARNING = (
+    "{head} is written {kind}, which msModelSlim never does (it keeps the head FLOAT): vLLM-Ascend "
+    "loads a quantized head through the linear scheme of its type (per-channel W8A16 only; read "
+    "in its source, not verified on hardware); MindIE support is unknown"
+)
 
 
 class AscendV1SaverConfig(ProcessorConfig):
@@ -113,8 +128,11 @@ class AscendV1Saver(Processor):
         )
         self.types: dict[str, str] = {}
         self.group_sizes: set[int] = set()
+        self.head: str | None = None  # the output head, when its stage ran quantized
 
     def after_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
+        if isinstance(layer, OutputHeadStage) and isinstance(layer.module, QuantizedLinear):
+            self.head = layer.name
         self._check_fused(layer)
         self._write_module(layer.module, layer.name + ".")
 
@@ -141,6 +159,12 @@ class AscendV1Saver(Processor):
         seen: dict[tuple[int, tuple[int, ...], torch.dtype], str] = {}
         state = ctx.model.state_dict()
         for name, tensor in state.items():
+            if tensor.is_meta:
+                # a layer a streamed run released after after_layer wrote it: no storage to
+                # compare (every meta tensor has data_ptr 0), and nothing left to write
+                if name not in written:
+                    raise QuantizationError(f"{name} was released before {self.type_name} wrote it")
+                continue
             key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
             if tensor.numel() and key in seen:
                 # Tied weights are stored once, as Hugging Face does, but still described: vLLM-Ascend
@@ -229,6 +253,9 @@ class AscendV1Saver(Processor):
                 "per-group W8A16 weights (scale [out, in/group_size]) are written as msModelSlim does, "
                 "but vLLM-Ascend's W8A16 scheme loads per-channel weights only"
             )
+        if self.head is not None:
+            kind = self.types[f"{self.head}.weight"]
+            logger.warning("%s: %s", self.type_name, HEAD_WARNING.format(head=self.head, kind=kind))
         if "W4A16" in self.types.values():
             logger.warning(
                 "W4A16 linear weights are written (int4 pairs packed in int8), but no vLLM-Ascend "

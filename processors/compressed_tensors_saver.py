@@ -37,6 +37,13 @@ their exact module names, which take precedence over class targets in compressed
 Every ``nn.Linear`` left unquantized (``lm_head`` included) is listed by name in ``ignore``.
 Layers that vLLM fuses (q/k/v, gate/up) must share one scheme, or the export is refused.
 
+A head quantized with ``linear_quant``'s ``lm_head: true`` is packed like any linear (written when
+the runner's head stage reaches this saver) and belongs to a config group: the ``Linear`` one when
+it shares the most common scheme, else a group naming ``lm_head``; it is not in ``ignore``.
+transformers loads it (compressed-tensors matches ``lm_head`` as a ``Linear``), vLLM does not:
+its compressed-tensors method is given to ``LinearBase`` layers only, and ``ParallelLMHead`` is an
+embedding there, so the packed head tensors have no parameters to load into (a warning says so).
+
 Which consumer loads what (compressed-tensors 0.20.1, transformers 5.24, vLLM 0.33):
 
 * vLLM: symmetric and asymmetric, 2-8 bits, channel or group (``CompressedTensorsWNA16``), mixed
@@ -49,8 +56,8 @@ Which consumer loads what (compressed-tensors 0.20.1, transformers 5.24, vLLM 0.
   every group is symmetric.
 
 Lifecycle: ``setup`` records the float dtype of every linear; ``after_layer`` checks the layer's
-fused groups and queues its tensors (written shard by shard); ``finalize`` adds the remaining
-tensors, refuses an export with nothing quantized, and writes ``config.json``.
+fused groups and queues its tensors (written shard by shard; the head stage alike); ``finalize``
+adds the remaining tensors, refuses an export with nothing quantized, and writes ``config.json``.
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ from torch import nn
 
 from msquant import (
     DecoderLayer,
+    OutputHeadStage,
     Processor,
     ProcessorConfig,
     QuantizationError,
@@ -89,6 +97,7 @@ __all__ = [
     "pack_quantized_tensors",
     "build_quantization_config",
     "transformers_loading_note",
+    "VLLM_HEAD_WARNING",
 ]
 
 logger = logging.getLogger(__name__)
@@ -99,6 +108,12 @@ COMPRESSED_TENSORS_VERSION = "0.20.1"
 FORMAT = "pack-quantized"
 MIN_BITS, MAX_BITS = 2, 8
 UNQUANTIZED = "unquantized"
+VLLM_HEAD_WARNING = (
+    "{head} is quantized: transformers loads it, but vLLM gives compressed-tensors schemes to "
+    "LinearBase layers only (its lm_head is a ParallelLMHead), so vLLM cannot load this export "
+    "(read in vLLM's source, not run); "
+    "for vLLM keep lm_head: false here, or export the head with type: gptq_saver"
+)
 
 
 class CompressedTensorsSaverConfig(ProcessorConfig):
@@ -263,8 +278,11 @@ class CompressedTensorsSaver(Processor):
         self.default_dtype = _float_dtype(ctx.model)
         self.schemes: dict[str, WeightScheme] = {}
         self.handled: set[str] = set()  # state-dict names written or replaced by packed tensors
+        self.head: str | None = None  # the output head, when its stage ran quantized
 
     def after_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
+        if isinstance(layer, OutputHeadStage) and isinstance(layer.module, QuantizedLinear):
+            self.head = layer.name
         self._check_fused(layer.module, layer.name)
         self._write_quantized(layer.module, layer.name)
         self._write_rest(layer.module.state_dict(prefix=f"{layer.name}."))
@@ -286,6 +304,8 @@ class CompressedTensorsSaver(Processor):
             self.writer.total_bytes / 2**20,
         )
         logger.info("compressed_tensors: %s", transformers_loading_note(self.schemes.values()))
+        if self.head is not None:
+            logger.warning("compressed_tensors: %s", VLLM_HEAD_WARNING.format(head=self.head))
 
     def _check_fused(self, root: nn.Module, prefix: str) -> None:
         """Refuse shards of one vLLM-fused matrix that differ in scheme (or in being skipped)."""

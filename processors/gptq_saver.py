@@ -38,14 +38,22 @@ float a negative (``-:``) one. Rules are full-name regexes written so that they 
 names vLLM matches them against: the fused ``qkv_proj`` / ``gate_up_proj``. Layers vLLM fuses must
 therefore share one scheme, or the export is refused.
 
+Output head (``linear_quant`` with ``lm_head: true``): ``lm_head.qweight/qzeros/scales/g_idx``
+like any linear layer, written when the runner's head stage reaches this saver, and
+``quantization_config.lm_head: true`` (vLLM and SGLang then load the head, a ``ParallelLMHead``,
+with the GPTQ method and apply ``dynamic`` to the name ``lm_head``). A head quantized otherwise
+than the base scheme gets its own positive rule ``+:lm_head$``; the head never decides the base
+scheme unless nothing else is quantized. A float head is written as ``lm_head.weight`` with
+``lm_head: false``.
+
 Consumers: vLLM 0.33 and SGLang serve only 4/8-bit symmetric GPTQ (Marlin kernels, which also
 limit layer shapes); other results are logged as warnings (errors under ``strict: true``) that point
 to ``type: compressed_tensors``. transformers (optimum + gptqmodel) loads every bit width and
 asymmetric weights but ignores ``dynamic``, so mixed exports are for vLLM, SGLang and GPTQModel.
 
 Lifecycle: ``after_layer`` checks and writes the layer's tensors (shard by shard) and records the
-scheme of each of its linear layers; ``finalize`` adds the remaining tensors (embeddings, final
-norm, head) and writes the configuration files.
+scheme of each of its linear layers (for the head stage, the head's); ``finalize`` adds the
+remaining tensors (embeddings, final norm, a float head) and writes the configuration files.
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ from torch import nn
 import msquant
 from msquant import (
     DecoderLayer,
+    OutputHeadStage,
     Processor,
     ProcessorConfig,
     QuantizationError,
@@ -83,6 +92,7 @@ __all__ = [
     "GPTQSaver",
     "GPTQScheme",
     "gptq_module_tensors",
+    "head_unit",
     "build_quantization_config",
 ]
 
@@ -112,6 +122,11 @@ DYNAMIC_WARNING = (
     "vLLM, SGLang and GPTQModel apply them, but transformers (optimum) ignores them and expects "
     "every linear layer of the decoder layers in the base scheme, so it cannot load this "
     "checkpoint; for transformers use `type: compressed_tensors`"
+)
+
+HEAD_NOTE = (
+    "lm_head is quantized (quantization_config.lm_head: true): vLLM, SGLang and GPTQModel load "
+    "it; whether transformers + optimum does is not verified"
 )
 
 
@@ -417,17 +432,40 @@ def base_scheme(schemes: Iterable[MaybeScheme]) -> GPTQScheme:
     return counts.most_common(1)[0][0]
 
 
+def head_unit(name: str, module: QuantizedLinear) -> RuleUnit:
+    """The rule unit of a quantized output head: its own exact pattern, outside any layer."""
+    return RuleUnit(
+        "",
+        re.escape(name),
+        GPTQScheme.of(module),
+        name,
+        (name,),
+        int(module.out_features),
+        int(module.in_features),
+    )
+
+
 def build_quantization_config(
-    units: list[RuleUnit], checkpoint_format: CheckpointFormat, methods: Iterable[str]
+    units: list[RuleUnit],
+    checkpoint_format: CheckpointFormat,
+    methods: Iterable[str],
+    head: RuleUnit | None = None,
 ) -> dict[str, Any]:
-    """The ``quantization_config`` (also ``quantize_config.json``) for the recorded units."""
-    base = base_scheme(unit.scheme for unit in units for _ in unit.members)
+    """The ``quantization_config`` (also ``quantize_config.json``) for the recorded units.
+
+    :param head: the quantized output head (``lm_head: true``; its own ``+:`` rule when its scheme
+        differs from the base), or None when the head stays in float.
+    """
+    schemes = [unit.scheme for unit in units for _ in unit.members]
+    if head is not None and not any(scheme is not None for scheme in schemes):
+        schemes.append(head.scheme)  # only the head is quantized: it sets the base
+    base = base_scheme(schemes)
     config: dict[str, Any] = {
         "bits": base.bits,
         "group_size": base.group_size,
         "desc_act": False,
         "sym": base.sym,
-        "lm_head": False,
+        "lm_head": head is not None and head.scheme is not None,
         "method": "gptq",
         "quant_method": "gptq",
         "format": checkpoint_format,
@@ -435,6 +473,8 @@ def build_quantization_config(
         "pack_dtype": "int32",
     }
     rules = dynamic_rules(units, base)
+    if head is not None and head.scheme is not None and head.scheme != base:
+        rules[f"+:{head.pattern}$"] = head.scheme.overrides(base)  # after the negative rules
     if rules:
         config["dynamic"] = rules
     config["meta"] = {
@@ -510,6 +550,7 @@ class GPTQSaver(Processor):
         self.units: list[RuleUnit] = []
         self.quantized: set[str] = set()
         self.methods: set[str] = set()
+        self.head: RuleUnit | None = None  # the quantized output head, once its stage ran
         choice = self.config.checkpoint_format
         self.format: CheckpointFormat | None = None if choice == "auto" else choice
 
@@ -521,6 +562,9 @@ class GPTQSaver(Processor):
         return self.format
 
     def after_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
+        if isinstance(layer, OutputHeadStage):
+            self._write_head(layer)
+            return
         linears = self._layer_linears(layer)
         for name, (scheme, _) in linears.items():
             if scheme is not None:
@@ -539,6 +583,24 @@ class GPTQSaver(Processor):
                 self._add(name, tensor)
         self.units.extend(units)
 
+    def _write_head(self, stage: OutputHeadStage) -> None:
+        """The head stage: a quantized head's GPTQ tensors (recorded for ``lm_head: true``), and
+        whatever else the head holds as is."""
+        module = stage.module
+        if isinstance(module, QuantizedLinear):
+            unit = head_unit(stage.name, module)
+            assert unit.scheme is not None
+            check_bits(stage.name, unit.scheme.bits)
+            if self.config.strict:
+                problem = vllm_problem_message([unit], self.format or "gptq_v2")
+                if problem:
+                    raise QuantizationError(f"gptq_saver (strict): {problem}")
+            self._write_quantized(stage.name, module)
+            self.head = unit
+        for name, tensor in module.state_dict(prefix=f"{stage.name}.").items():
+            if name not in self.written:
+                self._add(name, tensor)
+
     def finalize(self, ctx: RunContext) -> None:
         stray = sorted(
             name
@@ -547,11 +609,11 @@ class GPTQSaver(Processor):
         )
         if stray:
             raise QuantizationError(
-                f"gptq_saver: quantized layers outside the decoder layers ({_listing(stray)}) "
-                "are not supported (the GPTQ export keeps lm_head in float)"
+                f"gptq_saver: quantized layers outside the decoder layers and the output head "
+                f"({_listing(stray)}) are not supported"
             )
         quantization_config = build_quantization_config(
-            self.units, self.format or "gptq", self.methods
+            self.units, self.format or "gptq", self.methods, self.head
         )
         for name, tensor in unique_state_items(ctx.model):
             if name not in self.written:
@@ -623,11 +685,14 @@ class GPTQSaver(Processor):
 
     def _warn_consumers(self, quantization_config: Mapping[str, Any]) -> None:
         """Warn once per kind about what vLLM / SGLang / transformers will not load."""
-        problem = vllm_problem_message(self.units, self.format or "gptq")
+        units = self.units + ([self.head] if self.head is not None else [])
+        problem = vllm_problem_message(units, self.format or "gptq")
         if problem:
             logger.warning("gptq_saver: %s", problem)
         if "dynamic" in quantization_config:
             logger.warning("gptq_saver: %s", DYNAMIC_WARNING)
-        marlin = marlin_problem_message(self.units)
+        if self.head is not None:
+            logger.info("gptq_saver: %s", HEAD_NOTE)
+        marlin = marlin_problem_message(units)
         if marlin:
             logger.warning("gptq_saver: %s", marlin)

@@ -23,6 +23,15 @@ refused). ``dynamic`` follows GPTQModel exactly (:mod:`msquant.quant.rules`): re
 rule overrides the keys it names (``bits`` 2-8, ``group_size`` with -1 = per-channel, ``sym``,
 ``desc_act``, ``damp_percent``/``percdamp``, ``mse``, ``static_groups``); no fall-through.
 
+``lm_head: true`` (GPTQModel's flag) also quantizes the output head, as one more stage after the
+last decoder layer (calibrated, for GPTQ, on the final norm of the last layer's outputs). Only this
+flag selects the head: ``include`` / ``exclude`` globs are about the decoder layers and never
+select it (``include: ["*"]`` leaves it in float). With the flag, a ``dynamic`` rule matching the
+head's name (``lm_head``) overrides its keys like any module's, a ``-:`` rule keeps it in float;
+without a matching rule it takes ``qconfig`` (GPTQModel instead defaults the head to int8 group 32
+sym). A positive rule matching ``lm_head`` without the flag leaves the head in float and is
+reported as a warning. Models whose head is tied to the input embeddings are refused.
+
 Lifecycle:
 
 * ``check_config``: the ``(dtype, scope, method)`` combination is implemented, ``ext`` is valid for
@@ -30,7 +39,9 @@ Lifecycle:
   regex with known override keys.
 * ``check_model`` (meta model): the resolved group size divides the ``in_features`` of every
   selected layer (naming the rule that set it); the shards of a fused layer (q/k/v, gate/up) that
-  this entry selects resolve alike. Cross-entry checks (overlaps, fused layers split between
+  this entry selects resolve alike; with ``lm_head: true`` the model has a linear output head (and,
+  for GPTQ, a final norm to calibrate it on). A head tied to the embeddings is refused by
+  :func:`msquant.check_plan`. Cross-entry checks (overlaps, fused layers split between
   entries) and warnings (include patterns or rules matching nothing, rules that vLLM would match
   differently on fused names) come from :func:`msquant.check_plan` through :meth:`plan_modules`.
 * ``before_layer`` (``method: gptq``): a forward hook on each selected ``nn.Linear`` feeds its
@@ -73,6 +84,7 @@ from msquant import (
     ModuleReport,
     MSEOptions,
     NotImplementedYetError,
+    OutputHeadStage,
     Processor,
     ProcessorConfig,
     QDType,
@@ -84,6 +96,8 @@ from msquant import (
     WeightPerChannelGPTQ,
     WeightPerGroupGPTQ,
     divisors,
+    find_final_norm,
+    find_output_head,
     fused_group_problems,
     fused_groups,
     parse_dynamic,
@@ -108,6 +122,15 @@ DYNAMIC_DESCRIPTION = (
     "('.*\\.0\\..*'); `msquant plan` shows which rule decides each module."
 )
 
+LM_HEAD_DESCRIPTION = (
+    "Also quantize the output head (lm_head), after the last decoder layer (GPTQ calibrates it on "
+    "the final norm of the last layer's outputs); GPTQModel's flag. Only this flag selects the "
+    "head: include/exclude globs (even `*`) never do. The head takes qconfig unless a dynamic "
+    "rule matches its name ('lm_head': {bits: 8} overrides, '-:lm_head' keeps it in float); a "
+    "positive rule matching lm_head without this flag only warns. Refused when the head is tied "
+    "to the input embeddings (tie_word_embeddings)."
+)
+
 
 class LinearQuantConfig(ProcessorConfig):
     """Config of ``linear_quant``."""
@@ -120,6 +143,7 @@ class LinearQuantConfig(ProcessorConfig):
     exclude: list[str] = Field(
         default_factory=list, description="Module-name globs to skip (wins)."
     )
+    lm_head: bool = Field(False, description=LM_HEAD_DESCRIPTION)
     dynamic: dict[str, Any] = Field(
         default_factory=dict,
         description=DYNAMIC_DESCRIPTION,
@@ -139,7 +163,7 @@ def _glob_match(name: str, patterns: Sequence[str]) -> str | None:
 
 
 class LinearQuantProcessor(Processor):
-    """Weight-only quantization of ``nn.Linear`` layers inside the decoder layers."""
+    """Weight-only quantization of ``nn.Linear`` layers (decoder layers; the head on request)."""
 
     type_name = "linear_quant"
     config_class = LinearQuantConfig
@@ -256,9 +280,19 @@ class LinearQuantProcessor(Processor):
             raise ValueError("; ".join(str(issue) for issue in issues))
         return rules
 
-    def decide(self, name: str) -> ModuleDecision:
+    def decide(self, name: str, head: bool = False) -> ModuleDecision:
         """What this entry does with module ``name``: not selected (with the exclude glob that
-        dropped it), or its resolved scheme (possibly skipped by a ``-:`` rule)."""
+        dropped it), or its resolved scheme (possibly skipped by a ``-:`` rule).
+
+        :param head: ``name`` is the output head, which only ``lm_head: true`` selects (globs
+            never do); its ``dynamic`` rules apply as to any module.
+        """
+        if head:
+            if not self.config.lm_head:
+                return ModuleDecision(None, self.method, "lm_head: false")
+            return ModuleDecision(
+                resolve_module_scheme(name, self.base_scheme, self.rules), self.method
+            )
         excluded = _glob_match(name, self.config.exclude)
         if excluded is not None:
             return ModuleDecision(None, self.method, f"exclude {excluded}")
@@ -272,8 +306,9 @@ class LinearQuantProcessor(Processor):
         """The layer's linear modules this processor quantizes, with their resolved scheme
         (modules a ``-:`` rule skips are left out)."""
         chosen = []
+        head = isinstance(layer, OutputHeadStage)
         for name, module in layer.named_linears():
-            scheme = self.decide(name).scheme
+            scheme = self.decide(name, head).scheme
             if scheme is not None and not scheme.skipped:
                 chosen.append((name, module, scheme))
         return chosen
@@ -283,23 +318,74 @@ class LinearQuantProcessor(Processor):
     def plan_modules(
         self, model: nn.Module, layers: Sequence[DecoderLayer]
     ) -> Mapping[str, ModuleDecision]:
-        """Decision for every linear layer of the decoder layers."""
-        return {name: self.decide(name) for layer in layers for name, _ in layer.named_linears()}
+        """Decision for every linear layer of the decoder layers, plus the output head when
+        ``lm_head`` is set or a positive rule matches it (so the plan shows why it stays float)."""
+        decisions = {
+            name: self.decide(name) for layer in layers for name, _ in layer.named_linears()
+        }
+        head = self._head_name(model)
+        if head is not None and (self.config.lm_head or self._positive_rules_matching(head)):
+            decisions[head] = self.decide(head, head=True)
+        return decisions
+
+    @staticmethod
+    def _head_name(model: nn.Module) -> str | None:
+        found = find_output_head(model)
+        return found[0] if found is not None else None
+
+    def _positive_rules_matching(self, name: str) -> list[DynamicRule]:
+        return [rule for rule in self.rules if not rule.negative and rule.matches(name)]
+
+    def uses_output_head(self, ctx: RunContext) -> bool:
+        """Whether the run needs the head stage: ``lm_head`` set and no ``-:`` rule skips it."""
+        head = self._head_name(ctx.model) if self.config.lm_head else None
+        if head is None:
+            return False
+        scheme = self.decide(head, head=True).scheme
+        return scheme is not None and not scheme.skipped
 
     def plan_rules(self) -> Sequence[DynamicRule]:
         """The ``dynamic`` rules in evaluation order."""
         return self.rules
 
     def plan_notes(self, model: nn.Module, layers: Sequence[DecoderLayer]) -> list[str]:
-        """Include patterns that match no linear layer of the decoder layers."""
+        """Include patterns that match no linear layer of the decoder layers, and settings that
+        do not do what they seem to for the output head."""
         names = [name for layer in layers for name, _ in layer.named_linears()]
         missing = unmatched_patterns(names, self.config.include)
-        if not missing:
-            return []
-        return [
-            f"linear_quant include pattern(s) matched no decoder linear layer: {missing} "
-            "(globs match the full module name, e.g. *q_proj or model.layers.0.*)"
-        ]
+        notes = []
+        if missing:
+            notes.append(
+                f"linear_quant include pattern(s) matched no decoder linear layer: {missing} "
+                "(globs match the full module name, e.g. *q_proj or model.layers.0.*)"
+            )
+        head = self._head_name(model)
+        return notes + (self._head_notes(head) if head is not None else [])
+
+    def _head_notes(self, head: str) -> list[str]:
+        """Warnings about the head: rules matching it without ``lm_head``, excludes that do
+        not apply to it, a ``-:`` rule cancelling ``lm_head: true``."""
+        if not self.config.lm_head:
+            return [
+                f"{rule.source} matches {head}, but the output head is quantized only with "
+                f"lm_head: true (GPTQModel's rule), so {head} stays in float; set lm_head: true "
+                "to quantize it with this rule"
+                for rule in self._positive_rules_matching(head)
+            ]
+        notes = []
+        excluded = _glob_match(head, self.config.exclude)
+        if excluded is not None:
+            notes.append(
+                f"exclude {excluded} matches {head}, but globs do not apply to the output head: "
+                "lm_head: true quantizes it (set lm_head: false to keep it in float)"
+            )
+        scheme = self.decide(head, head=True).scheme
+        if scheme is not None and scheme.skipped:
+            notes.append(
+                f"lm_head: true, but {scheme.decided_by} leaves {head} in float (negative rules "
+                "win); drop one of the two"
+            )
+        return notes
 
     def check_model(self, model: nn.Module, layers: list[DecoderLayer]) -> list[str]:
         method = WEIGHT_METHODS[self.config.qconfig.weight.method]
@@ -315,9 +401,46 @@ class LinearQuantProcessor(Processor):
                 scheme = decisions[name].scheme
                 if scheme is not None and not scheme.skipped:
                     problems += self._divisor_problem(name, module, scheme)
+        if self.config.lm_head:
+            problems += self._head_problems(model, layers, decisions)
         return problems + self._fused_problems(decisions)
 
-    def _divisor_problem(self, name: str, module: nn.Linear, scheme: ResolvedScheme) -> list[str]:
+    def _head_problems(
+        self,
+        model: nn.Module,
+        layers: Sequence[DecoderLayer],
+        decisions: Mapping[str, ModuleDecision],
+    ) -> list[str]:
+        """``lm_head: true`` needs a linear output head (and a final norm to calibrate GPTQ on)."""
+        found = find_output_head(model)
+        kind = type(model).__name__
+        if found is None:
+            return [f"lm_head: true, but {kind} has no output head (get_output_embeddings)"]
+        name, module = found
+        if not isinstance(module, nn.Linear):
+            return [
+                f"lm_head: true, but the output head {name} of {kind} is a "
+                f"{type(module).__name__}, not an nn.Linear; set lm_head: false"
+            ]
+        scheme = decisions[name].scheme
+        if scheme is None or scheme.skipped:
+            return []
+        problems = self._divisor_problem(name, module, scheme, fix="set lm_head: false")
+        if self.method == "gptq" and find_final_norm(model, list(layers)) is None:
+            problems.append(
+                f"lm_head: true with method gptq, but the final norm of {kind} (its head's input "
+                "is the final norm of the last decoder layer's output) was not found; use method "
+                "minmax for the head (a separate linear_quant entry) or set lm_head: false"
+            )
+        return problems
+
+    def _divisor_problem(
+        self,
+        name: str,
+        module: nn.Linear,
+        scheme: ResolvedScheme,
+        fix: str = "exclude this layer",
+    ) -> list[str]:
         """The group size (from qconfig or a rule) must divide the module's input width."""
         group_size = scheme.group_size_or_none
         if group_size is None or module.in_features % group_size == 0:
@@ -330,7 +453,7 @@ class LinearQuantProcessor(Processor):
         return [
             f"{name}: group_size {group_size} does not divide in_features {module.in_features} "
             f"(weight [{module.out_features}, {module.in_features}]{origin}); "
-            f"valid group sizes: {divisors(module.in_features)} - or exclude this layer"
+            f"valid group sizes: {divisors(module.in_features)} - or {fix}"
         ]
 
     @staticmethod

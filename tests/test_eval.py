@@ -7,6 +7,7 @@ with the fake-quantized ones, and the CLI for its output, JSON and exit codes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -22,10 +23,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import msquant
 from msquant.evaluate import (
     load_model_for_eval,
+    measure_perplexity,
+    prepare_evaluation,
     read_eval_tokens,
     sliding_window_perplexity,
     sliding_windows,
 )
+from msquant.model.loader import load_model_config
 
 SEQLEN = 64
 TEXT_CHARS = 2500  # the start of calib.txt: about 1,000 tokens of the tiny tokenizer
@@ -56,8 +60,9 @@ def tied_llama(tiny_model_factory: Callable[..., Path]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def exports(tied_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One run, four savers: attention int8 per-channel symmetric, MLP int4 group-32 asymmetric."""
+def exports(tied_llama: Path, text: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One run, four savers: attention int8 per-channel symmetric, MLP int4 group-32 asymmetric;
+    the run also measures its in-memory model's perplexity on ``text``."""
     save_path = tmp_path_factory.mktemp("eval") / "out"
     config = {
         "apiversion": "modelslim_v1",
@@ -73,7 +78,9 @@ def exports(tied_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
             "save": [{"type": saver} for saver in SAVERS],
         },
     }
-    msquant.quantize(tied_llama, save_path, config, progress=False)
+    msquant.quantize(
+        tied_llama, save_path, config, progress=False, eval_data=text, eval_seqlen=SEQLEN
+    )
     return save_path
 
 
@@ -228,6 +235,65 @@ def test_inconsistent_export_is_refused_naming_verify(
     with pytest.raises(msquant.ExportReadError, match="msquant verify") as info:
         msquant.evaluate_perplexity(broken, text, seqlen=SEQLEN)
     assert "model.layers.0.mlp.up_proj.weight_scale" in str(info.value)
+
+
+# --- the evaluation of a quantization run ------------------------------------------------------
+
+
+def test_measure_perplexity_is_the_sliding_window_core(tiny_llama: Path, text: Path) -> None:
+    ids = _tokens(tiny_llama, text)
+    model = _float_model(tiny_llama)
+    measured = measure_perplexity(model, ids, SEQLEN, 16, 7)
+    nll, tokens, windows = sliding_window_perplexity(model, ids, SEQLEN, 16, 7)
+    assert (measured.tokens, measured.windows, measured.text_tokens) == (tokens, 7, ids.numel())
+    assert measured.nll == nll / tokens and measured.ppl == math.exp(nll / tokens)
+    assert windows == 7 and measured.seconds > 0
+
+
+def test_prepare_evaluation_checks_everything_before_a_model_is_loaded(
+    tiny_llama: Path, text: Path, tmp_path: Path
+) -> None:
+    prepared = prepare_evaluation(text, SEQLEN, max_samples=3)
+    assert prepared.settings() == {
+        "data": str(text),
+        "data_sha256": hashlib.sha256(text.read_bytes()).hexdigest(),
+        "seqlen": SEQLEN,
+        "stride": SEQLEN,
+        "max_samples": 3,
+    }
+    assert torch.equal(prepared.tokens(AutoTokenizer.from_pretrained(str(tiny_llama))),
+                       _tokens(tiny_llama, text))  # fmt: skip
+    with pytest.raises(msquant.EvaluationError, match="stride must be between 1 and seqlen"):
+        prepare_evaluation(text, 16, 32)
+    with pytest.raises(msquant.EvaluationError, match="nope.txt does not exist"):
+        prepare_evaluation(tmp_path / "nope.txt")
+    with pytest.raises(msquant.EvaluationError, match=r"pass --eval_seqlen 512 or less"):
+        prepare_evaluation(text, 1024).check_model(load_model_config(tiny_llama), tiny_llama)
+
+
+@pytest.mark.parametrize("saver", SAVERS)
+def test_run_report_perplexity_equals_eval_of_the_export(
+    saver: str, exports: Path, text: Path, run_cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    """``quant --eval_data`` evaluates the in-memory model; ``msquant eval`` reads the export
+    back: the same weights, so the same numbers (GPTQ stores its scales in float16, the one
+    place the export rounds what the run computed)."""
+    evaluation = json.loads((exports / msquant.REPORT_FILE).read_text(encoding="utf-8"))[
+        "evaluation"
+    ]
+    out = tmp_path / "ppl.json"
+    result = run_cli("eval", exports / saver, "--data", text, "--seqlen", SEQLEN, "--json", out)
+    assert result.code == 0, result.err
+    measured = json.loads(out.read_text(encoding="utf-8"))
+    for key in ("tokens", "windows", "text_tokens", "seqlen", "stride"):
+        assert evaluation[key] == measured[key], key
+    if saver == "gptq_saver":
+        assert evaluation["ppl"] == pytest.approx(measured["ppl"], rel=1e-3)
+    else:
+        assert (evaluation["ppl"], evaluation["nll"]) == (measured["ppl"], measured["nll"])
+    assert evaluation["data"] == str(text) and evaluation["max_samples"] is None
+    assert evaluation["data_sha256"] == hashlib.sha256(text.read_bytes()).hexdigest()
+    assert evaluation["seconds"] > 0
 
 
 # --- command line ----------------------------------------------------------------------------

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from safetensors.torch import save_file
 
 import msquant
 import msquant.export.shards as shards
@@ -44,15 +43,17 @@ def test_disk_full_while_writing_keeps_the_previous_export(
     before = snapshot(save)
     calls = {"n": 0}
 
-    def failing_save_file(tensors: Any, filename: str, metadata: Any = None) -> None:
+    real_write = shards.write_shard_file
+
+    def failing_write(path: Path, entries: Any, data_paths: Any) -> None:
         calls["n"] += 1
         # write part of the file, as a full disk would, then fail
-        save_file(tensors, filename, metadata=metadata)
-        with open(filename, "r+b") as handle:
+        real_write(path, entries, data_paths)
+        with open(path, "r+b") as handle:
             handle.truncate(100)
-        raise OSError(errno.ENOSPC, "No space left on device", filename)
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(shards, "save_file", failing_save_file)
+    monkeypatch.setattr(shards, "write_shard_file", failing_write)
     with pytest.raises(OSError, match="No space left"):
         msquant.quantize(tiny_llama, save, config(saver, "int4"), progress=False, overwrite=True)
     assert calls["n"] == 1

@@ -82,3 +82,41 @@ def build_tiny_model(
     model.to(dtype).eval()
     model.save_pretrained(str(directory))
     return directory
+
+
+#: Tiny MoE architectures (hidden 64 from :func:`build_tiny_model`, 4-8 experts of width 32, top-2).
+#: ``intermediate_size`` is the dense MLP width (Qwen-MoE's dense layers, DeepSeek's first layer);
+#: Mixtral uses it as the expert width, so pass ``intermediate_size=32`` for it.
+MOE_ARCHS: dict[str, dict[str, Any]] = {
+    "qwen2_moe": dict(
+        model_type="qwen2_moe",
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+    ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+    ),
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "deepseek_v3": dict(
+        model_type="deepseek_v3",
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    ),
+}
+ARCHS.update(MOE_ARCHS)

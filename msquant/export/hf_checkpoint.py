@@ -41,9 +41,14 @@ def unique_state_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
     Hugging Face saves tied weights once (``model.embed_tokens.weight``, not ``lm_head.weight``) and
     re-ties them on load from ``tie_word_embeddings``.
+    Tensors on the meta device (the released layers of a streamed run, already written) have no
+    storage to compare and are all kept.
     """
     seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
     for name, tensor in model.state_dict().items():
+        if tensor.is_meta:
+            yield name, tensor
+            continue
         key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
         if tensor.numel() and key in seen:
             continue

@@ -1,26 +1,168 @@
-"""Sharded safetensors writing with a Hugging Face style index.
+"""Sharded safetensors writing with a Hugging Face style index, streamed to disk.
 
-Tensors are buffered until a shard reaches the size limit, then written; final names
-``{prefix}-00001-of-0000N.safetensors`` are known only at the end, so shards are renamed on
-:meth:`ShardedSafetensorsWriter.close`, which also writes ``{prefix}.safetensors.index.json``
-(``{"metadata": {"total_size": bytes}, "weight_map": {tensor: file}}``). Without a size limit one
-``{prefix}.safetensors`` file is written and no index.
+:meth:`ShardedSafetensorsWriter.add` writes each tensor's bytes at once to a hidden data file of the
+current shard and keeps only its header entry (dtype, shape, byte range), so an export never holds
+the quantized model in memory. A shard has one data file per element size
+(``.{prefix}-part{n}.data{k}.tmp``, k = 8, 4, 2, 1 bytes) so that, concatenated largest first,
+every tensor starts at a multiple of its element size, as ``safetensors.torch.save_file`` also
+guarantees (memory-mapping readers and some accelerators need aligned tensors). When a shard
+reaches the size limit (or on :meth:`~ShardedSafetensorsWriter.close`) it is assembled as a
+safetensors file: 8-byte little-endian header length, the JSON header padded with spaces to a
+multiple of 8 bytes, then the data files copied in chunks, and the data files are deleted. While a
+shard is assembled its bytes are on disk twice; memory never holds more than one chunk.
+
+Final names ``{prefix}-00001-of-0000N.safetensors`` are known only at the end, so shards are renamed
+on close, which also writes ``{prefix}.safetensors.index.json`` (``{"metadata": {"total_size":
+bytes}, "weight_map": {tensor: file}}``). Without a size limit one ``{prefix}.safetensors`` file is
+written and no index.
+
+The safetensors library has no streaming writer, hence this implementation of its (small) format.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-__all__ = ["ShardedSafetensorsWriter"]
+__all__ = ["ShardedSafetensorsWriter", "safetensors_dtype", "write_shard_file"]
+
+#: Bytes copied at a time from a shard's data file into the final file.
+COPY_CHUNK_BYTES = 16 * 1024**2
+
+_METADATA_KEY = "__metadata__"
+_METADATA = {"format": "pt"}
+_HEADER_ALIGNMENT = 8
+
+
+def _dtype_names() -> dict[torch.dtype, str]:
+    """Torch dtypes and their names in the safetensors format (those this torch build has)."""
+    names = {
+        "float64": "F64",
+        "float32": "F32",
+        "float16": "F16",
+        "bfloat16": "BF16",
+        "int64": "I64",
+        "int32": "I32",
+        "int16": "I16",
+        "int8": "I8",
+        "uint8": "U8",
+        "bool": "BOOL",
+        "float8_e4m3fn": "F8_E4M3",
+        "float8_e4m3fnuz": "F8_E4M3FNUZ",
+        "float8_e5m2": "F8_E5M2",
+        "float8_e5m2fnuz": "F8_E5M2FNUZ",
+        "complex64": "C64",
+        "uint16": "U16",
+        "uint32": "U32",
+        "uint64": "U64",
+    }
+    return {getattr(torch, attr): name for attr, name in names.items() if hasattr(torch, attr)}
+
+
+_DTYPE_NAMES = _dtype_names()
+
+
+def safetensors_dtype(dtype: torch.dtype) -> str:
+    """The safetensors name of ``dtype`` (``torch.bfloat16`` -> ``"BF16"``).
+
+    :raises ValueError: the format has no name for it (e.g. complex128, quantized dtypes).
+    """
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        supported = ", ".join(sorted(str(d).removeprefix("torch.") for d in _DTYPE_NAMES))
+        raise ValueError(
+            f"safetensors cannot store dtype {dtype}; supported: {supported}"
+        ) from None
+
+
+def _require_little_endian() -> None:
+    """safetensors stores little-endian bytes; raw tensor bytes of a big-endian host are not."""
+    if sys.byteorder != "little":
+        raise RuntimeError(
+            f"writing safetensors files needs a little-endian host; this one is {sys.byteorder}-endian"
+        )
+
+
+@dataclass
+class _Stream:
+    """The bytes of a shard's tensors of one element size, appended to a hidden data file."""
+
+    path: Path
+    nbytes: int = 0
+
+
+@dataclass
+class _Shard:
+    """One shard being filled: its data files and the header entries of the tensors in it.
+
+    Entry offsets are relative to the tensor's stream until :meth:`layout` places the streams.
+    """
+
+    number: int
+    entries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    stream_of: dict[str, int] = field(default_factory=dict)
+    streams: dict[int, _Stream] = field(default_factory=dict)
+    nbytes: int = 0
+
+    def layout(self) -> tuple[dict[str, dict[str, Any]], list[Path]]:
+        """Header entries with offsets in the data section, and the data files in their order.
+
+        Streams go largest element size first: each stream's length is a multiple of its element
+        size, so every tensor after them stays aligned to its own element size.
+        """
+        order = sorted(self.streams, reverse=True)
+        base: dict[int, int] = {}
+        start = 0
+        for size in order:
+            base[size] = start
+            start += self.streams[size].nbytes
+        entries = {}
+        for name, entry in self.entries.items():
+            begin, end = entry["data_offsets"]
+            offset = base[self.stream_of[name]]
+            entries[name] = {**entry, "data_offsets": [begin + offset, end + offset]}
+        return entries, [self.streams[size].path for size in order]
+
+
+def _header_bytes(entries: dict[str, dict[str, Any]]) -> bytes:
+    """The shard header: JSON with metadata first, space-padded to a multiple of 8 bytes."""
+    header = {_METADATA_KEY: _METADATA, **entries}
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % _HEADER_ALIGNMENT)
+    return text
+
+
+def write_shard_file(
+    path: Path, entries: dict[str, dict[str, Any]], data_paths: Sequence[Path]
+) -> None:
+    """Write the safetensors file ``path``: header ``entries``, then the ``data_paths`` bytes.
+
+    ``entries`` hold offsets into the concatenation of ``data_paths``; the data is copied in
+    chunks of :data:`COPY_CHUNK_BYTES`, never whole.
+    """
+    header = _header_bytes(entries)
+    with open(path, "wb") as out:
+        out.write(len(header).to_bytes(8, "little"))
+        out.write(header)
+        for data_path in data_paths:
+            with open(data_path, "rb") as data:
+                shutil.copyfileobj(data, out, COPY_CHUNK_BYTES)
 
 
 class ShardedSafetensorsWriter:
-    """Accumulates named tensors and writes them as one file or as size-limited shards.
+    """Streams named tensors to disk as one file or as size-limited shards.
+
+    A new shard starts when adding a tensor would take a non-empty shard past ``max_shard_bytes``
+    (so a tensor larger than the limit gets a shard of its own).
 
     :param directory: folder to write into (normally a staging folder).
     :param prefix: file name stem, e.g. ``quant_model_weights``.
@@ -36,44 +178,93 @@ class ShardedSafetensorsWriter:
         max_shard_bytes: int | None,
         plain_when_single: bool = False,
     ) -> None:
+        _require_little_endian()
         self.directory = directory
         self.prefix = prefix
         self.max_shard_bytes = max_shard_bytes
         self.plain_when_single = plain_when_single
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
+        self._current: _Shard | None = None
         self._shards: list[tuple[Path, list[str]]] = []
         self._names: set[str] = set()
         self.total_bytes = 0
         self.closed = False
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Queue one tensor (copied to contiguous CPU memory); names must be unique."""
+        """Write one tensor's bytes to the current shard's data file; names must be unique."""
         if self.closed:
             raise RuntimeError("writer is closed")
         if name in self._names:
             raise ValueError(f"tensor {name!r} written twice")
+        if name == _METADATA_KEY:
+            raise ValueError(f"{_METADATA_KEY!r} is reserved by the safetensors format")
+        if tensor.is_meta:
+            raise ValueError(
+                f"tensor {name!r} is on the meta device (a layer a streamed run already released): "
+                "savers must write a layer's tensors in after_layer"
+            )
+        dtype_name = safetensors_dtype(tensor.dtype)
+        data = tensor.detach().to("cpu").contiguous()
         self._names.add(name)
-        data = tensor.detach().to("cpu").contiguous().clone()
         size = data.numel() * data.element_size()
         limit = self.max_shard_bytes
-        if limit is not None and self._pending and self._pending_bytes + size > limit:
+        current = self._current
+        if limit is not None and current and current.entries and current.nbytes + size > limit:
             self._flush()
-        self._pending[name] = data
-        self._pending_bytes += size
+        shard = self._shard()
+        stream = self._stream(shard, data.element_size())
+        self._append(stream, data)
+        shard.entries[name] = {
+            "dtype": dtype_name,
+            "shape": list(data.shape),
+            "data_offsets": [stream.nbytes, stream.nbytes + size],
+        }
+        shard.stream_of[name] = data.element_size()
+        stream.nbytes += size
+        shard.nbytes += size
         self.total_bytes += size
 
+    def _shard(self) -> _Shard:
+        """The shard being filled, started when there is none."""
+        if self._current is None:
+            self._current = _Shard(len(self._shards) + 1)
+        return self._current
+
+    def _stream(self, shard: _Shard, element_size: int) -> _Stream:
+        """The shard's data file for tensors of ``element_size``, created empty on first use."""
+        if element_size not in shard.streams:
+            path = self.directory / f".{self.prefix}-part{shard.number}.data{element_size}.tmp"
+            path.write_bytes(b"")  # truncates anything left by an earlier run
+            shard.streams[element_size] = _Stream(path)
+        return shard.streams[element_size]
+
+    @staticmethod
+    def _append(stream: _Stream, data: torch.Tensor) -> None:
+        """Append the raw bytes of contiguous CPU tensor ``data`` to the stream's data file."""
+        raw = data.reshape(-1).view(torch.uint8).numpy()
+        with open(stream.path, "ab") as handle:
+            handle.write(raw.data)
+            if handle.tell() != stream.nbytes + raw.nbytes:
+                raise OSError(f"{stream.path}: short write")
+
+    def _assemble(self, shard: _Shard, path: Path) -> None:
+        """Write ``shard`` as the safetensors file ``path`` and delete its data files."""
+        entries, data_paths = shard.layout()
+        write_shard_file(path, entries, data_paths)
+        for data_path in data_paths:
+            data_path.unlink()
+
     def _flush(self) -> None:
-        if not self._pending:
+        """Complete the current shard under a hidden temporary name (renamed on close)."""
+        shard = self._current
+        if shard is None or not shard.entries:
             return
         path = self.directory / f".{self.prefix}-part{len(self._shards) + 1}.tmp"
-        save_file(self._pending, str(path), metadata={"format": "pt"})
-        self._shards.append((path, list(self._pending)))
-        self._pending = {}
-        self._pending_bytes = 0
+        self._assemble(shard, path)
+        self._shards.append((path, list(shard.entries)))
+        self._current = None
 
     def close(self, prefix: str | None = None) -> dict[str, str]:
-        """Write what is pending, give shards their final names; returns the weight map.
+        """Complete the last shard, give shards their final names; returns the weight map.
 
         :param prefix: final file name stem when it is only known at the end (default: the
             constructor's ``prefix``).
@@ -84,18 +275,11 @@ class ShardedSafetensorsWriter:
         if prefix is not None:
             self.prefix = prefix
         if self.max_shard_bytes is None or (self.plain_when_single and not self._shards):
-            name = f"{self.prefix}.safetensors"
-            save_file(self._pending, str(self.directory / name), metadata={"format": "pt"})
-            weight_map = {tensor: name for tensor in self._pending}
-            self._pending = {}
-            return weight_map
+            return self._close_plain()
         self._flush()
-        count = max(len(self._shards), 1)
         if not self._shards:  # nothing written: still produce one (empty) shard for consumers
-            save_file(
-                {}, str(self.directory / f".{self.prefix}-part1.tmp"), metadata={"format": "pt"}
-            )
-            self._shards.append((self.directory / f".{self.prefix}-part1.tmp", []))
+            self._flush_empty()
+        count = len(self._shards)
         weight_map = {}
         for number, (tmp_path, names) in enumerate(self._shards, start=1):
             final = f"{self.prefix}-{number:05d}-of-{count:05d}.safetensors"
@@ -108,3 +292,19 @@ class ShardedSafetensorsWriter:
         index_path = self.directory / f"{self.prefix}.safetensors.index.json"
         index_path.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         return weight_map
+
+    def _close_plain(self) -> dict[str, str]:
+        """Write everything (one shard at most) as the unsharded ``{prefix}.safetensors``."""
+        name = f"{self.prefix}.safetensors"
+        shard = self._shard()
+        self._assemble(shard, self.directory / name)
+        self._current = None
+        return {tensor: name for tensor in shard.entries}
+
+    def _flush_empty(self) -> None:
+        """Record a shard without tensors (written as a header-only file)."""
+        shard = self._shard()
+        path = self.directory / f".{self.prefix}-part1.tmp"
+        self._assemble(shard, path)
+        self._shards.append((path, []))
+        self._current = None

@@ -56,6 +56,13 @@ VLLM_ASCEND_ASYM = (
     "layers may dequantize with the offset's sign flipped (unverified on hardware)"
 )
 
+QUANTIZED_HEAD = (
+    "a quantized output head, which msModelSlim never writes: vLLM-Ascend loads it through the "
+    "linear scheme of its type (read in its source, not verified on hardware); MindIE support "
+    "is unknown"
+)
+HEAD_NAMES = ("lm_head",)
+
 
 def description_files(directory: Path) -> list[Path]:
     """The ``quant_model_description*.json`` files in ``directory``, sorted."""
@@ -346,6 +353,8 @@ class AscendReader(ExportReader):
             self.findings.note(VLLM_ASCEND_PER_GROUP, layer.name)
         if not layer.symmetric:
             self.findings.note(VLLM_ASCEND_ASYM, layer.name)
+        if layer.name.rpartition(".")[2] in HEAD_NAMES:
+            self.findings.note(QUANTIZED_HEAD, layer.name)
 
     def schemes(self) -> tuple[dict[str, Hashable], dict[str, str]]:
         schemes: dict[str, Hashable] = {}

@@ -61,6 +61,11 @@ TRANSFORMERS_ASYM = (
     "CompressedTensorsConfig(dequantize=True) (the default loader fails on weight_zero_point)"
 )
 VLLM_BITS = "vLLM's CompressedTensorsWNA16 loads pack-quantized weights of 2 to 8 bits only"
+VLLM_HEAD = (
+    "vLLM gives compressed-tensors schemes to LinearBase layers only (its lm_head is a "
+    "ParallelLMHead): a packed output head does not load there (transformers loads it)"
+)
+HEAD_NAMES = ("lm_head",)
 
 
 @dataclass(frozen=True)
@@ -393,6 +398,8 @@ class CompressedTensorsReader(ExportReader):
             self.findings.note(TRANSFORMERS_ASYM, layer.name)
         if scheme.bits < 2:
             self.findings.note(VLLM_BITS, layer.name)
+        if layer.name.rpartition(".")[2] in HEAD_NAMES:
+            self.findings.note(VLLM_HEAD, layer.name)
 
     def schemes(self) -> tuple[dict[str, Hashable], dict[str, str]]:
         return self.hf_schemes(self.modules, self.scheme_of)

@@ -1,0 +1,143 @@
+"""Peak memory of a quantization run against model depth (a script, not a test).
+
+Builds random Llama models from one config (hidden 1024, intermediate 2816) with 4, 8 and 16
+decoder layers, quantizes each (GPTQ int4 group-128, Ascend export with read-back verification)
+in a fresh process with the streamed runner (``layer_wise``, the default) and with the whole-model
+runner (``model_wise``), and prints each run's peak resident memory (``ru_maxrss``) and the ratio
+of the 16-layer run to the 4-layer run. The streamed runner's ratio should stay near 1: only one
+decoder layer is in memory at a time.
+
+    python bench/memory.py                      # 4, 8, 16 layers
+    python bench/memory.py --layers 4 16 --hidden 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+CONFIG = {
+    "apiversion": "modelslim_v1",
+    "spec": {
+        "runner": "RUNNER",
+        "process": [
+            {
+                "type": "linear_quant",
+                "qconfig": {
+                    "weight": {
+                        "scope": "per_group",
+                        "dtype": "int4",
+                        "symmetric": True,
+                        "method": "gptq",
+                        "ext": {"group_size": 128},
+                    }
+                },
+            }
+        ],
+        "save": [{"type": "ascendv1_saver"}],
+    },
+}
+
+# Runs in a child process so that each measurement starts from a fresh interpreter.
+CHILD = textwrap.dedent(
+    """
+    import json, resource, sys, time
+    import torch
+    import msquant
+    model, save, config, calib, tokens = sys.argv[1:6]
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    msquant.quantize(model, save, json.loads(config), calib_path=calib,
+                     max_calib_tokens=int(tokens), progress=False)
+    seconds = time.perf_counter() - started
+    print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "seconds": seconds}))
+    """
+)
+
+
+def build_model(directory: Path, layers: int, hidden: int, intermediate: int) -> Path:
+    """A random Llama with a trained byte-level tokenizer (``tests/tiny_models.py``)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from tiny_models import build_tiny_model
+
+    if not (directory / "config.json").exists():
+        build_tiny_model(
+            directory,
+            "llama",
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_layers=layers,
+        )
+    return directory
+
+
+def measure(model: Path, runner: str, work: Path, tokens: int) -> dict[str, float]:
+    """Peak RSS (MiB) and seconds of one run in a fresh process."""
+    config = json.loads(json.dumps(CONFIG).replace("RUNNER", runner))
+    save = work / f"out-{model.name}-{runner}"
+    calib = REPO / "tests" / "data" / "calib.txt"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            str(model),
+            str(save),
+            json.dumps(config),
+            str(calib),
+            str(tokens),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return dict(json.loads(result.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    """Parse options, build the models, print one line per run and the depth ratios."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=2816)
+    parser.add_argument("--tokens", type=int, default=128, help="calibration tokens per sample")
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="keep models here (default: temp)"
+    )
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as temp:
+        work = args.workdir or Path(temp)
+        work.mkdir(parents=True, exist_ok=True)
+        peaks: dict[str, dict[int, float]] = {"layer_wise": {}, "model_wise": {}}
+        for layers in args.layers:
+            model = build_model(
+                work / f"llama-{layers}L-{args.hidden}", layers, args.hidden, args.intermediate
+            )
+            weights = sum(p.stat().st_size for p in model.glob("*.safetensors")) / 2**20
+            for runner in peaks:
+                result = measure(model, runner, work, args.tokens)
+                peaks[runner][layers] = result["peak_mib"]
+                print(
+                    f"{layers:3d} layers ({weights:7.1f} MiB of weights), {runner:10s}: "
+                    f"peak RSS {result['peak_mib']:8.1f} MiB, {result['seconds']:6.1f} s",
+                    flush=True,
+                )
+        low, high = min(args.layers), max(args.layers)
+        for runner, by_layers in peaks.items():
+            print(
+                f"{runner}: peak RSS {high} layers / {low} layers = "
+                f"{by_layers[high] / by_layers[low]:.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Streamed weights: a model whose decoder layers stay on disk until the runner needs them.
+
+transformers loads the model with every decoder layer offloaded to ``"disk"`` through accelerate.
+For a safetensors checkpoint accelerate's offload index points into the original shard files, so
+nothing is copied; only weights that transformers converts while loading (for instance experts
+that it fuses) are re-saved into the offload folder. msquant takes the per-tensor sources from
+accelerate's hooks, removes the hooks (the runner places layers itself), and then materialises one
+layer at a time (:meth:`StreamedWeights.materialize`) and returns it to the meta device once its
+export is written (:meth:`StreamedWeights.release`). Peak memory is then one layer plus the
+modules outside the layer stack, whatever the depth of the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from msquant.errors import ModelLoadError
+
+__all__ = ["StreamedWeights", "load_causal_lm_streaming", "streaming_device_map"]
+
+logger = logging.getLogger(__name__)
+
+TensorSource = Callable[[], torch.Tensor]
+
+
+class StreamedWeights:
+    """Where each offloaded tensor of a model is, and how to load it back.
+
+    :param sources: full tensor name (``model.layers.3.mlp.down_proj.weight``) -> a function
+        reading that tensor from disk.
+    """
+
+    def __init__(self, sources: dict[str, TensorSource]) -> None:
+        self.sources = sources
+        self.loaded_bytes = 0
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.sources
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def materialize(self, module: nn.Module, prefix: str) -> None:
+        """Read every meta parameter and buffer of ``module`` (full name ``prefix``) from disk.
+
+        :raises ModelLoadError: for a meta tensor that has no source on disk.
+        """
+        for name, tensor in _tensors(module):
+            if not tensor.is_meta:
+                continue
+            full = f"{prefix}.{name}" if prefix else name
+            source = self.sources.get(full)
+            if source is None:
+                raise ModelLoadError(
+                    f"{full} is not loaded and has no source in the checkpoint; this model cannot "
+                    "be streamed: set spec.runner: model_wise to load it whole"
+                )
+            value = source()
+            if tuple(value.shape) != tuple(tensor.shape):
+                raise ModelLoadError(
+                    f"{full}: the checkpoint holds shape {tuple(value.shape)}, the model expects "
+                    f"{tuple(tensor.shape)}"
+                )
+            _set_tensor(module, name, value.to(tensor.dtype))
+            self.loaded_bytes += value.numel() * value.element_size()
+
+    @staticmethod
+    def release(module: nn.Module) -> None:
+        """Return every parameter and buffer of ``module`` to the meta device (frees its memory).
+
+        The module keeps its structure (quantized modules included), so names and shapes can still
+        be listed; reading a released tensor's data is an error.
+        """
+        module.to("meta")
+
+
+def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and buffers of ``module`` by relative name (tied tensors once)."""
+    seen: set[int] = set()
+    result = []
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            result.append((name, tensor))
+    return result
+
+
+def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Replace the parameter or buffer ``name`` (dotted, relative to ``module``) by ``value``."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if attr in owner._parameters:
+        old = owner._parameters[attr]
+        requires_grad = bool(old.requires_grad) if old is not None else False
+        owner._parameters[attr] = nn.Parameter(value, requires_grad=requires_grad)
+    else:
+        owner._buffers[attr] = value
+
+
+def streaming_device_map(model: nn.Module, streamed: Sequence[str]) -> dict[str, str]:
+    """An accelerate ``device_map`` that puts the ``streamed`` modules on ``"disk"`` and every
+    other module on ``"cpu"`` (the modules on the paths to them are split into their children).
+
+    :raises ModelLoadError: when a module on such a path holds tensors of its own (no device map
+        can then place it apart from its children).
+    """
+    targets = set(streamed)
+    device_map: dict[str, str] = {}
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        if own:
+            raise ModelLoadError(
+                f"{prefix or type(module).__name__} holds tensors of its own beside the decoder "
+                "layers; this model cannot be streamed: set spec.runner: model_wise"
+            )
+        for name, child in module.named_children():
+            full = f"{prefix}.{name}" if prefix else name
+            if full in targets:
+                device_map[full] = "disk"
+            elif any(t.startswith(full + ".") for t in targets):
+                visit(child, full)
+            else:
+                device_map[full] = "cpu"
+
+    visit(model, "")
+    missing = targets - set(device_map)
+    if missing:
+        raise ModelLoadError(f"modules to stream not found in the model: {sorted(missing)}")
+    return device_map
+
+
+def load_causal_lm_streaming(
+    path: Path,
+    meta_model: nn.Module,
+    streamed: Sequence[str],
+    offload_dir: Path,
+    trust_remote_code: bool = False,
+) -> tuple[nn.Module, StreamedWeights]:
+    """Load the model with the ``streamed`` modules (the decoder layers) left on disk.
+
+    :param meta_model: a weightless instance of the same model (for the module tree).
+    :param offload_dir: an empty folder for the tensors transformers converts while loading
+        (fused experts, say); the caller removes it after the run.
+    :returns: the model (streamed modules on the meta device, the rest on the CPU in the
+        checkpoint's dtype, eval mode) and the sources of its offloaded tensors.
+    """
+    from accelerate.hooks import remove_hook_from_module
+    from transformers import AutoModelForCausalLM
+
+    device_map = streaming_device_map(meta_model, streamed)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path),
+            dtype="auto",
+            use_safetensors=True,
+            trust_remote_code=trust_remote_code,
+            local_files_only=True,
+            device_map=device_map,
+            offload_folder=str(offload_dir),
+        )
+    except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
+        text = " ".join(str(exc).split())[:400]
+        raise ModelLoadError(f"cannot load the model in {path} for streaming: {text}") from exc
+    sources = _offloaded_sources(model)
+    remove_hook_from_module(model, recurse=True)
+    model.eval()
+    logger.info(
+        "streaming: %d tensors of %d module(s) stay on disk until their layer runs",
+        len(sources),
+        len(streamed),
+    )
+    return model, StreamedWeights(sources)
+
+
+def _offloaded_sources(model: nn.Module) -> dict[str, TensorSource]:
+    """Tensor name -> loader, from the weights maps of accelerate's offload hooks."""
+    sources: dict[str, TensorSource] = {}
+    for module_name, module in model.named_modules():
+        hook: Any = getattr(module, "_hf_hook", None)
+        weights_map = getattr(hook, "weights_map", None)
+        if not getattr(hook, "offload", False) or weights_map is None:
+            continue
+        for name, tensor in [
+            *module.named_parameters(recurse=False),
+            *module.named_buffers(recurse=False),
+        ]:
+            if tensor.is_meta:
+                full = f"{module_name}.{name}" if module_name else name
+                sources[full] = _loader(weights_map, name)
+    return sources
+
+
+def _loader(weights_map: Any, key: str) -> TensorSource:
+    def load() -> torch.Tensor:
+        return torch.as_tensor(weights_map[key])
+
+    return load
