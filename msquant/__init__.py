@@ -16,6 +16,7 @@ from msquant.config import (
     validate_config,
 )
 from msquant.context import DecoderLayer, RunContext
+from msquant.distributed import SINGLE, Distributed, balanced_owners
 from msquant.errors import (
     CalibrationDataError,
     ConfigError,
@@ -116,6 +117,7 @@ from msquant.report import (
     write_report,
 )
 from msquant.report_html import load_report, render_html, report_from_dict, write_html
+from msquant.resume import ResumeError
 from msquant.verify import (
     ExportReadError,
     ExportVerificationError,
@@ -157,6 +159,9 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "RunContext",
     "DecoderLayer",
+    "Distributed",
+    "SINGLE",
+    "balanced_owners",
     "OutputHeadStage",
     "OutputHeadUser",
     "find_output_head",
@@ -275,4 +280,5 @@ __all__ = [
     "QuantizationError",
     "NotImplementedYetError",
     "RegistryError",
+    "ResumeError",
 ]

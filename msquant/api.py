@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from msquant.calibration import (
 from msquant.config.spec import QuantConfig, RunnerType, validate_config
 from msquant.config.yaml_loader import load_yaml_file
 from msquant.context import RunContext
+from msquant.distributed import Distributed, from_environment
 from msquant.errors import ConfigError, ConfigIssue, QuantizationError
 from msquant.evaluate import DEFAULT_SEQLEN, load_model_for_eval, prepare_evaluation
 from msquant.export.staging import StagedOutputDir, check_save_path
@@ -53,6 +56,7 @@ from msquant.report import (
     render_report,
     write_report,
 )
+from msquant.resume import RunCheckpoints, checkpoint_blocker, open_checkpoints, run_fingerprint
 from msquant.runner import needs_calibration, run_layer_wise
 
 __all__ = [
@@ -150,6 +154,8 @@ def quantize(
     eval_seqlen: int = DEFAULT_SEQLEN,
     eval_stride: int | None = None,
     eval_max_samples: int | None = None,
+    resume: bool = False,
+    checkpoints: bool = True,
 ) -> QuantizeResult:
     """Quantize a local Hugging Face causal LM as ``config`` says and write the export to ``save_path``.
 
@@ -174,14 +180,19 @@ def quantize(
     :param eval_seqlen: window length of that evaluation.
     :param eval_stride: distance between its window starts (default ``eval_seqlen``).
     :param eval_max_samples: evaluate at most this many windows.
+    :param resume: continue the interrupted run of ``save_path`` after its last finished layer
+        (same inputs required; :mod:`msquant.resume`); the result is the uninterrupted run's.
+    :param checkpoints: write a checkpoint after every decoder layer, so that a killed run can be
+        resumed (single-process runs whose processors are all resumable).
     :raises msquant.MsquantInputError: (a subclass) for any problem with the inputs.
     """
     started = time.perf_counter()
     registry = registry if registry is not None else default_registry()
     resolved = resolve_config(config, registry)
     processors = build_processors(resolved.config, registry)
-    _log_runner(resolved.config.spec.runner)
     backend = get_backend(device)
+    dist = from_environment(backend.spec.kind, backend.device)
+    _log_runner(resolved.config.spec.runner, dist)
     check_save_path(save_path, overwrite)
     texts = _calibration_texts(resolved, calib_path, needs_calibration(processors))
     evaluation = (
@@ -208,14 +219,29 @@ def quantize(
     if evaluation is not None:
         eval_ids = evaluation.tokens(tokenizer)
     streaming = streams(resolved.config.spec.runner)
-    with load_for_run(
-        model_dir,
-        meta_model,
-        streaming=streaming,
-        scratch_parent=Path(save_path).expanduser().absolute().parent,
-        keep_reference=verify,
-        trust_remote_code=trust_remote_code,
-    ) as loaded:
+    run_checkpoints = open_checkpoints(
+        save_path,
+        _fingerprint(resolved.config, samples, model_dir, backend, meta_model),
+        resume=resume,
+        overwrite=overwrite,
+        blocker=checkpoint_blocker(processors, dist, checkpoints),
+    )
+    with (
+        nullcontext() if run_checkpoints is None else run_checkpoints.guard(),
+        load_for_run(
+            model_dir,
+            meta_model,
+            streaming=streaming,
+            scratch_parent=(
+                Path(save_path).expanduser().absolute().parent
+                if run_checkpoints is None
+                else run_checkpoints.directory  # a killed run's scratch goes with its work
+            ),
+            # a checkpointed run's layer store is the reference of the released layers
+            keep_reference=verify and dist.is_main and run_checkpoints is None,
+            trust_remote_code=trust_remote_code,
+        ) as loaded,
+    ):
         del meta_model
         model, layers = loaded.model, loaded.layers
         logger.info(
@@ -225,24 +251,34 @@ def quantize(
             layer_list_name(layers),
             "streamed from disk one at a time" if streaming else "all loaded in memory",
         )
-        with StagedOutputDir(save_path, overwrite) as staging:
+        with _output_folder(save_path, overwrite, dist, run_checkpoints) as staging:
             config_text = resolved.text or yaml.safe_dump(
                 resolved.config.model_dump(mode="json"), sort_keys=False
             )
             ctx = RunContext(
-                model, model_dir, staging, backend, layers, config_text, progress,
-                streamed=loaded.streamed, spill=loaded.spill,
+                model, model_dir, staging, backend, layers, config_text, progress and dist.is_main,
+                streamed=loaded.streamed, spill=loaded.spill, dist=dist,
             )  # fmt: skip
             _start_report(ctx, resolved.config, samples, backend)
-            run_layer_wise(ctx, processors, samples, progress=progress)
-            if verify:
-                _verify_exports(ctx, processors)
-            if evaluation is not None and eval_ids is not None:
+            workers = processors if dist.is_main else [p for p in processors if p.stage != "save"]
+            run_layer_wise(
+                ctx,
+                workers,
+                samples,
+                progress=progress and dist.is_main,
+                checkpoints=run_checkpoints,
+            )
+            # process 0 alone verifies, evaluates and writes the report
+            if dist.is_main and verify:
+                stored = None if run_checkpoints is None else run_checkpoints.store
+                _verify_exports(ctx, processors, stored)
+            if dist.is_main and evaluation is not None and eval_ids is not None:
                 ctx.report.evaluation = evaluation.evaluate(
                     _model_to_evaluate(ctx, processors, trust_remote_code), eval_ids, backend
                 )
-            _write_export_marker(ctx, processors)
-            _write_report(ctx, started)
+            if dist.is_main:
+                _write_export_marker(ctx, processors)
+                _write_report(ctx, started)
     quantized = tuple(n for n, m in model.named_modules() if isinstance(m, QuantizedLinear))
     return QuantizeResult(
         save_path=Path(save_path).expanduser().absolute(),
@@ -260,15 +296,20 @@ VERIFIABLE_SAVERS = frozenset(
 )
 
 
-def _verify_exports(ctx: RunContext, processors: list[Processor]) -> None:
-    """Read each export back and compare it with the quantized modules still in memory.
+def _verify_exports(
+    ctx: RunContext,
+    processors: list[Processor],
+    stored: Mapping[str, QuantizedWeight] | None = None,
+) -> None:
+    """Read each export back and compare it with the quantized modules still in memory (and
+    those of ``stored``: a checkpointed run's layer store).
 
     The consumer notes of the report are logged at DEBUG only: the savers already warned about
     what their consumers cannot load.
     """
     from msquant.verify import ExportVerificationError, verify_export
 
-    reference = _reference(ctx)
+    reference = _reference(ctx, stored)
     for saver in processors:
         if saver.stage != "save":
             continue
@@ -290,15 +331,18 @@ def _verify_exports(ctx: RunContext, processors: list[Processor]) -> None:
         )
 
 
-def _reference(ctx: RunContext) -> Mapping[str, QuantizedWeight]:
+def _reference(
+    ctx: RunContext, stored: Mapping[str, QuantizedWeight] | None = None
+) -> Mapping[str, QuantizedWeight]:
     """The run's quantized weights: those still in memory and, in a streamed run, those the
-    runner kept on disk when it released their layers."""
+    runner kept on disk when it released their layers (its spill, or the checkpoints' store)."""
     in_memory = {
         name: module.qweight
         for name, module in ctx.model.named_modules()
         if isinstance(module, QuantizedLinear) and not module.weight.is_meta
     }
-    return in_memory if ctx.spill is None else MergedWeights(in_memory, ctx.spill)
+    on_disk = [part for part in (ctx.spill, stored) if part is not None]
+    return MergedWeights(in_memory, *on_disk) if on_disk else in_memory
 
 
 def _check_evaluable_export(processors: list[Processor]) -> None:
@@ -384,17 +428,62 @@ def _write_report(ctx: RunContext, started: float) -> None:
     logger.info("run report (%s):\n%s", REPORT_FILE, render_report(ctx.report))
 
 
-def _log_runner(runner: RunnerType) -> None:
-    """Say how ``runner`` is executed (results never depend on it)."""
-    if runner is RunnerType.DP_LAYER_WISE:
-        logger.warning(
-            "runner dp_layer_wise is not implemented yet; running layer_wise on one device "
-            "(the quantized weights are the same)"
+def _log_runner(runner: RunnerType, dist: Distributed) -> None:
+    """Say how ``runner`` is executed (results never depend on it, up to float summation order
+    across processes)."""
+    if dist.active:
+        logger.info(
+            "dp_layer_wise: process %d of %d shares the calibration batches and the GPTQ solves",
+            dist.rank,
+            dist.world_size,
         )
-    elif runner is RunnerType.MODEL_WISE:
+    elif runner is RunnerType.DP_LAYER_WISE:
+        logger.warning(
+            "runner dp_layer_wise with one process: launch with torchrun --nproc_per_node N, or "
+            "give several devices (--device npu:0,1,2,3) to share the work out"
+        )
+    if runner is RunnerType.MODEL_WISE:
         logger.info("runner model_wise: every weight is loaded before the layer-wise run")
     else:
         logger.info("runner %s: decoder layers are streamed from disk one at a time", runner.value)
+
+
+@contextmanager
+def _output_folder(
+    save_path: str | Path,
+    overwrite: bool,
+    dist: Distributed,
+    checkpoints: RunCheckpoints | None = None,
+) -> Iterator[Path]:
+    """Process 0 writes into the staging folder of the save path; the other processes of a
+    ``dp_layer_wise`` group run no saver and get an empty scratch folder. A checkpointed run
+    stages in its checkpoint folder, kept when the run is killed (:mod:`msquant.resume`)."""
+    if checkpoints is not None:
+        with StagedOutputDir(save_path, overwrite, staging=checkpoints.export_dir) as staging:
+            yield staging
+    elif dist.is_main:
+        with StagedOutputDir(save_path, overwrite) as staging:
+            yield staging
+    else:
+        with tempfile.TemporaryDirectory(prefix=".msquant-worker-") as scratch:
+            yield Path(scratch)
+
+
+def _fingerprint(
+    config: QuantConfig,
+    samples: Sequence[torch.Tensor] | None,
+    model_dir: Path,
+    backend: Backend,
+    meta_model: torch.nn.Module,
+) -> dict[str, Any]:
+    """What a resumed run must share with the run it continues (:func:`run_fingerprint`)."""
+    return run_fingerprint(
+        config_sha256=config_sha256(config.model_dump(mode="json")),
+        calibration_sha256=calibration_sha256(samples),
+        model_dir=model_dir,
+        device_kind=backend.spec.kind,
+        num_layers=len(find_decoder_layers(meta_model)),
+    )
 
 
 def _calibration_texts(

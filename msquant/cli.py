@@ -14,10 +14,14 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from msquant import __version__
 from msquant.api import quantize
+from msquant.backends import parse_device
 from msquant.config.spec import config_json_schema, load_config
 from msquant.errors import MsquantInputError
 from msquant.evaluate import (
@@ -36,7 +40,7 @@ from msquant.regression import (
     load_baseline_report,
     parse_tolerance,
 )
-from msquant.report import render_report
+from msquant.report import REPORT_FILE, render_report
 from msquant.report_html import load_report, report_from_dict, write_html
 from msquant.verify import (
     ExportVerificationError,
@@ -113,7 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--config_path", help="YAML config (msModelSlim v1 schema)")
     source.add_argument("--quant_type", help="named preset instead of a YAML file: w8a16")
     quant.add_argument(
-        "--device", default="cpu", help="cpu | cuda | cuda:N | npu | npu:N (default cpu)"
+        "--device",
+        default="cpu",
+        help="cpu | cuda | cuda:N | npu | npu:N (default cpu); several devices (npu:0,1,2,3) "
+        "start one process per device (dp_layer_wise)",
+    )
+    quant.add_argument(
+        "--nproc",
+        type=_positive_int,
+        default=None,
+        help="processes sharing the work on the CPU (dp_layer_wise over gloo; default 1)",
     )
     quant.add_argument(
         "--calib_path", help="calibration file (.jsonl/.json/.txt), overrides spec.dataset"
@@ -138,6 +151,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite",
         action="store_true",
         help="replace a previous export at --save_path (only once the new one is complete)",
+    )
+    quant.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the interrupted run of --save_path after its last finished layer (same "
+        "command otherwise); the result is the uninterrupted run's",
+    )
+    quant.add_argument(
+        "--no_checkpoints",
+        action="store_true",
+        help="write no checkpoint after each layer (a killed run then cannot be resumed)",
     )
     quant.add_argument(
         "--no-verify",
@@ -358,6 +382,9 @@ def _cmd_quant(args: argparse.Namespace) -> int:
     else:
         config = args.config_path
     baseline, tolerance, ppl_tolerance = _regression_gate(args)  # checked before any work
+    devices = _process_devices(args.device, args.nproc)
+    if len(devices) > 1:
+        return _spawn_quant(args, config, devices, baseline, tolerance, ppl_tolerance)
     result = quantize(
         args.model_path,
         args.save_path,
@@ -373,6 +400,8 @@ def _cmd_quant(args: argparse.Namespace) -> int:
         eval_seqlen=args.eval_seqlen or DEFAULT_SEQLEN,
         eval_stride=args.eval_stride,
         eval_max_samples=args.eval_max_samples,
+        resume=args.resume,
+        checkpoints=not args.no_checkpoints,
     )
     logger.info(
         "quantized %d linear layer(s) of %s in %.1f s -> %s",
@@ -381,13 +410,112 @@ def _cmd_quant(args: argparse.Namespace) -> int:
         result.seconds,
         result.save_path,
     )
+    return _gate(baseline, result.report.to_dict(), tolerance, ppl_tolerance)
+
+
+def _gate(
+    baseline: dict[str, object] | None,
+    report: dict[str, object],
+    tolerance: float | None,
+    ppl_tolerance: float | None,
+) -> int:
+    """Exit code of the regression gate: 3 when the run got worse than its baseline."""
     if baseline is not None:
-        outcome = compare_reports(baseline, result.report.to_dict(), tolerance, ppl_tolerance)
+        outcome = compare_reports(baseline, report, tolerance, ppl_tolerance)
         if not outcome.ok:
             print(f"msquant: regression against the baseline:\n{outcome.render()}", file=sys.stderr)
             return EXIT_REGRESSION
         logger.info("%s", outcome.render())
     return EXIT_OK
+
+
+def _process_devices(device: str, nproc: int | None) -> list[str]:
+    """One device string per process: several device indices start one process each
+    (``npu:0,1,2,3``); ``--nproc N`` starts N processes on the CPU. Under torchrun (``WORLD_SIZE``
+    set) this process is already one of the group: one device."""
+    spec = parse_device(device)
+    if "WORLD_SIZE" in os.environ:
+        if len(spec.indices) > 1 or (nproc or 1) > 1:
+            raise MsquantInputError(
+                "under torchrun each process takes one device (e.g. --device npu:$LOCAL_RANK); "
+                "drop --nproc and the device list"
+            )
+        return [device]
+    if len(spec.indices) > 1:
+        if nproc is not None and nproc != len(spec.indices):
+            raise MsquantInputError(
+                f"--nproc {nproc} does not match the {len(spec.indices)} devices of {device}"
+            )
+        return [f"{spec.kind}:{index}" for index in spec.indices]
+    if nproc is not None and nproc > 1 and spec.kind != "cpu":
+        raise MsquantInputError(
+            f"--nproc {nproc} on {spec.kind}: name the devices instead, e.g. "
+            f"--device {spec.kind}:{','.join(map(str, range(nproc)))}"
+        )
+    return [device] * (nproc or 1)
+
+
+def _spawn_quant(
+    args: argparse.Namespace,
+    config: object,
+    devices: list[str],
+    baseline: dict[str, object] | None,
+    tolerance: float | None,
+    ppl_tolerance: float | None,
+) -> int:
+    """Run ``quant`` as a ``dp_layer_wise`` group of one process per device; process 0 writes."""
+    from torch.multiprocessing import ProcessExitedException
+
+    from msquant.distributed import spawn
+
+    options = dict(
+        calib_path=args.calib_path,
+        trust_remote_code=args.trust_remote_code,
+        max_calib_tokens=args.max_calib_tokens,
+        progress=not args.no_progress,
+        overwrite=args.overwrite,
+        verify=not args.no_verify,
+        eval_data=args.eval_data,
+        eval_seqlen=args.eval_seqlen or DEFAULT_SEQLEN,
+        eval_stride=args.eval_stride,
+        eval_max_samples=args.eval_max_samples,
+        resume=args.resume,
+        checkpoints=not args.no_checkpoints,
+    )
+    level = logging.getLogger("msquant").level
+    logger.info("dp_layer_wise: starting %d processes on %s", len(devices), ", ".join(devices))
+    try:
+        spawn(_quant_process, len(devices), args.model_path, args.save_path, config, options,
+              devices, level)  # fmt: skip
+    except ProcessExitedException as exc:
+        return int(exc.exit_code)
+    report = json.loads((Path(args.save_path) / REPORT_FILE).read_text(encoding="utf-8"))
+    logger.info("quantized with %d processes -> %s", len(devices), args.save_path)
+    return _gate(baseline, report, tolerance, ppl_tolerance)
+
+
+def _quant_process(
+    rank: int,
+    model_path: str,
+    save_path: str,
+    config: object,
+    options: dict[str, object],
+    devices: list[str],
+    level: int,
+) -> None:
+    """One process of a spawned ``dp_layer_wise`` group (exits with the CLI's exit codes)."""
+    _configure_logging(logging.getLevelName(level))
+    if devices[rank] == "cpu":  # share the cores out instead of oversubscribing them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(devices)))
+    try:
+        quantize(model_path, save_path, config, device=devices[rank], **options)  # type: ignore[arg-type]
+    except MsquantInputError as exc:
+        if rank == 0:
+            print(f"msquant: error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_INPUT)
+    except ExportVerificationError as exc:
+        print(f"msquant: error: {exc}\nnothing was written to the save path", file=sys.stderr)
+        sys.exit(EXIT_INPUT)
 
 
 def _regression_gate(

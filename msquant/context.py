@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from msquant.distributed import SINGLE, Distributed
 from msquant.report import RunReport
 
 if TYPE_CHECKING:
@@ -60,6 +61,10 @@ class RunContext:
         ``after_layer`` (savers must write a layer's tensors there, not in ``finalize``).
     :param spill: for a streamed run, where the runner keeps each released layer's quantized
         weights for the read-back check of the exports.
+    :param dist: this process's place in a ``dp_layer_wise`` group (:data:`msquant.SINGLE` when
+        the run has one process): each process sees its share of the calibration batches;
+        processors add up what they accumulate with its collectives (``linear_quant`` sums its
+        Hessians and shares the solves out); only ``dist.is_main`` runs the savers.
     """
 
     model: nn.Module
@@ -73,6 +78,7 @@ class RunContext:
     report: RunReport = field(default_factory=RunReport)
     streamed: StreamedWeights | None = None
     spill: QuantizedWeightSpill | None = None
+    dist: Distributed = SINGLE
 
     @property
     def model_type(self) -> str:

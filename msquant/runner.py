@@ -9,6 +9,9 @@ In a streamed run (``ctx.streamed``) the layers' weights are on disk: each layer
 before its processors run and returned to the meta device after its ``after_layer`` (its
 quantized weights go to ``ctx.spill`` first, for the read-back check of the exports), so host
 memory too holds one layer at a time.
+
+With ``checkpoints`` (:mod:`msquant.resume`) each finished layer's quantized linears and a
+checkpoint are written after it, and a resumed run starts after the checkpoint's last layer.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ import torch
 from tqdm.auto import tqdm
 
 from msquant.context import DecoderLayer, RunContext
-from msquant.model.capture import capture_layer_inputs
+from msquant.errors import QuantizationError
+from msquant.model.capture import DEFAULT_MAX_BATCH_TOKENS, batch_samples, capture_layer_inputs
 from msquant.model.head import run_output_head
 from msquant.processor import Processor
 from msquant.report import LayerTiming
+from msquant.resume import RunCheckpoints
 
 __all__ = ["needs_calibration", "run_layer_wise"]
 
@@ -42,13 +47,19 @@ def run_layer_wise(
     processors: Sequence[Processor],
     samples: Sequence[torch.Tensor] | None,
     progress: bool = True,
+    checkpoints: RunCheckpoints | None = None,
 ) -> None:
     """Run ``processors`` over ``ctx.model`` layer by layer.
 
     :param samples: tokenized calibration samples (``[1, seq]`` input_ids); required when a
         processor needs calibration, ignored otherwise.
     :param progress: show tqdm progress bars on stderr.
+    :param checkpoints: write a checkpoint after each layer (:mod:`msquant.resume`), and when
+        it resumes one, continue after its last finished layer.
     """
+    if checkpoints is not None and checkpoints.finished:  # the export files are complete
+        checkpoints.restore_finished(ctx)
+        return
     for processor in processors:
         processor.setup(ctx)
     activations = None
@@ -58,7 +69,10 @@ def run_layer_wise(
         started = time.perf_counter()
         if ctx.streamed is not None:  # capture runs the first layer once to learn its output type
             ctx.streamed.materialize(ctx.layers[0].module, ctx.layers[0].name)
-        activations = capture_layer_inputs(ctx.model, ctx.layers, samples)
+        _check_batches_for_processes(samples, ctx.dist.world_size)
+        activations = capture_layer_inputs(
+            ctx.model, ctx.layers, samples, part=(ctx.dist.rank, ctx.dist.world_size)
+        )
         ctx.report.capture_seconds = time.perf_counter() - started
         logger.info(
             "captured decoder inputs for %d sample(s), %d token(s) in %.1f s",
@@ -66,7 +80,17 @@ def run_layer_wise(
             activations.token_count,
             ctx.report.capture_seconds,
         )
-    for layer in tqdm(ctx.layers, desc="layers", unit="layer", disable=not progress):
+    start = 0
+    if checkpoints is not None and checkpoints.resuming:
+        start = checkpoints.restore(ctx, processors, activations)
+    for layer in tqdm(
+        ctx.layers[start:],
+        desc="layers",
+        unit="layer",
+        disable=not progress,
+        initial=start,
+        total=len(ctx.layers),
+    ):
         started = time.perf_counter()
         if ctx.streamed is not None:
             ctx.streamed.materialize(layer.module, layer.name)
@@ -78,16 +102,33 @@ def run_layer_wise(
         for processor in processors:
             processor.after_layer(ctx, layer)
         ctx.backend.offload(layer.module)
+        if checkpoints is not None:
+            checkpoints.keep_layer(layer)
         if ctx.streamed is not None:
             _release(ctx, layer)
         ctx.backend.empty_cache()
         seconds = time.perf_counter() - started
         ctx.report.add_layer(LayerTiming(layer.index, layer.name, seconds))
+        if checkpoints is not None:
+            checkpoints.commit_layer(ctx, processors, layer, activations)
         logger.debug("layer %s done in %.2f s", layer.name, seconds)
     # lm_head, only when a processor asked for it (linear_quant lm_head: true)
     run_output_head(ctx, processors, activations.hidden if activations is not None else None)
     for processor in processors:
         processor.finalize(ctx)
+    if checkpoints is not None:
+        checkpoints.commit_finished(ctx)
+
+
+def _check_batches_for_processes(samples: Sequence[torch.Tensor], world_size: int) -> None:
+    """Each process of a ``dp_layer_wise`` group needs at least one calibration batch."""
+    batches = len(batch_samples(samples))
+    if batches < world_size:
+        raise QuantizationError(
+            f"dp_layer_wise: {world_size} processes but only {batches} calibration batch(es) "
+            f"(samples of equal length are stacked up to {DEFAULT_MAX_BATCH_TOKENS} tokens); use "
+            "at most that many processes, or more calibration samples"
+        )
 
 
 def _release(ctx: RunContext, layer: DecoderLayer) -> None:

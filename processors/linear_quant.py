@@ -95,6 +95,7 @@ from msquant import (
     RunContext,
     WeightPerChannelGPTQ,
     WeightPerGroupGPTQ,
+    balanced_owners,
     divisors,
     find_final_norm,
     find_output_head,
@@ -169,6 +170,8 @@ class LinearQuantProcessor(Processor):
     config_class = LinearQuantConfig
     stage = "process"
     config: LinearQuantConfig
+    #: Nothing is carried from one layer to the next (the report entries go to ctx.report).
+    resumable = True
 
     def __init__(self, config: ProcessorConfig) -> None:
         super().__init__(config)
@@ -543,23 +546,68 @@ class LinearQuantProcessor(Processor):
         self._last_input = None
         self._share_with.clear()
         modules = self.selected(layer)
-        for name, module, scheme in tqdm(
-            modules,
-            desc=layer.name,
-            unit="linear",
-            leave=False,
-            disable=not ctx.progress or len(modules) < 2,
-        ):
+        solved = self._solve_gptq(ctx, layer, modules) if self.method == "gptq" else {}
+        for name, module, scheme in modules:
             if self.method == "gptq":
-                qweight = self._quantize_gptq(ctx, name, module, scheme)
+                qweight, report = solved[name]
             else:
                 qweight = self._quantize_rtn(module, scheme, name)
-                ctx.report.add_module(self._module_report(name, scheme))
+                report = self._module_report(name, scheme)
+            ctx.report.add_module(report)
             if scheme.decided_by != BASE_SOURCE:
                 logger.debug("%s: %s (%s)", name, scheme.describe(), scheme.decided_by)
             replace_module(
                 ctx.model, name, QuantizedLinear.from_linear(module, qweight, self.method)
             )
+
+    def _solve_gptq(
+        self,
+        ctx: RunContext,
+        layer: DecoderLayer,
+        modules: Sequence[tuple[str, nn.Linear, ResolvedScheme]],
+    ) -> dict[str, tuple[QuantizedWeight, ModuleReport]]:
+        """GPTQ results of the layer's selected modules, by name.
+
+        In a ``dp_layer_wise`` group the Hessians are first summed over the processes (each saw
+        its share of the calibration batches); each module is then solved by one process (shared
+        out by cost, ``out * in^2 + in^3 / 3``) and its result broadcast to the others.
+        """
+        dist = ctx.dist
+        if dist.active:
+            reduced: set[int] = set()
+            for name, _, _ in modules:  # the same order, and the same sharing, in every process
+                accumulator = self._gptq[name].accumulator
+                if id(accumulator) not in reduced:
+                    reduced.add(id(accumulator))
+                    accumulator.all_reduce(dist.all_reduce_sum)
+            costs = [
+                m.out_features * m.in_features**2 + m.in_features**3 / 3 for _, m, _ in modules
+            ]
+            owners = balanced_owners(costs, dist.world_size)
+        else:
+            owners = [dist.rank] * len(modules)
+        solved: dict[str, tuple[QuantizedWeight, ModuleReport]] = {}
+        mine = [m for m, owner in zip(modules, owners, strict=True) if owner == dist.rank]
+        for name, module, scheme in tqdm(
+            mine,
+            desc=layer.name,
+            unit="linear",
+            leave=False,
+            disable=not ctx.progress or len(mine) < 2,
+        ):
+            solved[name] = self._quantize_gptq(ctx, name, module, scheme)
+        for name, _, _ in modules:
+            self._gptq.pop(name, None)  # solved here or elsewhere: drop the Hessian reference
+        if dist.active:
+            for (name, _, _), owner in zip(modules, owners, strict=True):
+                mine_solved = solved.get(name)
+                payload = None
+                if mine_solved is not None:
+                    payload = (_on_cpu(mine_solved[0]), mine_solved[1])
+                received = dist.broadcast_object(payload, owner)
+                assert received is not None, f"{name}: process {owner} sent no result"
+                solved[name] = received
+        return solved
 
     def _quantize_rtn(
         self, module: nn.Linear, scheme: ResolvedScheme, name: str
@@ -572,11 +620,11 @@ class LinearQuantProcessor(Processor):
 
     def _quantize_gptq(
         self, ctx: RunContext, name: str, module: nn.Linear, scheme: ResolvedScheme
-    ) -> QuantizedWeight:
-        """GPTQ-quantize ``module`` and record it in the run report with its output errors (GPTQ
-        and round-to-nearest, on the calibration Hessian, read before the quantizer is dropped;
-        the accumulator is not freed here since q/k/v or gate/up may share it)."""
-        quantizer = self._gptq.pop(name)
+    ) -> tuple[QuantizedWeight, ModuleReport]:
+        """GPTQ-quantize ``module``; its report entry carries the output errors (GPTQ and
+        round-to-nearest, on the calibration Hessian, read before the quantizer is dropped; the
+        accumulator is not freed here since q/k/v or gate/up may share it)."""
+        quantizer = self._gptq[name]
         result = quantizer.quantize(module.weight, backend=ctx.backend)
         hessian, _ = quantizer.accumulator.raw_sum()
         rtn = self._quantize_rtn(module, scheme, name)
@@ -589,19 +637,17 @@ class LinearQuantProcessor(Processor):
             name, result.loss, result.percdamp, result.damp_retries, result.dead_columns,
             errors[0], errors[1], result.seconds,
         )  # fmt: skip
-        ctx.report.add_module(
-            replace(
-                self._module_report(name, scheme),
-                gptq_loss=result.loss,
-                percdamp=result.percdamp,
-                damp_retries=result.damp_retries,
-                dead_columns=result.dead_columns,
-                output_error=errors[0],
-                rtn_output_error=errors[1],
-                solve_seconds=result.seconds,
-            )
+        report = replace(
+            self._module_report(name, scheme),
+            gptq_loss=result.loss,
+            percdamp=result.percdamp,
+            damp_retries=result.damp_retries,
+            dead_columns=result.dead_columns,
+            output_error=errors[0],
+            rtn_output_error=errors[1],
+            solve_seconds=result.seconds,
         )
-        return result.quantized
+        return result.quantized, report
 
     def _module_report(self, name: str, scheme: ResolvedScheme) -> ModuleReport:
         """The scheme part of a module's report entry (GPTQ adds its solve statistics)."""
@@ -612,3 +658,10 @@ class LinearQuantProcessor(Processor):
             group_size=scheme.group_size_or_none,
             symmetric=scheme.sym,
         )
+
+
+def _on_cpu(qweight: QuantizedWeight) -> QuantizedWeight:
+    """The same weight with its tensors in host memory (to send it to the other processes)."""
+    return replace(
+        qweight, codes=qweight.codes.cpu(), scale=qweight.scale.cpu(), offset=qweight.offset.cpu()
+    )

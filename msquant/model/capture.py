@@ -151,9 +151,13 @@ def capture_layer_inputs(
     layers: list[DecoderLayer],
     samples: Sequence[torch.Tensor],
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+    part: tuple[int, int] = (0, 1),
 ) -> CalibrationActivations:
     """Record the inputs of every decoder layer for the calibration samples (``[1, seq]``
     input_ids tensors), batched by :func:`batch_samples`.
+
+    :param part: ``(rank, world_size)``: keep batches ``rank``, ``rank + world_size``, ... only
+        (a process of a ``dp_layer_wise`` group calibrates on its share).
 
     The model body (the module owning the layer list) runs with ``use_cache=False``; the layer list
     is restored afterwards even if a forward fails.
@@ -168,7 +172,8 @@ def capture_layer_inputs(
     try:
         for i, real in enumerate(originals):
             layer_list[i] = _Recorder(i, real, session)
-        for input_ids in batch_samples(samples, max_batch_tokens):
+        rank, world_size = part
+        for input_ids in batch_samples(samples, max_batch_tokens)[rank::world_size]:
             session.calls = []
             session.first_hidden = None
             body(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)

@@ -13,6 +13,8 @@ when a batch is larger than the buffer, or when the Hessian is read.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from msquant.errors import QuantizationError
@@ -158,6 +160,26 @@ class HessianAccumulator:
                 f"{self.n} tokens"
             )
         return hessian
+
+    def all_reduce(self, reduce_sum: Callable[[torch.Tensor], None]) -> None:
+        """Add up this accumulator and its peers in the other processes of a group, in place.
+
+        :param reduce_sum: sums a tensor in place over the processes (e.g.
+            :meth:`msquant.distributed.Distributed.all_reduce_sum`); every process must call this,
+            also one that received no rows.
+        """
+        self.flush()
+        self._mirror()
+        if self._sum is None:
+            assert self.in_features is not None, "in_features is unknown: no batch and no size"
+            device = self._buffer.device if self._buffer is not None else None
+            self._sum = torch.zeros(
+                (self.in_features, self.in_features), dtype=torch.float32, device=device
+            )
+        reduce_sum(self._sum)
+        count = torch.tensor([float(self.n)], dtype=torch.float64, device=self._sum.device)
+        reduce_sum(count)
+        self.n = int(count.item())
 
     def free(self) -> None:
         """Release the sum and staging buffer (the accumulator is empty afterwards)."""
