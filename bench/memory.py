@@ -55,7 +55,7 @@ CHILD = textwrap.dedent(
     torch.manual_seed(0)
     started = time.perf_counter()
     msquant.quantize(model, save, json.loads(config), calib_path=calib,
-                     max_calib_tokens=int(tokens), progress=False)
+                     max_calib_tokens=int(tokens), progress=False, overwrite=True)
     seconds = time.perf_counter() - started
     print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                       "seconds": seconds}))

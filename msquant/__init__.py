@@ -59,6 +59,7 @@ from msquant.model.head import (
     tied_head_message,
 )
 from msquant.model.matching import is_selected, unmatched_patterns
+from msquant.model.moe import MoEInfo, expert_fallback
 from msquant.planning import (
     ModelPlan,
     ModuleDecision,
@@ -162,6 +163,8 @@ __all__ = [
     "Distributed",
     "SINGLE",
     "balanced_owners",
+    "MoEInfo",
+    "expert_fallback",
     "OutputHeadStage",
     "OutputHeadUser",
     "find_output_head",

@@ -257,7 +257,7 @@ def quantize(
             )
             ctx = RunContext(
                 model, model_dir, staging, backend, layers, config_text, progress and dist.is_main,
-                streamed=loaded.streamed, spill=loaded.spill, dist=dist,
+                streamed=loaded.streamed, spill=loaded.spill, dist=dist, experts=loaded.experts,
             )  # fmt: skip
             _start_report(ctx, resolved.config, samples, backend)
             workers = processors if dist.is_main else [p for p in processors if p.stage != "save"]

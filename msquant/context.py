@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from msquant.distributed import SINGLE, Distributed
+from msquant.model.moe import MoEInfo
 from msquant.report import RunReport
 
 if TYPE_CHECKING:
@@ -65,6 +66,8 @@ class RunContext:
         the run has one process): each process sees its share of the calibration batches;
         processors add up what they accumulate with its collectives (``linear_quant`` sums its
         Hessians and shares the solves out); only ``dist.is_main`` runs the savers.
+    :param experts: the MoE experts modules split into per-expert linear layers (empty for a
+        dense model); ``linear_quant`` rounds experts with too few calibration tokens to nearest.
     """
 
     model: nn.Module
@@ -79,6 +82,7 @@ class RunContext:
     streamed: StreamedWeights | None = None
     spill: QuantizedWeightSpill | None = None
     dist: Distributed = SINGLE
+    experts: MoEInfo = field(default_factory=MoEInfo)
 
     @property
     def model_type(self) -> str:

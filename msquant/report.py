@@ -11,14 +11,16 @@ runs after dropping those keys (:func:`strip_timings`).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
 import platform
+import types
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
 
@@ -57,6 +59,10 @@ class ModuleReport:
     :param rtn_output_error: the same for the round-to-nearest weight of the same scheme, for
         comparison; None without calibration.
     :param solve_seconds: wall time of the GPTQ solve; None for ``minmax``.
+    :param tokens: calibration tokens in the module's Hessian (all processes); None for
+        ``minmax``. An MoE expert sees only the tokens routed to it.
+    :param fallback: why the module was rounded to nearest although ``gptq`` was asked for (an
+        MoE expert with too few calibration tokens); None otherwise.
     """
 
     name: str
@@ -71,6 +77,8 @@ class ModuleReport:
     output_error: float | None = None
     rtn_output_error: float | None = None
     solve_seconds: float | None = None
+    tokens: int | None = None
+    fallback: str | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,10 @@ class RunReport:
     model's embeddings to capture the first decoder layer's inputs (None without calibration),
     ``total_seconds`` the whole run up to writing the report. ``evaluation`` is the quantized
     model's perplexity when the run was asked for one (``eval_data``), else None.
+
+    Fields that grow as layers finish are lists (``modules``, ``layers``): a checkpoint records
+    them (:meth:`layer_records`) and a resumed run takes them up (:meth:`restore_layer_records`);
+    every other field is run-wide, set again by the resumed run.
     """
 
     msquant_version: str = ""
@@ -147,6 +159,24 @@ class RunReport:
     def add_layer(self, layer: LayerTiming) -> None:
         """Record a finished decoder layer (the runner calls this)."""
         self.layers.append(layer)
+
+    def layer_records(self) -> dict[str, list[Any]]:
+        """Every list field as JSON-able data, floats as they are (NaN included), for a
+        checkpoint of a run."""
+        return {
+            f.name: [_record(item) for item in value]
+            for f in dataclasses.fields(self)
+            if isinstance(value := getattr(self, f.name), list)
+        }
+
+    def restore_layer_records(self, records: Mapping[str, Any]) -> None:
+        """Replace the list fields by those :meth:`layer_records` returned (unknown keys are an
+        error: the records come from this msquant version)."""
+        hints = get_type_hints(type(self))
+        for name, value in records.items():
+            if name not in hints or get_origin(hints[name]) is not list:
+                raise ValueError(f"run report has no list field {name!r}")
+            setattr(self, name, _from_json(hints[name], value))
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document (non-finite floats become null: JSON has no NaN or Infinity)."""
@@ -252,6 +282,31 @@ def _finite(data: Any) -> Any:
     if isinstance(data, float) and not math.isfinite(data):
         return None
     return data
+
+
+def _record(item: Any) -> Any:
+    """A report record as JSON-able data (dataclass instances as dicts)."""
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        return asdict(item)
+    return item
+
+
+def _from_json(kind: Any, value: Any) -> Any:
+    """``value`` (parsed JSON) as an instance of the annotated type ``kind``: dataclasses,
+    lists, optionals and plain values (enough for the report's records)."""
+    if value is None:
+        return None
+    origin = get_origin(kind)
+    if origin is list:
+        (item,) = get_args(kind)
+        return [_from_json(item, v) for v in value]
+    if origin in (Union, types.UnionType):
+        options = [arg for arg in get_args(kind) if arg is not type(None)]
+        return _from_json(options[0], value) if len(options) == 1 else value
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+        hints = get_type_hints(kind)
+        return kind(**{name: _from_json(hints[name], v) for name, v in value.items()})
+    return value
 
 
 def _int64_le_bytes(ids: torch.Tensor) -> bytes:

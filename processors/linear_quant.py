@@ -97,6 +97,7 @@ from msquant import (
     WeightPerGroupGPTQ,
     balanced_owners,
     divisors,
+    expert_fallback,
     find_final_norm,
     find_output_head,
     fused_group_problems,
@@ -488,6 +489,7 @@ class LinearQuantProcessor(Processor):
     ) -> WeightPerChannelGPTQ | WeightPerGroupGPTQ:
         """A GPTQ quantizer for one module: ``ext`` with the module's resolved overrides."""
         ext = self.ext.model_dump()
+        ext.pop("expert_min_tokens")  # decided here, before the solve (see _expert_fallback)
         ext.update(
             percdamp=scheme.percdamp,
             desc_act=scheme.desc_act,
@@ -580,13 +582,27 @@ class LinearQuantProcessor(Processor):
                 if id(accumulator) not in reduced:
                     reduced.add(id(accumulator))
                     accumulator.all_reduce(dist.all_reduce_sum)
+        solved: dict[str, tuple[QuantizedWeight, ModuleReport]] = {}
+        for name, module, scheme in modules:
+            reason = self._expert_fallback(ctx, name, module)
+            if reason is not None:  # the same decision in every process (summed token counts)
+                logger.info("%s: round-to-nearest instead of GPTQ: %s", name, reason)
+                solved[name] = (
+                    self._quantize_rtn(module, scheme, name),
+                    replace(
+                        self._module_report(name, scheme),
+                        tokens=self._gptq[name].nsamples,
+                        fallback=reason,
+                    ),
+                )
+        modules = [m for m in modules if m[0] not in solved]
+        if dist.active:
             costs = [
                 m.out_features * m.in_features**2 + m.in_features**3 / 3 for _, m, _ in modules
             ]
             owners = balanced_owners(costs, dist.world_size)
         else:
             owners = [dist.rank] * len(modules)
-        solved: dict[str, tuple[QuantizedWeight, ModuleReport]] = {}
         mine = [m for m, owner in zip(modules, owners, strict=True) if owner == dist.rank]
         for name, module, scheme in tqdm(
             mine,
@@ -596,8 +612,7 @@ class LinearQuantProcessor(Processor):
             disable=not ctx.progress or len(mine) < 2,
         ):
             solved[name] = self._quantize_gptq(ctx, name, module, scheme)
-        for name, _, _ in modules:
-            self._gptq.pop(name, None)  # solved here or elsewhere: drop the Hessian reference
+        self._gptq.clear()  # solved here or elsewhere: drop the Hessian references
         if dist.active:
             for (name, _, _), owner in zip(modules, owners, strict=True):
                 mine_solved = solved.get(name)
@@ -608,6 +623,21 @@ class LinearQuantProcessor(Processor):
                 assert received is not None, f"{name}: process {owner} sent no result"
                 solved[name] = received
         return solved
+
+    def _expert_fallback(self, ctx: RunContext, name: str, module: nn.Linear) -> str | None:
+        """Why an MoE expert's linear layer is rounded to nearest instead of solved (too few
+        calibration tokens were routed to it: a Hessian of fewer rows than about twice its
+        columns makes GPTQ fit the calibration tokens and do worse than rounding), or None."""
+        if ctx.experts.expert_of(name) is None:
+            return None
+        tokens = self._gptq[name].nsamples
+        ratio = self.ext.expert_min_tokens
+        if expert_fallback(tokens, module.in_features, ratio) == "gptq":
+            return None
+        return (
+            f"MoE expert received {tokens} calibration token(s), fewer than "
+            f"{ratio:g} x in_features {module.in_features} (ext.expert_min_tokens)"
+        )
 
     def _quantize_rtn(
         self, module: nn.Linear, scheme: ResolvedScheme, name: str
@@ -646,6 +676,7 @@ class LinearQuantProcessor(Processor):
             output_error=errors[0],
             rtn_output_error=errors[1],
             solve_seconds=result.seconds,
+            tokens=result.nsamples,
         )
         return result.quantized, report
 

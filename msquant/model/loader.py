@@ -80,17 +80,22 @@ def load_model_config(path: Path, trust_remote_code: bool = False) -> Any:
 
 
 def build_meta_model(config: Any, trust_remote_code: bool = False) -> nn.Module:
-    """A weightless (meta-device) instance of the model, for planning before weights are loaded."""
+    """A weightless (meta-device) instance of the model, for planning before weights are loaded
+    (fused MoE experts split into per-expert linear layers, :mod:`msquant.model.moe`)."""
     from transformers import AutoModelForCausalLM
+
+    from msquant.model.moe import unfuse_experts
 
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, ImportError) as exc:
         raise ModelLoadError(
             f"model type {getattr(config, 'model_type', '?')!r} is not a causal LM transformers can "
             f"build: {_one_line(exc)} (pass --trust_remote_code for models with custom code)"
         ) from exc
+    unfuse_experts(model)  # plans and checks see one linear layer per expert, as runs do
+    return model
 
 
 def load_causal_lm(path: Path, trust_remote_code: bool = False) -> nn.Module:

