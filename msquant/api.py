@@ -34,6 +34,7 @@ from msquant.distributed import Distributed, from_environment
 from msquant.errors import ConfigError, ConfigIssue, QuantizationError
 from msquant.evaluate import DEFAULT_SEQLEN, load_model_for_eval, prepare_evaluation
 from msquant.export.staging import StagedOutputDir, check_save_path
+from msquant.memory_estimate import check_memory, checkpoint_size, estimate_memory
 from msquant.model.layers import find_decoder_layers, layer_list_name
 from msquant.model.loader import (
     build_meta_model,
@@ -154,6 +155,7 @@ def quantize(
     eval_seqlen: int = DEFAULT_SEQLEN,
     eval_stride: int | None = None,
     eval_max_samples: int | None = None,
+    max_memory: int | None = None,
     resume: bool = False,
     checkpoints: bool = True,
 ) -> QuantizeResult:
@@ -180,6 +182,8 @@ def quantize(
     :param eval_seqlen: window length of that evaluation.
     :param eval_stride: distance between its window starts (default ``eval_seqlen``).
     :param eval_max_samples: evaluate at most this many windows.
+    :param max_memory: bytes of host memory the run may use: a run whose estimate
+        (:mod:`msquant.memory_estimate`) is larger is refused before weights load.
     :param resume: continue the interrupted run of ``save_path`` after its last finished layer
         (same inputs required; :mod:`msquant.resume`); the result is the uninterrupted run's.
     :param checkpoints: write a checkpoint after every decoder layer, so that a killed run can be
@@ -219,6 +223,8 @@ def quantize(
     if evaluation is not None:
         eval_ids = evaluation.tokens(tokenizer)
     streaming = streams(resolved.config.spec.runner)
+    if max_memory is not None:
+        _check_memory(meta_model, model_dir, streaming, samples, processors, dist, max_memory)
     run_checkpoints = open_checkpoints(
         save_path,
         _fingerprint(resolved.config, samples, model_dir, backend, meta_model),
@@ -329,6 +335,29 @@ def _verify_exports(
             len(report.layers),
             time.perf_counter() - started,
         )
+
+
+def _check_memory(
+    meta_model: torch.nn.Module,
+    model_dir: Path,
+    streaming: bool,
+    samples: Sequence[torch.Tensor] | None,
+    processors: list[Processor],
+    dist: Distributed,
+    limit: int,
+) -> None:
+    """Refuse, before weights load, a run whose estimated peak memory exceeds ``limit``."""
+    tokens = sum(int(s.numel()) for s in samples) if samples else 0
+    estimate = estimate_memory(
+        meta_model,
+        find_decoder_layers(meta_model),
+        checkpoint_size(model_dir),
+        streaming=streaming,
+        calibration_tokens=-(-tokens // dist.world_size),
+        gptq=needs_calibration(processors),
+    )
+    logger.info("estimated peak memory: %.2f GiB (%s)", estimate.total / 2**30, estimate.describe())
+    check_memory(estimate, limit, streaming)
 
 
 def _reference(

@@ -30,6 +30,7 @@ from msquant.evaluate import (
     evaluate_perplexity,
     prepare_evaluation,
 )
+from msquant.memory_estimate import parse_memory
 from msquant.planning import build_plan, render_plan
 from msquant.presets import preset_config
 from msquant.registry import default_registry
@@ -127,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=None,
         help="processes sharing the work on the CPU (dp_layer_wise over gloo; default 1)",
+    )
+    quant.add_argument(
+        "--max_memory",
+        metavar="SIZE",
+        help="host memory the run may use (e.g. 64GiB): a run estimated to need more is refused "
+        "before weights load, with the breakdown",
     )
     quant.add_argument(
         "--calib_path", help="calibration file (.jsonl/.json/.txt), overrides spec.dataset"
@@ -400,6 +407,7 @@ def _cmd_quant(args: argparse.Namespace) -> int:
         eval_seqlen=args.eval_seqlen or DEFAULT_SEQLEN,
         eval_stride=args.eval_stride,
         eval_max_samples=args.eval_max_samples,
+        max_memory=None if args.max_memory is None else parse_memory(args.max_memory),
         resume=args.resume,
         checkpoints=not args.no_checkpoints,
     )
@@ -479,6 +487,7 @@ def _spawn_quant(
         eval_seqlen=args.eval_seqlen or DEFAULT_SEQLEN,
         eval_stride=args.eval_stride,
         eval_max_samples=args.eval_max_samples,
+        max_memory=None if args.max_memory is None else parse_memory(args.max_memory),
         resume=args.resume,
         checkpoints=not args.no_checkpoints,
     )
