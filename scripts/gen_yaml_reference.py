@@ -57,7 +57,11 @@ FALLBACK_DESCRIPTIONS: dict[tuple[str, str], str] = {
     ("Metadata", "label"): "Free-form labels, e.g. `{w_bit: 8, a_bit: 16}` (informational).",
     ("Metadata", "verified_model_types"): "Model types the config was verified on (informational).",
     ("Metadata", "verified_tags"): "Tags per verified model type (informational).",
-    ("Spec", "runner"): "Scheduling of the run; msquant always runs layer by layer.",
+    ("Spec", "runner"): (
+        "Scheduling of the run: `auto`/`layer_wise` stream the decoder layers from disk one at a "
+        "time, `model_wise` loads every weight first, `dp_layer_wise` is layer_wise over several "
+        "processes (torchrun, `--nproc`, `--device npu:0,1`); the export is the same."
+    ),
     ("Spec", "prior"): "Preliminary stages; accepted by the schema, rejected as not implemented.",
     ("Spec", "process"): "Processors applied to the model, in order; selected by `type`.",
     ("Spec", "save"): "Savers writing the output, in order; empty means `ascendv1_saver`.",

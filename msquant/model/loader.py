@@ -98,8 +98,12 @@ def build_meta_model(config: Any, trust_remote_code: bool = False) -> nn.Module:
     return model
 
 
-def load_causal_lm(path: Path, trust_remote_code: bool = False) -> nn.Module:
-    """Load the model on CPU in its checkpoint dtype, safetensors only, in eval mode."""
+def load_causal_lm(path: Path, trust_remote_code: bool = False, **placement: Any) -> nn.Module:
+    """Load the model on CPU in its checkpoint dtype, safetensors only, in eval mode.
+
+    :param placement: ``device_map`` / ``offload_folder`` for ``from_pretrained`` (a streamed
+        run leaves the decoder layers on disk, :mod:`msquant.model.streaming`).
+    """
     from transformers import AutoModelForCausalLM
 
     try:
@@ -109,6 +113,7 @@ def load_causal_lm(path: Path, trust_remote_code: bool = False) -> nn.Module:
             use_safetensors=True,
             trust_remote_code=trust_remote_code,
             local_files_only=True,
+            **placement,
         )
     except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
         raise ModelLoadError(f"cannot load the model in {path}: {_one_line(exc)}") from exc

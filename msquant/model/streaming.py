@@ -187,25 +187,15 @@ def load_causal_lm_streaming(
         checkpoint's dtype, eval mode) and the sources of its offloaded tensors.
     """
     from accelerate.hooks import remove_hook_from_module
-    from transformers import AutoModelForCausalLM
+
+    from msquant.model.loader import load_causal_lm
 
     device_map = streaming_device_map(meta_model, streamed)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path),
-            dtype="auto",
-            use_safetensors=True,
-            trust_remote_code=trust_remote_code,
-            local_files_only=True,
-            device_map=device_map,
-            offload_folder=str(offload_dir),
-        )
-    except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
-        text = " ".join(str(exc).split())[:400]
-        raise ModelLoadError(f"cannot load the model in {path} for streaming: {text}") from exc
+    model = load_causal_lm(
+        path, trust_remote_code, device_map=device_map, offload_folder=str(offload_dir)
+    )
     sources = _offloaded_sources(model)
     remove_hook_from_module(model, recurse=True)
-    model.eval()
     logger.info(
         "streaming: %d tensors of %d module(s) stay on disk until their layer runs",
         len(sources),
