@@ -21,7 +21,7 @@ import torch
 
 from msquant import __version__
 from msquant.api import quantize
-from msquant.backends import parse_device
+from msquant.backends import get_backend, parse_device
 from msquant.config.spec import config_json_schema, load_config
 from msquant.errors import MsquantInputError
 from msquant.evaluate import (
@@ -397,6 +397,22 @@ def _cmd_quant(args: argparse.Namespace) -> int:
         args.save_path,
         config,  # type: ignore[arg-type]
         device=args.device,
+        **_quant_options(args),
+    )
+    logger.info(
+        "quantized %d linear layer(s) of %s in %.1f s -> %s",
+        len(result.quantized_modules),
+        result.model_type,
+        result.seconds,
+        result.save_path,
+    )
+    return _gate(baseline, result.report.to_dict(), tolerance, ppl_tolerance)
+
+
+def _quant_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of :func:`msquant.quantize` that ``quant``'s flags set (all but the
+    paths, the config and the device)."""
+    return dict(
         calib_path=args.calib_path,
         trust_remote_code=args.trust_remote_code,
         max_calib_tokens=args.max_calib_tokens,
@@ -411,14 +427,6 @@ def _cmd_quant(args: argparse.Namespace) -> int:
         resume=args.resume,
         checkpoints=not args.no_checkpoints,
     )
-    logger.info(
-        "quantized %d linear layer(s) of %s in %.1f s -> %s",
-        len(result.quantized_modules),
-        result.model_type,
-        result.seconds,
-        result.save_path,
-    )
-    return _gate(baseline, result.report.to_dict(), tolerance, ppl_tolerance)
 
 
 def _gate(
@@ -476,21 +484,9 @@ def _spawn_quant(
 
     from msquant.distributed import spawn
 
-    options = dict(
-        calib_path=args.calib_path,
-        trust_remote_code=args.trust_remote_code,
-        max_calib_tokens=args.max_calib_tokens,
-        progress=not args.no_progress,
-        overwrite=args.overwrite,
-        verify=not args.no_verify,
-        eval_data=args.eval_data,
-        eval_seqlen=args.eval_seqlen or DEFAULT_SEQLEN,
-        eval_stride=args.eval_stride,
-        eval_max_samples=args.eval_max_samples,
-        max_memory=None if args.max_memory is None else parse_memory(args.max_memory),
-        resume=args.resume,
-        checkpoints=not args.no_checkpoints,
-    )
+    for device in dict.fromkeys(devices):  # a missing device fails here, before any process starts
+        get_backend(device)
+    options = _quant_options(args)
     level = logging.getLogger("msquant").level
     logger.info("dp_layer_wise: starting %d processes on %s", len(devices), ", ".join(devices))
     try:

@@ -12,17 +12,26 @@ setup             once, the model loaded, before the first decoder layer
 before_layer      for each decoder layer, before calibration data flows through it
 after_layer       for each decoder layer, after calibration data flowed through it
 finalize          once, after the last layer (savers write non-layer tensors and metadata)
+resume_state      after each decoder layer, in a checkpointed run (only when ``resumable``)
+restore           once, when a killed run resumes, after ``setup`` (only when ``resumable``)
 ================  ==========================================================================
 
 Processors that set ``requires_calibration`` make the runner capture decoder-layer inputs and run
 each layer forward over the calibration set between ``before_layer`` and ``after_layer``.
+
+Checkpoints (:mod:`msquant.resume`): a run whose processors are all ``resumable`` records, after
+every decoder layer, each processor's :meth:`Processor.resume_state` (JSON) beside the layers'
+quantized linears and the hidden states entering the next layer. ``msquant quant --resume`` then
+calls ``setup``, rebuilds the finished layers' :class:`msquant.QuantizedLinear` modules, calls
+:meth:`Processor.restore` with the recorded state and continues with the next layer; the export
+must come out identical to an uninterrupted run's.
 """
 
 from __future__ import annotations
 
 from abc import ABC
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 from torch import nn
@@ -59,6 +68,12 @@ class Processor(ABC):
     stage: ClassVar[Stage] = "process"
     #: Class default; an instance may set its own value in ``__init__`` (e.g. depending on its config).
     requires_calibration: bool = False
+    #: Whether a run with this processor may be checkpointed and resumed after a kill. Set it when
+    #: everything the processor carries from one layer to the next is in :meth:`resume_state`
+    #: (nothing, for a stateless processor) and the only change it makes to a finished layer is
+    #: replacing ``nn.Linear`` modules with :class:`msquant.QuantizedLinear` (a resumed run rebuilds
+    #: finished layers from those alone). One processor without it turns checkpoints off.
+    resumable: ClassVar[bool] = False
 
     #: Set by the run when several savers share one save path: this saver then writes into
     #: ``save_path/<output_subdir>`` (see :meth:`output_dir`).
@@ -93,3 +108,16 @@ class Processor(ABC):
 
     def finalize(self, ctx: RunContext) -> None:
         """Finish the run (write metadata, non-layer tensors, summaries)."""
+
+    def resume_state(self, ctx: RunContext) -> dict[str, Any]:
+        """What this processor carries from the finished layers to the next ones, as JSON-able
+        data (a checkpoint; called after each layer's ``after_layer`` when ``resumable``).
+
+        Savers return their writer's :meth:`msquant.ShardedSafetensorsWriter.state` and what
+        they recorded about the written tensors; a stateless processor keeps this default.
+        """
+        return {}
+
+    def restore(self, ctx: RunContext, state: dict[str, Any]) -> None:
+        """Take up the state :meth:`resume_state` recorded (a resumed run calls this after
+        ``setup``, before the first layer it runs)."""

@@ -39,7 +39,8 @@ shards' types differ, so such an export is refused here with the layers named.
 
 Lifecycle: ``after_layer`` queues the layer's tensors (written shard by shard; the head stage
 alike); ``finalize`` adds the remaining tensors (embeddings, final norm, a float head) and writes
-the description and copied files.
+the description and copied files. Resumable: a checkpoint holds the writer's state and the types
+recorded so far.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ class AscendV1Saver(Processor):
     #: File name stem of the weights and the description (``mindie_format_saver`` changes them).
     weights_prefix = WEIGHTS_PREFIX
     plain_when_single = False
+    resumable = True
 
     def check_model(self, model: nn.Module, layers: list[DecoderLayer]) -> list[str]:
         model_type = str(getattr(getattr(model, "config", None), "model_type", "unknown"))
@@ -135,6 +137,20 @@ class AscendV1Saver(Processor):
             self.head = layer.name
         self._check_fused(layer)
         self._write_module(layer.module, layer.name + ".")
+
+    def resume_state(self, ctx: RunContext) -> dict[str, Any]:
+        return {
+            "writer": self.writer.state(),
+            "types": self.types,
+            "group_sizes": sorted(self.group_sizes),
+            "head": self.head,
+        }
+
+    def restore(self, ctx: RunContext, state: dict[str, Any]) -> None:
+        self.writer.restore(state["writer"])
+        self.types = dict(state["types"])
+        self.group_sizes = {int(size) for size in state["group_sizes"]}
+        self.head = state["head"]
 
     def _check_fused(self, layer: DecoderLayer) -> None:
         """Refuse layers whose fused shards (q/k/v, gate/up) would get different types."""

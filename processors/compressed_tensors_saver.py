@@ -58,10 +58,12 @@ Which consumer loads what (compressed-tensors 0.20.1, transformers 5.24, vLLM 0.
 Lifecycle: ``setup`` records the float dtype of every linear; ``after_layer`` checks the layer's
 fused groups and queues its tensors (written shard by shard; the head stage alike); ``finalize``
 adds the remaining tensors, refuses an export with nothing quantized, and writes ``config.json``.
+Resumable: a checkpoint holds the writer's state and the schemes recorded so far.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -264,6 +266,7 @@ class CompressedTensorsSaver(Processor):
     config_class = CompressedTensorsSaverConfig
     stage = "save"
     config: CompressedTensorsSaverConfig
+    resumable = True
 
     def setup(self, ctx: RunContext) -> None:
         self.writer: ShardedSafetensorsWriter = hf_weights_writer(
@@ -286,6 +289,22 @@ class CompressedTensorsSaver(Processor):
         self._check_fused(layer.module, layer.name)
         self._write_quantized(layer.module, layer.name)
         self._write_rest(layer.module.state_dict(prefix=f"{layer.name}."))
+
+    def resume_state(self, ctx: RunContext) -> dict[str, Any]:
+        # float_dtypes and default_dtype come from the float model in setup, which a resumed run
+        # calls before it rebuilds the finished layers: the same values
+        return {
+            "writer": self.writer.state(),
+            "schemes": {name: dataclasses.asdict(s) for name, s in self.schemes.items()},
+            "handled": sorted(self.handled),
+            "head": self.head,
+        }
+
+    def restore(self, ctx: RunContext, state: dict[str, Any]) -> None:
+        self.writer.restore(state["writer"])
+        self.schemes = {name: WeightScheme(**s) for name, s in state["schemes"].items()}
+        self.handled = set(state["handled"])
+        self.head = state["head"]
 
     def finalize(self, ctx: RunContext) -> None:
         self._check_fused(ctx.model, "")

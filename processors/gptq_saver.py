@@ -54,10 +54,12 @@ asymmetric weights but ignores ``dynamic``, so mixed exports are for vLLM, SGLan
 Lifecycle: ``after_layer`` checks and writes the layer's tensors (shard by shard) and records the
 scheme of each of its linear layers (for the head stage, the head's); ``finalize`` adds the
 remaining tensors (embeddings, final norm, a float head) and writes the configuration files.
+Resumable: a checkpoint holds the writer's state and the units, names and format recorded so far.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections import Counter
@@ -534,6 +536,26 @@ def marlin_problem_message(units: list[RuleUnit]) -> str | None:
     )
 
 
+def _unit_to_json(unit: RuleUnit) -> dict[str, Any]:
+    """A rule unit as JSON (for checkpoints)."""
+    scheme = None if unit.scheme is None else unit.scheme.as_config()
+    return {**dataclasses.asdict(unit), "scheme": scheme, "members": list(unit.members)}
+
+
+def _unit_from_json(data: Mapping[str, Any]) -> RuleUnit:
+    """The rule unit :func:`_unit_to_json` described."""
+    scheme = data["scheme"]
+    return RuleUnit(
+        layer=data["layer"],
+        pattern=data["pattern"],
+        scheme=None if scheme is None else GPTQScheme(**scheme),
+        name=data["name"],
+        members=tuple(data["members"]),
+        out_features=int(data["out_features"]),
+        in_features=int(data["in_features"]),
+    )
+
+
 class GPTQSaver(Processor):
     """Writes a GPTQ checkpoint (qweight, qzeros, scales, g_idx) as layers finish."""
 
@@ -541,6 +563,7 @@ class GPTQSaver(Processor):
     config_class = GPTQSaverConfig
     stage = "save"
     config: GPTQSaverConfig
+    resumable = True
 
     def setup(self, ctx: RunContext) -> None:
         self.writer: ShardedSafetensorsWriter = hf_weights_writer(
@@ -553,6 +576,26 @@ class GPTQSaver(Processor):
         self.head: RuleUnit | None = None  # the quantized output head, once its stage ran
         choice = self.config.checkpoint_format
         self.format: CheckpointFormat | None = None if choice == "auto" else choice
+
+    def resume_state(self, ctx: RunContext) -> dict[str, Any]:
+        return {
+            "writer": self.writer.state(),
+            "written": sorted(self.written),
+            "units": [_unit_to_json(unit) for unit in self.units],
+            "quantized": sorted(self.quantized),
+            "methods": sorted(self.methods),
+            "head": None if self.head is None else _unit_to_json(self.head),
+            "format": self.format,
+        }
+
+    def restore(self, ctx: RunContext, state: dict[str, Any]) -> None:
+        self.writer.restore(state["writer"])
+        self.written = set(state["written"])
+        self.units = [_unit_from_json(unit) for unit in state["units"]]
+        self.quantized = set(state["quantized"])
+        self.methods = set(state["methods"])
+        self.head = None if state["head"] is None else _unit_from_json(state["head"])
+        self.format = state["format"]
 
     def _resolve_format(self, module: QuantizedLinear) -> CheckpointFormat:
         """The checkpoint format, fixed by ``auto`` at the first quantized layer."""

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from msquant import DeviceError, NotImplementedYetError, get_backend, parse_device
+from msquant import DeviceError, get_backend, parse_device
 from msquant.backends import BACKENDS
 from msquant.backends.cpu import CpuBackend
 from msquant.backends.device import DeviceSpec
@@ -73,7 +73,7 @@ def test_absent_devices_are_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("msquant.backends.import_torch_npu", lambda: None)
     with pytest.raises(DeviceError, match="torch_npu is not installed"):
         get_backend("npu:0")
-    with pytest.raises(NotImplementedYetError, match="multi-device"):
+    with pytest.raises(DeviceError, match=r"names 2 devices, but one process drives one device"):
         get_backend("npu:0,1")
 
 

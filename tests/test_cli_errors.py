@@ -27,7 +27,6 @@ from msquant import (
     DeviceError,
     ModelLoadError,
     MsquantInputError,
-    NotImplementedYetError,
     OutputPathError,
     QuantizationError,
 )
@@ -311,7 +310,10 @@ CASES: dict[str, Callable[[Path, Path, Callable[[str], Path]], Case]] = {
         ["repeats a device index"], extra=["--device", "npu:1,1"]
     ),
     "device_multi_npu": lambda t, m, c: Case(
-        ["npu:0,1 names 2 devices", "not implemented yet"], extra=["--device", "npu:0,1"]
+        ["device npu requested but torch_npu is not installed"], extra=["--device", "npu:0,1"]
+    ),
+    "nproc_on_cuda": lambda t, m, c: Case(
+        ["--nproc 2 on cuda: name the devices instead"], extra=["--device", "cuda", "--nproc", "2"]
     ),
     "device_cpu_index": lambda t, m, c: Case(["CPU takes no index"], extra=["--device", "cpu:1"]),
     # --- save path ---
@@ -574,7 +576,7 @@ API_CASES: list[tuple[str, type[MsquantInputError], str]] = [
     ("save_path", OutputPathError, "exists and is a file"),
     ("group_size", QuantizationError, "14 problems"),
     ("nan", QuantizationError, "NaN"),
-    ("multi_device", NotImplementedYetError, "multi-device"),
+    ("multi_device", DeviceError, "one process drives one device"),
 ]
 
 

@@ -11,7 +11,7 @@ from msquant.backends.cpu import CpuBackend
 from msquant.backends.cuda import CudaBackend
 from msquant.backends.device import DeviceSpec, parse_device
 from msquant.backends.npu import NpuBackend, import_torch_npu
-from msquant.errors import DeviceError, NotImplementedYetError
+from msquant.errors import DeviceError
 
 __all__ = ["Backend", "DeviceSpec", "parse_device", "get_backend", "BACKENDS"]
 
@@ -22,13 +22,14 @@ def get_backend(device: str | DeviceSpec) -> Backend:
     """The backend for a device string, after checking the device exists in this process.
 
     :raises DeviceError: for malformed strings and devices that are not present.
-    :raises NotImplementedYetError: for several devices (needs the ``dp_layer_wise`` runner).
+    :raises DeviceError: also for several devices: one process drives one device.
     """
     spec = parse_device(device) if isinstance(device, str) else device
     if len(spec.indices) > 1:
-        raise NotImplementedYetError(
-            f"device {spec} names {len(spec.indices)} devices; multi-device runs (dp_layer_wise) "
-            f"are not implemented yet - pass a single device such as {spec.kind}:{spec.indices[0]}"
+        raise DeviceError(
+            f"device {spec} names {len(spec.indices)} devices, but one process drives one device: "
+            f"`msquant quant --device {spec}` starts a process per device (dp_layer_wise), or "
+            f"launch with torchrun and pass each process its own device ({spec.kind}:$LOCAL_RANK)"
         )
     backend_cls = BACKENDS[spec.kind]
     if spec.kind == "npu" and import_torch_npu() is None:

@@ -16,23 +16,48 @@ on close, which also writes ``{prefix}.safetensors.index.json`` (``{"metadata": 
 bytes}, "weight_map": {tensor: file}}``). Without a size limit one ``{prefix}.safetensors`` file is
 written and no index.
 
+Checkpoints (``msquant quant --resume``): :meth:`ShardedSafetensorsWriter.state` describes what is
+on disk so far (header entries, shard files, data-file lengths) as JSON, and
+:meth:`ShardedSafetensorsWriter.restore` continues a fresh writer from such a description after a
+kill, truncating the data files back to the recorded lengths (bytes of a half-written layer after
+the checkpoint are dropped). From its first :meth:`~ShardedSafetensorsWriter.state` on, a writer
+deletes no file that the latest durable checkpoint may still need: data files of an assembled shard
+are deleted one checkpoint later, and :meth:`~ShardedSafetensorsWriter.close` links the final
+files instead of renaming the hidden ones, so even a kill while the files are finalised leaves the
+last checkpoint intact. The hidden files left behind are removed with :func:`remove_temporaries`
+once the run no longer needs them.
+
 The safetensors library has no streaming writer, hence this implementation of its (small) format.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["ShardedSafetensorsWriter", "safetensors_dtype", "write_shard_file"]
+__all__ = [
+    "TEMPORARY_GLOB",
+    "ShardedSafetensorsWriter",
+    "WriterStateError",
+    "remove_temporaries",
+    "safetensors_dtype",
+    "write_shard_file",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Names of the hidden files a writer creates beside its outputs (data files of a shard being
+#: filled, shards assembled before their final name is known).
+TEMPORARY_GLOB = ".*-part*.tmp"
 
 #: Bytes copied at a time from a shard's data file into the final file.
 COPY_CHUNK_BYTES = 16 * 1024**2
@@ -158,6 +183,30 @@ def write_shard_file(
                 shutil.copyfileobj(data, out, COPY_CHUNK_BYTES)
 
 
+class WriterStateError(ValueError):
+    """A checkpointed writer state does not match the files on disk (or this writer)."""
+
+
+def remove_temporaries(directory: Path) -> int:
+    """Delete the hidden files writers left under ``directory`` (:data:`TEMPORARY_GLOB`, at any
+    depth): a checkpointed writer keeps them until the run no longer needs its checkpoints.
+
+    :returns: how many files were deleted.
+    """
+    count = 0
+    for path in sorted(directory.rglob(TEMPORARY_GLOB)):
+        if path.is_file():
+            path.unlink()
+            count += 1
+    return count
+
+
+def _fsync(path: Path) -> None:
+    """Flush ``path``'s bytes to the disk (a checkpoint must survive more than the process)."""
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
 class ShardedSafetensorsWriter:
     """Streams named tensors to disk as one file or as size-limited shards.
 
@@ -188,6 +237,12 @@ class ShardedSafetensorsWriter:
         self._names: set[str] = set()
         self.total_bytes = 0
         self.closed = False
+        # Checkpointed (after the first state() or a restore()): superseded files are deleted
+        # only once no durable checkpoint can need them; see state().
+        self._checkpointed = False
+        self._obsolete: list[Path] = []  # superseded since the latest state()
+        self._obsolete_before: list[Path] = []  # superseded before it (deleted at the next)
+        self._synced: set[Path] = set()  # assembled shards already flushed to the disk
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Write one tensor's bytes to the current shard's data file; names must be unique."""
@@ -247,11 +302,18 @@ class ShardedSafetensorsWriter:
                 raise OSError(f"{stream.path}: short write")
 
     def _assemble(self, shard: _Shard, path: Path) -> None:
-        """Write ``shard`` as the safetensors file ``path`` and delete its data files."""
+        """Write ``shard`` as the safetensors file ``path`` and discard its data files."""
         entries, data_paths = shard.layout()
         write_shard_file(path, entries, data_paths)
-        for data_path in data_paths:
-            data_path.unlink()
+        self._discard(data_paths)
+
+    def _discard(self, paths: Sequence[Path]) -> None:
+        """Delete superseded files now, or (checkpointed) once no checkpoint can need them."""
+        if self._checkpointed:
+            self._obsolete.extend(paths)
+            return
+        for path in paths:
+            path.unlink()
 
     def _flush(self) -> None:
         """Complete the current shard under a hidden temporary name (renamed on close)."""
@@ -283,7 +345,7 @@ class ShardedSafetensorsWriter:
         weight_map = {}
         for number, (tmp_path, names) in enumerate(self._shards, start=1):
             final = f"{self.prefix}-{number:05d}-of-{count:05d}.safetensors"
-            os.replace(tmp_path, self.directory / final)
+            self._publish(tmp_path, self.directory / final)
             weight_map.update({tensor: final for tensor in names})
         index = {
             "metadata": {"total_size": self.total_bytes},
@@ -292,6 +354,19 @@ class ShardedSafetensorsWriter:
         index_path = self.directory / f"{self.prefix}.safetensors.index.json"
         index_path.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         return weight_map
+
+    def _publish(self, tmp_path: Path, final: Path) -> None:
+        """Give an assembled shard its final name: renamed, or (checkpointed) hard-linked so that
+        the hidden file the latest checkpoint names stays until :func:`remove_temporaries`."""
+        if not self._checkpointed:
+            os.replace(tmp_path, final)
+            return
+        final.unlink(missing_ok=True)  # written by a run killed while it closed
+        try:
+            os.link(tmp_path, final)
+        except OSError as error:  # a file system without hard links
+            logger.debug("%s: cannot hard-link (%s); renaming it", tmp_path, error)
+            os.replace(tmp_path, final)
 
     def _close_plain(self) -> dict[str, str]:
         """Write everything (one shard at most) as the unsharded ``{prefix}.safetensors``."""
@@ -308,3 +383,116 @@ class ShardedSafetensorsWriter:
         self._assemble(shard, path)
         self._shards.append((path, []))
         self._current = None
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """A JSON-able description of everything written so far, for a checkpoint.
+
+        The files it names are flushed to the disk and kept until a later checkpoint supersedes
+        it: from this call on, files are deleted one :meth:`state` later than they would be
+        (the caller writes each state durably before asking for the next one).
+
+        :raises RuntimeError: when the writer is closed.
+        """
+        if self.closed:
+            raise RuntimeError("a closed writer has no checkpoint state")
+        for path in self._obsolete_before:
+            path.unlink(missing_ok=True)
+        self._obsolete_before, self._obsolete = self._obsolete, []
+        self._checkpointed = True
+        shards = []
+        for path, names in self._shards:
+            if path not in self._synced:
+                _fsync(path)
+                self._synced.add(path)
+            shards.append({"file": path.name, "bytes": path.stat().st_size, "names": names})
+        return {
+            "prefix": self.prefix,
+            "max_shard_bytes": self.max_shard_bytes,
+            "plain_when_single": self.plain_when_single,
+            "total_bytes": self.total_bytes,
+            "shards": shards,
+            "current": None if self._current is None else self._current_state(self._current),
+        }
+
+    @staticmethod
+    def _current_state(shard: _Shard) -> dict[str, Any]:
+        """The shard being filled: its header entries and the length of each data file."""
+        for stream in shard.streams.values():
+            _fsync(stream.path)
+        return {
+            "number": shard.number,
+            "nbytes": shard.nbytes,
+            "entries": shard.entries,
+            "stream_of": shard.stream_of,
+            "streams": {
+                str(size): {"file": stream.path.name, "nbytes": stream.nbytes}
+                for size, stream in shard.streams.items()
+            },
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state`'s description, written by a run that was then killed.
+
+        Data files are truncated back to their recorded lengths; hidden files of this writer
+        that the state does not name (written after the checkpoint) are deleted.
+
+        :raises WriterStateError: when the state is for another writer (prefix, size limit) or
+            a file it names is missing or shorter than recorded.
+        :raises RuntimeError: when this writer has already written something.
+        """
+        if self.closed or self._names or self._current is not None or self._shards:
+            raise RuntimeError("restore() needs a writer that has written nothing yet")
+        settings = {
+            "prefix": self.prefix,
+            "max_shard_bytes": self.max_shard_bytes,
+            "plain_when_single": self.plain_when_single,
+        }
+        for key, value in settings.items():
+            if state.get(key) != value:
+                raise WriterStateError(
+                    f"the checkpoint is for a writer with {key} {state.get(key)!r}, not {value!r}"
+                )
+        keep = set()
+        for shard in state["shards"]:
+            path = self.directory / shard["file"]
+            self._check_length(path, int(shard["bytes"]), exact=True)
+            self._shards.append((path, list(shard["names"])))
+            self._names.update(shard["names"])
+            keep.add(path)
+        if state["current"] is not None:
+            self._current = self._restore_current(state["current"])
+            self._names.update(self._current.entries)
+            keep.update(stream.path for stream in self._current.streams.values())
+        self.total_bytes = int(state["total_bytes"])
+        for path in self.directory.glob(f".{self.prefix}-part*.tmp"):
+            if path not in keep:
+                path.unlink()
+        self._synced = set(keep)
+        self._checkpointed = True
+
+    def _restore_current(self, current: Mapping[str, Any]) -> _Shard:
+        """The shard being filled, its data files truncated to the recorded lengths."""
+        shard = _Shard(
+            int(current["number"]),
+            entries={name: dict(entry) for name, entry in current["entries"].items()},
+            stream_of={name: int(size) for name, size in current["stream_of"].items()},
+            nbytes=int(current["nbytes"]),
+        )
+        for size, recorded in current["streams"].items():
+            path = self.directory / recorded["file"]
+            nbytes = int(recorded["nbytes"])
+            self._check_length(path, nbytes, exact=False)
+            os.truncate(path, nbytes)
+            shard.streams[int(size)] = _Stream(path, nbytes)
+        return shard
+
+    @staticmethod
+    def _check_length(path: Path, nbytes: int, exact: bool) -> None:
+        """``path`` holds ``nbytes`` bytes (at least that many unless ``exact``)."""
+        if not path.is_file():
+            raise WriterStateError(f"{path} is missing")
+        size = path.stat().st_size
+        if size < nbytes or (exact and size != nbytes):
+            raise WriterStateError(f"{path} holds {size} bytes, the checkpoint recorded {nbytes}")

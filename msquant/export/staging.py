@@ -1,6 +1,8 @@
 """Atomic output directories: write everything into a staging folder, then swap it into place.
 
 A failed or interrupted run removes its staging folder and leaves the save path exactly as it was.
+A resumable run (:mod:`msquant.resume`) stages into a folder it owns and keeps across runs
+(``staging=``): that folder is then left in place on failure, for its owner to keep or remove.
 A previous export at the save path is replaced only when the caller asks for it (``overwrite``,
 the CLI's ``--overwrite``), and only after the new one is complete. A folder holding anything
 else is never touched.
@@ -70,14 +72,25 @@ class StagedOutputDir:
         with StagedOutputDir(save_path) as staging:
             write_everything_into(staging)
         # save_path now holds exactly what was written; on an exception it is untouched
+
+    :param staging: stage into this folder (created if missing, its contents kept) instead of a
+        new random one; on failure it is left as it is, for the caller to keep (a resumable run's
+        checkpoints) or remove. It must be on the file system of the save path.
     """
 
-    def __init__(self, save_path: str | Path, overwrite: bool = False) -> None:
+    def __init__(
+        self, save_path: str | Path, overwrite: bool = False, staging: Path | None = None
+    ) -> None:
         self.target = check_save_path(save_path, overwrite)
+        self.caller_staging = staging
         self.staging: Path | None = None
 
     def __enter__(self) -> Path:
         self.target.parent.mkdir(parents=True, exist_ok=True)
+        if self.caller_staging is not None:
+            self.caller_staging.mkdir(parents=True, exist_ok=True)
+            self.staging = self.caller_staging
+            return self.staging
         self.staging = Path(
             tempfile.mkdtemp(prefix=f".{self.target.name}.msquant-staging-", dir=self.target.parent)
         )
@@ -100,7 +113,8 @@ class StagedOutputDir:
     ) -> None:
         assert self.staging is not None
         if exc_type is not None:
-            shutil.rmtree(self.staging, ignore_errors=True)
+            if self.caller_staging is None:
+                shutil.rmtree(self.staging, ignore_errors=True)
             return
         self._commit(self.staging)
 

@@ -1,0 +1,785 @@
+"""Checkpoints of a run, and ``--resume``: a killed run continues after its last finished layer.
+
+A checkpointed run keeps its work in a folder named after the save path,
+``.{save_path name}.msquant-partial`` beside it::
+
+    lock                      held while a run uses the folder (a second run is refused)
+    export/                   the staging folder: moved to the save path once the run is complete
+    layers/00000.safetensors  the quantized linears of each finished decoder layer
+    layers/outside.safetensors  quantized linears outside the layers (the head), at the end
+    hidden-00004.safetensors  the hidden states entering the next layer (calibrated runs)
+    progress.json             the latest checkpoint, replaced atomically after every layer
+    .msquant-scratch-*/       a streamed run's scratch folder (offload index)
+
+``progress.json`` holds the run's fingerprint (versions, config and calibration hashes, model
+files, device kind), how many layers are finished, the run report's per-layer records and every
+processor's :meth:`~msquant.Processor.resume_state` (the savers' writer states). It is written to
+a temporary file, flushed to the disk and renamed over the previous one, after the files it names
+(the layer's quantized linears, the new hidden states); so whenever the process is killed, the
+folder holds one complete checkpoint.
+
+``quantize(..., resume=True)`` (``msquant quant ... --resume``) checks the fingerprint against
+the new run's (a difference is a :class:`ResumeError` naming it), captures the calibration inputs
+again (cheap and deterministic: embeddings and masks), rebuilds the finished layers'
+:class:`~msquant.QuantizedLinear` modules from ``layers/`` (weightless in a streamed run, as its
+released layers are), restores the hidden states, the report and the processors, and runs the
+remaining layers. The export is byte-identical to an uninterrupted run's, the report too apart
+from its ``*seconds`` fields. A checkpoint of stage ``finished`` (every saver has finalised)
+resumes straight at the read-back check, the evaluation and the report.
+
+Policy: every single-process run whose processors are all resumable is checkpointed (opt out with
+``checkpoints=False``). A run that fails with an exception removes the folder, as a failed run
+always removed its staging folder (nothing is left behind, on a full disk least of all); a run
+that is stopped after a checkpoint (killed, ``KeyboardInterrupt`` from Ctrl-C, ``SystemExit``)
+keeps it for ``--resume``, with a warning saying so. The save path itself is never touched
+before the export is complete. A later run of the same save path without ``--resume`` is refused
+while such a folder exists, unless ``overwrite`` discards it. The folder is removed once the
+export is in place.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from msquant.context import DecoderLayer, RunContext
+from msquant.errors import MsquantInputError
+from msquant.export.shards import WriterStateError, remove_temporaries
+from msquant.quant.quantized_linear import QuantizedLinear, replace_module
+from msquant.quant.quantized_weight import QuantizedWeight
+
+if TYPE_CHECKING:
+    from msquant.distributed import Distributed
+    from msquant.model.capture import CalibrationActivations
+    from msquant.processor import Processor
+
+__all__ = [
+    "PARTIAL_SUFFIX",
+    "PROGRESS_FILE",
+    "LayerStore",
+    "ResumeError",
+    "RunCheckpoints",
+    "checkpoint_blocker",
+    "fingerprint_differences",
+    "open_checkpoints",
+    "partial_path",
+    "run_fingerprint",
+]
+
+logger = logging.getLogger(__name__)
+
+PARTIAL_SUFFIX = ".msquant-partial"
+PROGRESS_FILE = "progress.json"
+PROGRESS_FORMAT = 1  # bumped when the checkpoint layout changes
+EXPORT_DIR = "export"
+LAYERS_DIR = "layers"
+LOCK_FILE = "lock"
+HIDDEN_PREFIX = "hidden-"
+OUTSIDE_KEY = "outside"  # quantized modules outside the decoder layers (the output head)
+#: How :func:`msquant.model.placement.load_for_run` names a streamed run's scratch folder.
+SCRATCH_PREFIX = ".msquant-scratch-"
+STAGE_LAYERS = "layers"
+STAGE_FINISHED = "finished"
+_PARTS = ("codes", "scale", "offset")
+_FINGERPRINT_LABELS = {
+    "msquant_version": "msquant version",
+    "torch_version": "torch version",
+    "transformers_version": "transformers version",
+    "config_sha256": "config (sha256 of the validated spec)",
+    "calibration_sha256": "calibration data (sha256 of the token ids)",
+    "model_path": "model path",
+    "model_files": "model files",
+    "device_kind": "device kind",
+    "num_layers": "number of decoder layers",
+}
+
+
+class ResumeError(MsquantInputError):
+    """A run cannot be resumed as asked (nothing to resume, other inputs, damaged checkpoint), or
+    would silently drop an interrupted run; the message says what differs and what to do."""
+
+
+def partial_path(save_path: str | Path) -> Path:
+    """The checkpoint folder of ``save_path``: ``.{name}.msquant-partial`` beside it."""
+    target = Path(save_path).expanduser().absolute()
+    return target.parent / f".{target.name}{PARTIAL_SUFFIX}"
+
+
+# -- fingerprint --------------------------------------------------------------------------------
+
+
+def _model_files(model_dir: Path) -> dict[str, list[int]]:
+    """Size and modification time (ns) of the files defining the model: config, weights, code.
+
+    Sizes and times, not hashes: hashing hundreds of GB of weights would cost minutes per run.
+    """
+    files = {}
+    for path in sorted(model_dir.iterdir()):
+        name = path.name
+        relevant = name == "config.json" or name.endswith((".safetensors", ".index.json", ".py"))
+        if relevant and path.is_file():
+            stat = path.stat()
+            files[name] = [stat.st_size, stat.st_mtime_ns]
+    return files
+
+
+def _package_version(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def run_fingerprint(
+    *,
+    config_sha256: str,
+    calibration_sha256: str | None,
+    model_dir: Path,
+    device_kind: str,
+    num_layers: int,
+) -> dict[str, Any]:
+    """What must not change between a run and its resumption (anything that changes a result)."""
+    from msquant import __version__
+
+    return {
+        "msquant_version": __version__,
+        "torch_version": torch.__version__,
+        "transformers_version": _package_version("transformers"),
+        "config_sha256": config_sha256,
+        "calibration_sha256": calibration_sha256,
+        "model_path": str(Path(model_dir).expanduser().absolute()),
+        "model_files": _model_files(Path(model_dir)),
+        "device_kind": device_kind,
+        "num_layers": num_layers,
+    }
+
+
+def _short(value: Any) -> str:
+    return f"{value[:12]}..." if isinstance(value, str) and len(value) > 16 else str(value)
+
+
+def _files_difference(then: Mapping[str, Any], now: Mapping[str, Any]) -> str:
+    parts = [f"{name} removed" for name in sorted(set(then) - set(now))]
+    parts += [f"{name} added" for name in sorted(set(now) - set(then))]
+    parts += [
+        f"{name} changed (size or modification time)"
+        for name in sorted(set(then) & set(now))
+        if list(then[name]) != list(now[name])
+    ]
+    return ", ".join(parts)
+
+
+def fingerprint_differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """One line per input that differs between a checkpoint and the run resuming it."""
+    lines = []
+    for key, label in _FINGERPRINT_LABELS.items():
+        then, now = recorded.get(key), current.get(key)
+        if then == now:
+            continue
+        if key == "model_files":
+            lines.append(f"{label}: {_files_difference(then or {}, now or {})}")
+        else:
+            lines.append(f"{label}: {_short(then)} then, {_short(now)} now")
+    return lines
+
+
+def checkpoint_blocker(
+    processors: Sequence[Processor], dist: Distributed, enabled: bool = True
+) -> str | None:
+    """Why this run cannot be checkpointed, or None when it can."""
+    if not enabled:
+        return "checkpoints are turned off (--no_checkpoints; Python: checkpoints=False)"
+    if dist.active:
+        return f"dp_layer_wise runs ({dist.world_size} processes) are not checkpointed yet"
+    for processor in processors:
+        if not processor.resumable:
+            return (
+                f"processor {processor.type_name} cannot be resumed (it does not set "
+                "Processor.resumable)"
+            )
+    return None
+
+
+# -- files ----------------------------------------------------------------------------------------
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (best effort: not every platform can)."""
+    try:
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
+
+
+def _replace_durably(tmp: Path, path: Path) -> None:
+    """Flush ``tmp`` to the disk and rename it to ``path`` (atomic on one file system)."""
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_directory(path.parent)
+
+
+def _write_json_atomically(path: Path, data: Mapping[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data) + "\n", encoding="utf-8")
+    _replace_durably(tmp, path)
+
+
+def _save_tensors_atomically(
+    tensors: Mapping[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
+) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(dict(tensors), str(tmp), metadata=metadata)
+    _replace_durably(tmp, path)
+
+
+# -- the quantized linears of finished layers ----------------------------------------------------
+
+
+class LayerStore(Mapping[str, QuantizedWeight]):
+    """The quantized linears of finished layers, one safetensors file per layer, kept across runs.
+
+    A read-only mapping ``module name ->`` :class:`~msquant.QuantizedWeight`, read from disk on
+    demand: in a streamed run it is the reference of the read-back check for the layers released
+    from memory (in place of the run's spill).
+
+    :param directory: where the files go (created on first use).
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._modules: dict[str, tuple[Path, dict[str, Any]]] = {}
+
+    def path(self, key: str) -> Path:
+        """The file of ``key`` (a layer index as ``00003``, or ``outside``)."""
+        return self.directory / f"{key}.safetensors"
+
+    def save(
+        self, key: str, root: nn.Module, prefix: str, exclude: Sequence[str] = ()
+    ) -> list[str]:
+        """Write every :class:`QuantizedLinear` with data under ``root`` (full names under
+        ``prefix``; those under an ``exclude`` prefix skipped) as ``key``'s file.
+
+        :returns: the names written.
+        """
+        tensors: dict[str, torch.Tensor] = {}
+        entries: dict[str, dict[str, Any]] = {}
+        for name, module in root.named_modules(prefix=prefix):
+            if not isinstance(module, QuantizedLinear) or module.weight.is_meta:
+                continue
+            if any(name == p or name.startswith(p + ".") for p in exclude):
+                continue
+            qweight = module.qweight
+            for part in _PARTS:
+                tensors[f"{name}.{part}"] = getattr(qweight, part).detach().to("cpu").contiguous()
+            bias = module.bias
+            if bias is not None:
+                tensors[f"{name}.bias"] = bias.detach().to("cpu").contiguous()
+            entries[name] = {
+                "bits": qweight.bits,
+                "symmetric": qweight.symmetric,
+                "group_size": qweight.group_size,
+                "method": module.method,
+                "shape": list(qweight.shape),
+                "bias": None if bias is None else str(bias.dtype).removeprefix("torch."),
+            }
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.path(key)
+        _save_tensors_atomically(tensors, path, {"modules": json.dumps(entries)})
+        self._modules.update({name: (path, entry) for name, entry in entries.items()})
+        return list(entries)
+
+    def load(self, key: str) -> dict[str, dict[str, Any]]:
+        """Index ``key``'s file (written by an earlier run); returns its modules' entries.
+
+        :raises ResumeError: when the file is missing or unreadable.
+        """
+        path = self.path(key)
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                metadata = handle.metadata() or {}
+            entries: dict[str, dict[str, Any]] = json.loads(metadata["modules"])
+        except (OSError, SafetensorError, KeyError, json.JSONDecodeError) as error:
+            raise ResumeError(
+                f"the checkpoint file {path} is missing or damaged ({error}); the interrupted run "
+                "cannot be resumed: start over with --overwrite (without --resume)"
+            ) from error
+        self._modules.update({name: (path, entry) for name, entry in entries.items()})
+        return entries
+
+    def rebuild(self, model: nn.Module, key: str, weightless: bool) -> None:
+        """Put ``key``'s quantized linears back into ``model`` in place of its float ones.
+
+        :param weightless: build them on the meta device (a streamed run's released layers),
+            without reading their tensors.
+        """
+        for name, entry in self.load(key).items():
+            try:
+                current = model.get_submodule(name)
+            except AttributeError:
+                raise ResumeError(
+                    f"{name}: the checkpoint holds a quantized linear the model does not have: "
+                    "the model changed since the run started"
+                ) from None
+            shape = tuple(entry["shape"])
+            found = tuple(getattr(current, "weight", torch.empty(0)).shape)
+            if not isinstance(current, nn.Linear | QuantizedLinear) or found != shape:
+                raise ResumeError(
+                    f"{name}: the checkpoint holds a quantized linear {shape}, the model has "
+                    f"{type(current).__name__} {found}: the model changed since the run started"
+                )
+            qweight, bias = (
+                self._weightless(entry) if weightless else (self[name], self._bias(name))
+            )
+            replace_module(model, name, QuantizedLinear(qweight, bias, entry["method"]))
+
+    @staticmethod
+    def _weightless(entry: Mapping[str, Any]) -> tuple[QuantizedWeight, torch.Tensor | None]:
+        out_features, in_features = entry["shape"]
+        group_size = entry["group_size"]
+        groups = 1 if group_size is None else in_features // group_size
+        meta = torch.device("meta")
+        qweight = QuantizedWeight(
+            torch.empty(out_features, in_features, dtype=torch.int8, device=meta),
+            torch.empty(out_features, groups, dtype=torch.float32, device=meta),
+            torch.empty(out_features, groups, dtype=torch.float32, device=meta),
+            entry["bits"],
+            entry["symmetric"],
+            group_size,
+        )
+        dtype = entry["bias"]
+        if dtype is None:
+            return qweight, None
+        return qweight, torch.empty(out_features, dtype=getattr(torch, dtype), device=meta)
+
+    def _bias(self, name: str) -> torch.Tensor | None:
+        path, entry = self._modules[name]
+        if entry["bias"] is None:
+            return None
+        with safe_open(str(path), framework="pt") as handle:
+            return handle.get_tensor(f"{name}.bias")
+
+    def __getitem__(self, name: str) -> QuantizedWeight:
+        path, entry = self._modules[name]
+        with safe_open(str(path), framework="pt") as handle:
+            codes, scale, offset = (handle.get_tensor(f"{name}.{part}") for part in _PARTS)
+        return QuantizedWeight(
+            codes, scale, offset, entry["bits"], entry["symmetric"], entry["group_size"]
+        )
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._modules)
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+
+
+def _layer_key(index: int) -> str:
+    return f"{index:05d}"
+
+
+def _read_progress(directory: Path) -> dict[str, Any]:
+    """The checkpoint in ``directory``.
+
+    :raises ResumeError: when it is unreadable or of another layout version.
+    """
+    path = directory / PROGRESS_FILE
+    fix = "it cannot be resumed: start over with --overwrite (without --resume)"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ResumeError(f"the progress file {path} is unreadable ({error}); {fix}") from error
+    if not isinstance(data, dict) or data.get("format") != PROGRESS_FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ResumeError(
+            f"the progress file {path} has layout {found!r}, this msquant writes "
+            f"{PROGRESS_FORMAT}; {fix}"
+        )
+    return data
+
+
+def _describe(directory: Path) -> str:
+    """How far the interrupted run in ``directory`` got, for messages (never raises)."""
+    try:
+        data = json.loads((directory / PROGRESS_FILE).read_text(encoding="utf-8"))
+        done, total = data["layers_done"], data["fingerprint"]["num_layers"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "progress unreadable"
+    if data.get("stage") == STAGE_FINISHED:
+        return f"all {total} layers and the export files done"
+    return f"{done} of {total} decoder layers done"
+
+
+def _take_lock(directory: Path) -> IO[str] | None:
+    """An exclusive lock on ``directory`` (None where the platform has no ``fcntl``).
+
+    :raises ResumeError: when another run holds it.
+    """
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks
+        return None
+    handle = open(directory / LOCK_FILE, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise ResumeError(
+            f"another msquant run is using {directory} (the same save path); wait for it to end"
+        ) from None
+    return handle
+
+
+def _discard(directory: Path) -> None:
+    """Remove an interrupted run's folder, unless a run uses it (or another process of this
+    run removes it: every process of a ``dp_layer_wise`` group gets here)."""
+    try:
+        handle = _take_lock(directory)
+    except (ResumeError, OSError):
+        logger.warning("%s is in use; leaving it in place", directory)
+        return
+    try:
+        shutil.rmtree(directory, ignore_errors=True)
+    finally:
+        if handle is not None:
+            handle.close()
+
+
+def open_checkpoints(
+    save_path: str | Path,
+    fingerprint: Mapping[str, Any],
+    *,
+    resume: bool,
+    overwrite: bool,
+    blocker: str | None,
+) -> RunCheckpoints | None:
+    """Decide, before any work, how this run uses the checkpoint folder of ``save_path``.
+
+    :param blocker: why this run cannot be checkpointed (:func:`checkpoint_blocker`), or None.
+    :returns: the run's checkpoints (resuming or fresh), or None when it is not checkpointed.
+    :raises ResumeError: ``resume`` with nothing to resume, another run's inputs, an unreadable
+        checkpoint or a run that cannot be checkpointed; or an interrupted run left for this save
+        path while neither ``resume`` nor ``overwrite`` says what to do with it.
+    """
+    directory = partial_path(save_path)
+    interrupted = (directory / PROGRESS_FILE).is_file()
+    if resume and blocker is not None:
+        raise ResumeError(f"--resume: this run is not checkpointed: {blocker}")
+    if resume:
+        return _resume_checkpoints(save_path, directory, fingerprint, interrupted)
+    if interrupted and not overwrite:
+        raise ResumeError(
+            f"an interrupted run of {Path(save_path)} is kept in {directory} ({_describe(directory)}): "
+            "add --resume (Python: resume=True) to continue it, or --overwrite to start over "
+            "and discard it"
+        )
+    if interrupted:
+        logger.warning(
+            "--overwrite: discarding the interrupted run in %s (%s)",
+            directory,
+            _describe(directory),
+        )
+    if blocker is not None:
+        if directory.exists():
+            _discard(directory)
+        logger.info("no checkpoints: %s", blocker)
+        return None
+    return RunCheckpoints(directory, fingerprint, None)
+
+
+def _resume_checkpoints(
+    save_path: str | Path, directory: Path, fingerprint: Mapping[str, Any], interrupted: bool
+) -> RunCheckpoints:
+    if not directory.is_dir():
+        raise ResumeError(
+            f"--resume: there is no interrupted run of {Path(save_path)} to resume (no {directory}); "
+            "run without --resume"
+        )
+    if not interrupted:
+        logger.warning(
+            "--resume: the interrupted run in %s had not finished a layer; starting from the first",
+            directory,
+        )
+        return RunCheckpoints(directory, fingerprint, None)
+    progress = _read_progress(directory)
+    differences = fingerprint_differences(progress.get("fingerprint", {}), fingerprint)
+    if differences:
+        raise ResumeError(
+            f"--resume: the interrupted run in {directory} was started with other inputs, so its "
+            "layers cannot be reused:\n"
+            + "\n".join(f"  - {line}" for line in differences)
+            + "\nrerun with the same inputs and --resume, or drop --resume and pass --overwrite "
+            "to start over"
+        )
+    return RunCheckpoints(directory, fingerprint, progress)
+
+
+class RunCheckpoints:
+    """The checkpoint folder of one run: what the runner calls after each layer and on resume.
+
+    :param directory: the folder (:func:`partial_path`).
+    :param fingerprint: the run's :func:`run_fingerprint`.
+    :param progress: the checkpoint to resume from, or None for a fresh run (the folder is then
+        emptied when the run starts).
+    """
+
+    def __init__(
+        self, directory: Path, fingerprint: Mapping[str, Any], progress: Mapping[str, Any] | None
+    ) -> None:
+        self.directory = directory
+        self.fingerprint = dict(fingerprint)
+        self.progress = progress
+        self.store = LayerStore(directory / LAYERS_DIR)
+
+    @property
+    def export_dir(self) -> Path:
+        """The staging folder of the export (moved to the save path at the end)."""
+        return self.directory / EXPORT_DIR
+
+    @property
+    def resuming(self) -> bool:
+        """Whether this run continues from a checkpoint."""
+        return self.progress is not None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the checkpoint resumed from was taken after every saver finalised."""
+        return self.progress is not None and self.progress.get("stage") == STAGE_FINISHED
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """Hold the folder for the whole run (enter it before the model is loaded: a streamed
+        run's scratch folder goes in it): locked, emptied for a fresh run, rid of the scratch
+        folders of killed runs when resuming; removed after success or an error, kept (with a
+        hint) when the run is interrupted after a checkpoint."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        lock = _take_lock(self.directory)
+        try:
+            if self.progress is None:
+                self._empty()
+            else:
+                for stale in self.directory.glob(f"{SCRATCH_PREFIX}*"):
+                    shutil.rmtree(stale, ignore_errors=True)
+            yield
+        except Exception:
+            self._remove()  # a failed run leaves nothing behind, checkpointed or not
+            raise
+        except BaseException:
+            self._keep_or_remove()
+            raise
+        else:
+            self._remove()
+        finally:
+            if lock is not None:
+                lock.close()
+
+    def _keep_or_remove(self) -> None:
+        """After an interruption (Ctrl-C, ``SystemExit``), keep what has been checkpointed,
+        saying how to continue."""
+        if not (self.directory / PROGRESS_FILE).is_file():
+            self._remove()
+            return
+        logger.warning(
+            "interrupted: the finished work (%s) is kept in %s; run the same command with "
+            "--resume to continue, or with --overwrite to start over",
+            _describe(self.directory),
+            self.directory,
+        )
+
+    def _empty(self) -> None:
+        for child in self.directory.iterdir():
+            if child.name == LOCK_FILE:
+                continue
+            if child.is_dir():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+
+    def _remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    # -- after each layer ---------------------------------------------------------------------
+
+    def keep_layer(self, layer: DecoderLayer) -> None:
+        """Store the finished layer's quantized linears (before a streamed run releases it)."""
+        self.store.save(_layer_key(layer.index), layer.module, layer.name)
+
+    def commit_layer(
+        self,
+        ctx: RunContext,
+        processors: Sequence[Processor],
+        layer: DecoderLayer,
+        activations: CalibrationActivations | None,
+    ) -> None:
+        """Write the checkpoint after ``layer``: hidden states, then the progress file."""
+        done = layer.index + 1
+        hidden = None if activations is None else self._save_hidden(done, activations.hidden)
+        self._write_progress(
+            ctx,
+            stage=STAGE_LAYERS,
+            layers_done=done,
+            hidden=hidden,
+            processors=[{"type": p.type_name, "state": p.resume_state(ctx)} for p in processors],
+        )
+        self._remove_hidden(keep=None if hidden is None else hidden["file"])
+        logger.debug("checkpoint: %d of %d layers", done, len(ctx.layers))
+
+    def commit_finished(self, ctx: RunContext) -> None:
+        """The last checkpoint, once every saver has finalised: a resumed run then only checks,
+        evaluates and reports. The hidden files the writers kept for earlier checkpoints go."""
+        self.store.save(OUTSIDE_KEY, ctx.model, "", exclude=[layer.name for layer in ctx.layers])
+        self._write_progress(
+            ctx, stage=STAGE_FINISHED, layers_done=len(ctx.layers), hidden=None, processors=[]
+        )
+        self._remove_hidden(keep=None)
+        removed = remove_temporaries(self.export_dir)
+        logger.debug("checkpoint: finished (%d temporary file(s) removed)", removed)
+
+    def _write_progress(
+        self,
+        ctx: RunContext,
+        *,
+        stage: str,
+        layers_done: int,
+        hidden: dict[str, Any] | None,
+        processors: list[dict[str, Any]],
+    ) -> None:
+        progress = {
+            "format": PROGRESS_FORMAT,
+            "stage": stage,
+            "fingerprint": self.fingerprint,
+            "layers_done": layers_done,
+            "hidden": hidden,
+            "report": ctx.report.layer_records(),
+            "processors": processors,
+        }
+        _write_json_atomically(self.directory / PROGRESS_FILE, progress)
+
+    def _save_hidden(self, done: int, hidden: Sequence[torch.Tensor]) -> dict[str, Any]:
+        name = f"{HIDDEN_PREFIX}{done:05d}.safetensors"
+        tensors = {_layer_key(i): h.detach().to("cpu").contiguous() for i, h in enumerate(hidden)}
+        path = self.directory / name
+        _save_tensors_atomically(tensors, path)
+        return {"file": name, "batches": len(tensors), "bytes": path.stat().st_size}
+
+    def _remove_hidden(self, keep: str | None) -> None:
+        for path in self.directory.glob(f"{HIDDEN_PREFIX}*"):
+            if path.name != keep:
+                path.unlink()
+
+    # -- resuming ----------------------------------------------------------------------------
+
+    def restore(
+        self,
+        ctx: RunContext,
+        processors: Sequence[Processor],
+        activations: CalibrationActivations | None,
+    ) -> int:
+        """Take up the checkpoint (after ``setup`` and the capture): rebuild the finished layers,
+        restore the hidden states, the report and the processors.
+
+        :returns: the index of the first layer still to run.
+        :raises ResumeError: when the checkpoint does not fit this run or its files are damaged.
+        """
+        progress = self.progress
+        assert progress is not None and not self.finished
+        recorded = [entry["type"] for entry in progress["processors"]]
+        if recorded != [p.type_name for p in processors]:
+            raise ResumeError(
+                f"--resume: the checkpoint's processors {recorded} are not this run's "
+                f"{[p.type_name for p in processors]}"
+            )
+        done = int(progress["layers_done"])
+        self._rebuild(ctx, done)
+        if activations is not None:
+            self._load_hidden(activations, done)
+        ctx.report.restore_layer_records(progress["report"])
+        for processor, entry in zip(processors, progress["processors"], strict=True):
+            try:
+                processor.restore(ctx, entry["state"])
+            except (WriterStateError, OSError, KeyError, TypeError, ValueError) as error:
+                raise ResumeError(
+                    f"--resume: {processor.type_name} cannot take up its checkpoint ({error}); "
+                    "start over with --overwrite (without --resume)"
+                ) from error
+        logger.info(
+            "resuming after layer %d of %d (checkpoint in %s)",
+            done,
+            len(ctx.layers),
+            self.directory,
+        )
+        return done
+
+    def restore_finished(self, ctx: RunContext) -> None:
+        """Take up a ``finished`` checkpoint: the quantized modules and the report (the export
+        files are complete in :attr:`export_dir`)."""
+        assert self.progress is not None and self.finished
+        if not self.export_dir.is_dir() or not any(self.export_dir.iterdir()):
+            raise ResumeError(
+                f"--resume: the export files of the checkpoint in {self.directory} are missing; "
+                "start over with --overwrite (without --resume)"
+            )
+        self._rebuild(ctx, len(ctx.layers))
+        self.store.rebuild(ctx.model, OUTSIDE_KEY, weightless=False)
+        ctx.report.restore_layer_records(self.progress["report"])
+        logger.info(
+            "resuming after the export files were written (checkpoint in %s)", self.directory
+        )
+
+    def _rebuild(self, ctx: RunContext, count: int) -> None:
+        """The first ``count`` layers as a run leaves them: quantized linears in place, and in a
+        streamed run every tensor released to the meta device."""
+        streamed = ctx.streamed
+        for layer in ctx.layers[:count]:
+            self.store.rebuild(ctx.model, _layer_key(layer.index), weightless=streamed is not None)
+            loaded = any(not t.is_meta for t in layer.module.state_dict().values())
+            if streamed is not None and loaded:  # capture loads the first layer
+                streamed.release(layer.module)
+
+    def _load_hidden(self, activations: CalibrationActivations, done: int) -> None:
+        """The hidden states entering layer ``done``, in place of the captured ones."""
+        assert self.progress is not None
+        info = self.progress["hidden"]
+        path = None if info is None else self.directory / info["file"]
+        if (
+            info is None
+            or path is None
+            or not path.is_file()
+            or path.stat().st_size != info["bytes"]
+        ):
+            raise ResumeError(
+                f"--resume: the hidden states of the checkpoint in {self.directory} are missing "
+                "or damaged; start over with --overwrite (without --resume)"
+            )
+        with safe_open(str(path), framework="pt") as handle:
+            hidden = [handle.get_tensor(_layer_key(i)) for i in range(int(info["batches"]))]
+        captured = activations.hidden
+        shapes = [(tuple(h.shape), h.dtype) for h in hidden]
+        if shapes != [(tuple(h.shape), h.dtype) for h in captured]:
+            raise ResumeError(
+                f"--resume: the checkpoint's hidden states {shapes} do not match the calibration "
+                "batches of this run"
+            )
+        activations.hidden = [h.to(c.device) for h, c in zip(hidden, captured, strict=True)]
+        activations.next_layer = done
