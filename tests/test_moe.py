@@ -286,9 +286,15 @@ def test_bf16_forward_keeps_dtype(tiny_model_factory: Callable[..., Path]) -> No
 
 def test_unfuse_on_a_meta_model(tiny_model_factory: Callable[..., Path]) -> None:
     """Planning builds the model on the meta device: unfusing must not materialise weights."""
-    model = build_meta_model(load_model_config(tiny_model_factory("qwen2_moe")))
+    from transformers import AutoModelForCausalLM
+
+    config = load_model_config(tiny_model_factory("qwen2_moe"))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
     info = unfuse_experts(model)
     assert [m.num_experts for m in info.modules] == [8, 8]
+    # build_meta_model (planning, checks) hands out the model already split
+    assert not unfuse_experts(build_meta_model(config))
     layer = find_decoder_layers(model)[0]
     linears = dict(layer.named_linears())
     weight = linears["model.layers.0.mlp.experts.7.down_proj"].weight
