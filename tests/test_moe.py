@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import NEEDS_MOE_TRANSFORMERS
 from safetensors import safe_open
 from torch import nn
 
@@ -35,6 +36,9 @@ ARCHS = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3"]
 OVERRIDES: dict[str, dict[str, object]] = {"mixtral": {"intermediate_size": 32}}
 TOP_K = 2
 BATCH, SEQ = 2, 24
+
+
+pytestmark = NEEDS_MOE_TRANSFORMERS
 
 
 @pytest.fixture(params=ARCHS)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from ascend_reader import read_ascend_export
-from conftest import CALIB_TXT
+from conftest import CALIB_TXT, NEEDS_MOE_TRANSFORMERS
 from safetensors import safe_open
 
 import msquant
@@ -21,6 +21,8 @@ from msquant.errors import ModelLoadError
 from msquant.model.capture import batch_samples
 from msquant.model.loader import load_causal_lm, load_tokenizer
 from msquant.model.moe import ExpertTokenCounter, unfuse_experts
+
+pytestmark = NEEDS_MOE_TRANSFORMERS
 
 MAX_TOKENS = 24
 
@@ -122,6 +124,7 @@ def test_streamed_moe_run_equals_the_whole_model_run(qwen3_moe: Path, tmp_path: 
 def test_mixtral_style_names_are_refused(
     tiny_model_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
+
     model = tiny_model_factory("mixtral", num_layers=1, intermediate_size=32)
     with pytest.raises(
         ModelLoadError, match=r"mlp\.gate\.weight -> .*block_sparse_moe.* not supported"

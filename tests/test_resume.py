@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import pytest
 import torch
-from conftest import CALIB_TXT, CliResult
+from conftest import CALIB_TXT, NEEDS_MOE_TRANSFORMERS, CliResult
 
 import msquant
 from msquant import (
@@ -245,6 +245,7 @@ def test_kill_after_the_last_layer_or_the_export_files(
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
+@NEEDS_MOE_TRANSFORMERS
 def test_moe_run_resumes_with_its_expert_fallbacks(
     tiny_model_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
