@@ -23,42 +23,7 @@ from pathlib import Path
 
 import torch
 import yaml
-
-REPO = Path(__file__).resolve().parents[1]
-
-CONFIG = {
-    "apiversion": "modelslim_v1",
-    "spec": {
-        "process": [
-            {
-                "type": "linear_quant",
-                "qconfig": {
-                    "weight": {
-                        "scope": "per_group",
-                        "dtype": "int4",
-                        "symmetric": True,
-                        "method": "gptq",
-                        "ext": {"group_size": 128},
-                    }
-                },
-            }
-        ],
-        "save": [{"type": "ascendv1_saver"}],
-    },
-}
-
-
-def build_model(directory: Path, layers: int, hidden: int, intermediate: int) -> Path:
-    """A random Llama with a trained byte-level tokenizer (``tests/tiny_models.py``)."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from tiny_models import build_tiny_model
-
-    if not (directory / "config.json").exists():
-        build_tiny_model(
-            directory, "llama", hidden_size=hidden, intermediate_size=intermediate,
-            num_layers=layers,
-        )  # fmt: skip
-    return directory
+from random_llama import CALIB_TXT, build_model, gptq_int4_config
 
 
 def run(model: Path, save: Path, config: Path, nproc: int, tokens: int) -> dict[str, float]:
@@ -66,7 +31,7 @@ def run(model: Path, save: Path, config: Path, nproc: int, tokens: int) -> dict[
     command = [
         sys.executable, "-m", "msquant", "quant", "--model_path", str(model),
         "--save_path", str(save), "--config_path", str(config),
-        "--calib_path", str(REPO / "tests" / "data" / "calib.txt"),
+        "--calib_path", str(CALIB_TXT),
         "--max_calib_tokens", str(tokens), "--no_progress", "--overwrite", "--no_verify",
         "--nproc", str(nproc), "--log_level", "WARNING",
     ]  # fmt: skip
@@ -125,7 +90,7 @@ def main() -> None:
             args.intermediate,
         )  # fmt: skip
         config = work / "gptq.yaml"
-        config.write_text(yaml.safe_dump(CONFIG))
+        config.write_text(yaml.safe_dump(gptq_int4_config()))
         one = run(model, work / "out-1", config, 1, args.tokens)
         many = run(model, work / f"out-{args.nproc}", config, args.nproc, args.tokens)
         print(f"1 process:   layer loop {one['layers']:7.1f} s, command {one['wall']:7.1f} s")

@@ -21,29 +21,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
-CONFIG = {
-    "apiversion": "modelslim_v1",
-    "spec": {
-        "runner": "RUNNER",
-        "process": [
-            {
-                "type": "linear_quant",
-                "qconfig": {
-                    "weight": {
-                        "scope": "per_group",
-                        "dtype": "int4",
-                        "symmetric": True,
-                        "method": "gptq",
-                        "ext": {"group_size": 128},
-                    }
-                },
-            }
-        ],
-        "save": [{"type": "ascendv1_saver"}],
-    },
-}
+from random_llama import CALIB_TXT, build_model, gptq_int4_config
 
 # Runs in a child process so that each measurement starts from a fresh interpreter.
 CHILD = textwrap.dedent(
@@ -63,27 +41,11 @@ CHILD = textwrap.dedent(
 )
 
 
-def build_model(directory: Path, layers: int, hidden: int, intermediate: int) -> Path:
-    """A random Llama with a trained byte-level tokenizer (``tests/tiny_models.py``)."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from tiny_models import build_tiny_model
-
-    if not (directory / "config.json").exists():
-        build_tiny_model(
-            directory,
-            "llama",
-            hidden_size=hidden,
-            intermediate_size=intermediate,
-            num_layers=layers,
-        )
-    return directory
-
-
 def measure(model: Path, runner: str, work: Path, tokens: int) -> dict[str, float]:
     """Peak RSS (MiB) and seconds of one run in a fresh process."""
-    config = json.loads(json.dumps(CONFIG).replace("RUNNER", runner))
+    config = gptq_int4_config(runner)
     save = work / f"out-{model.name}-{runner}"
-    calib = REPO / "tests" / "data" / "calib.txt"
+    calib = CALIB_TXT
     result = subprocess.run(
         [
             sys.executable,
