@@ -15,7 +15,7 @@ from msquant.report import RunReport
 if TYPE_CHECKING:
     from msquant.backends.base import Backend
     from msquant.model.streaming import StreamedWeights
-    from msquant.quant.spill import QuantizedWeightSpill
+    from msquant.resume import LayerStore
 
 __all__ = ["DecoderLayer", "RunContext"]
 
@@ -80,7 +80,7 @@ class RunContext:
     extras: dict[str, Any] = field(default_factory=dict)
     report: RunReport = field(default_factory=RunReport)
     streamed: StreamedWeights | None = None
-    spill: QuantizedWeightSpill | None = None
+    spill: LayerStore | None = None
     dist: Distributed = SINGLE
     experts: MoEInfo = field(default_factory=MoEInfo)
 

@@ -259,7 +259,7 @@ class LayerStore(Mapping[str, QuantizedWeight]):
 
     A read-only mapping ``module name ->`` :class:`~msquant.QuantizedWeight`, read from disk on
     demand: in a streamed run it is the reference of the read-back check for the layers released
-    from memory (in place of the run's spill).
+    from memory (the checkpoints' store, or without checkpoints a scratch one: ``ctx.spill``).
 
     :param directory: where the files go (created on first use).
     """

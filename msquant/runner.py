@@ -135,5 +135,5 @@ def _release(ctx: RunContext, layer: DecoderLayer) -> None:
     """Keep the layer's quantized weights in the spill, then free all of its tensors."""
     assert ctx.streamed is not None
     if ctx.spill is not None:
-        ctx.spill.add_modules(layer.module, layer.name)
+        ctx.spill.save(layer.name, layer.module, layer.name)
     ctx.streamed.release(layer.module)

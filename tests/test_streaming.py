@@ -29,7 +29,8 @@ from msquant.model.loader import build_meta_model, load_causal_lm, load_model_co
 from msquant.model.streaming import StreamedWeights, streaming_device_map
 from msquant.quant.minmax import quantize_weight_minmax
 from msquant.quant.quantized_linear import QuantizedLinear
-from msquant.quant.spill import MergedWeights, QuantizedWeightSpill
+from msquant.quant.spill import MergedWeights
+from msquant.resume import LayerStore
 
 SAVERS = [
     {"type": "ascendv1_saver"},
@@ -118,6 +119,18 @@ def test_auto_runner_streams_like_layer_wise(tiny_llama: Path, tmp_path: Path) -
     _quantize(tiny_llama, tmp_path / "auto", _config("auto", save))
     _quantize(tiny_llama, tmp_path / "layer_wise", _config("layer_wise", save))
     assert _files(tmp_path / "auto") == _files(tmp_path / "layer_wise")
+
+
+def test_streamed_run_without_checkpoints_verifies_from_its_scratch_store(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Without resume checkpoints the released layers' quantized weights go to a scratch store
+    (ctx.spill) for the read-back check; the export is the same, and the scratch is removed."""
+    save = [{"type": "gptq_saver"}]
+    _quantize(tiny_llama, tmp_path / "plain", _config("layer_wise", save), checkpoints=False)
+    _quantize(tiny_llama, tmp_path / "checkpointed", _config("layer_wise", save))
+    assert _files(tmp_path / "plain") == _files(tmp_path / "checkpointed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpointed", "plain"]
 
 
 # -- one layer in memory at a time ------------------------------------------------------------
@@ -283,9 +296,9 @@ def test_spill_returns_what_was_written(tmp_path: Path) -> None:
         linear.weight.data = torch.randn(linear.weight.shape, generator=generator)
         qweights[f"block.{index}"] = quantize_weight_minmax(linear.weight, bits, index == 1, group)
         layer[index] = QuantizedLinear.from_linear(linear, qweights[f"block.{index}"], "minmax")
-    spill = QuantizedWeightSpill(tmp_path)
-    assert spill.add_modules(layer, "block") == 2
-    assert spill.add_modules(layer, "block") == 0  # written once
+    spill = LayerStore(tmp_path)  # what a streamed run without checkpoints keeps as ctx.spill
+    assert sorted(spill.save("block", layer, "block")) == ["block.0", "block.1"]
+    assert sorted(spill.save("block", layer, "block")) == ["block.0", "block.1"]  # replaced
     assert sorted(spill) == ["block.0", "block.1"] and len(spill) == 2
     for name, expected in qweights.items():
         got = spill[name]
@@ -299,7 +312,7 @@ def test_spill_returns_what_was_written(tmp_path: Path) -> None:
     files = sorted(tmp_path.glob("*.safetensors"))
     assert len(files) == 1 and set(load_file(str(files[0]))) == {
         f"{name}.{part}" for name in qweights for part in ("codes", "scale", "offset")
-    }
+    } | {"block.0.bias"}
     merged = MergedWeights({"other": qweights["block.0"]}, spill)
     assert sorted(merged) == ["block.0", "block.1", "other"] and len(merged) == 3
     assert torch.equal(merged["other"].codes, qweights["block.0"].codes)

@@ -24,7 +24,7 @@ from msquant.model.layers import find_decoder_layers
 from msquant.model.loader import load_causal_lm
 from msquant.model.moe import MoEInfo, checkpoint_names, checkpoint_sources, unfuse_experts
 from msquant.model.streaming import StreamedWeights, load_causal_lm_streaming
-from msquant.quant.spill import QuantizedWeightSpill
+from msquant.resume import LayerStore
 
 __all__ = ["LoadedModel", "load_for_run", "streams"]
 
@@ -43,7 +43,7 @@ class LoadedModel:
     model: nn.Module
     layers: list[DecoderLayer]
     streamed: StreamedWeights | None = None
-    spill: QuantizedWeightSpill | None = None
+    spill: LayerStore | None = None
     experts: MoEInfo = MoEInfo()
 
 
@@ -86,8 +86,7 @@ def load_for_run(
             streamed.sources.update(checkpoint_sources(model, checkpoint_names(model), model_dir))
         spill = None
         if keep_reference:
-            (scratch / "reference").mkdir()
-            spill = QuantizedWeightSpill(scratch / "reference")
+            spill = LayerStore(scratch / "reference")
         yield LoadedModel(model, find_decoder_layers(model), streamed, spill, experts)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
