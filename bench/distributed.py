@@ -7,7 +7,12 @@ with one process (all cores to it) and once with ``--nproc N`` (the cores shared
 Hessians and solves; from ``quant_report.json``), the whole command's time, and the ratios; it
 also checks that both exports hold the same tensors, byte for byte.
 
+With ``--per-device`` the one-process run is held to the cores one process of the group gets
+(``OMP_NUM_THREADS``), which measures how the run scales with devices (one NPU or GPU per
+process) rather than how N processes share one CPU.
+
     python bench/distributed.py                  # 1 vs 2 processes
+    python bench/distributed.py --per-device     # 1 vs 2 "devices" of cores // 2 threads each
     python bench/distributed.py --nproc 4 --hidden 1024
 """
 
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -26,8 +32,14 @@ import yaml
 from random_llama import CALIB_TXT, build_model, gptq_int4_config
 
 
-def run(model: Path, save: Path, config: Path, nproc: int, tokens: int) -> dict[str, float]:
-    """One ``msquant quant`` command; its wall time and the report's layer-loop time."""
+def run(
+    model: Path, save: Path, config: Path, nproc: int, tokens: int, threads: int | None = None
+) -> dict[str, float]:
+    """One ``msquant quant`` command; its wall time and the report's layer-loop time.
+
+    :param threads: limit the single process to this many threads (``OMP_NUM_THREADS``); a
+        spawned group shares the cores out by itself (cores // processes each).
+    """
     command = [
         sys.executable, "-m", "msquant", "quant", "--model_path", str(model),
         "--save_path", str(save), "--config_path", str(config),
@@ -35,8 +47,11 @@ def run(model: Path, save: Path, config: Path, nproc: int, tokens: int) -> dict[
         "--max_calib_tokens", str(tokens), "--no_progress", "--overwrite", "--no_verify",
         "--nproc", str(nproc), "--log_level", "WARNING",
     ]  # fmt: skip
+    env = dict(os.environ)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     started = time.perf_counter()
-    subprocess.run(command, check=True)
+    subprocess.run(command, check=True, env=env)
     wall = time.perf_counter() - started
     report = json.loads((save / "quant_report.json").read_text())
     layers = sum(layer["seconds"] for layer in report["layers"])
@@ -80,6 +95,12 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=5632)
     parser.add_argument("--tokens", type=int, default=256, help="calibration tokens per sample")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the model here")
+    parser.add_argument(
+        "--per-device",
+        action="store_true",
+        help="scaling per device: the one-process run gets the share of the cores one process "
+        "of the group has (cores // nproc), as one NPU per process would",
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as temp:
@@ -91,9 +112,13 @@ def main() -> None:
         )  # fmt: skip
         config = work / "gptq.yaml"
         config.write_text(yaml.safe_dump(gptq_int4_config()))
-        one = run(model, work / "out-1", config, 1, args.tokens)
+        threads = max(1, (os.cpu_count() or 1) // args.nproc) if args.per_device else None
+        one = run(model, work / "out-1", config, 1, args.tokens, threads)
         many = run(model, work / f"out-{args.nproc}", config, args.nproc, args.tokens)
-        print(f"1 process:   layer loop {one['layers']:7.1f} s, command {one['wall']:7.1f} s")
+        label = f" ({threads} thread(s), as one device)" if threads else " (all cores)"
+        print(
+            f"1 process{label}:   layer loop {one['layers']:7.1f} s, command {one['wall']:7.1f} s"
+        )
         print(
             f"{args.nproc} processes: layer loop {many['layers']:7.1f} s, "
             f"command {many['wall']:7.1f} s"

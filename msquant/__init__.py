@@ -49,7 +49,15 @@ from msquant.export import (
     unique_state_items,
     write_hf_config,
 )
-from msquant.model.fused import FUSED_SHARDS, FusedGroup, fused_group_problems, fused_groups
+from msquant.model.fused import (
+    FUSED_SHARDS,
+    FusedGroup,
+    expert_group_problems,
+    expert_groups,
+    fused_group_problems,
+    fused_groups,
+    parse_expert_linear,
+)
 from msquant.model.head import (
     OutputHeadStage,
     OutputHeadUser,
@@ -59,7 +67,7 @@ from msquant.model.head import (
     tied_head_message,
 )
 from msquant.model.matching import is_selected, unmatched_patterns
-from msquant.model.moe import MoEInfo, expert_fallback
+from msquant.model.moe import MoEInfo, expert_fallback, moe_routers
 from msquant.planning import (
     ModelPlan,
     ModuleDecision,
@@ -165,6 +173,7 @@ __all__ = [
     "balanced_owners",
     "MoEInfo",
     "expert_fallback",
+    "moe_routers",
     "OutputHeadStage",
     "OutputHeadUser",
     "find_output_head",
@@ -235,6 +244,9 @@ __all__ = [
     "FUSED_SHARDS",
     "FusedGroup",
     "fused_groups",
+    "expert_groups",
+    "expert_group_problems",
+    "parse_expert_linear",
     "fused_group_problems",
     # verification
     "verify_export",

@@ -187,7 +187,7 @@ def quantize(
     :param resume: continue the interrupted run of ``save_path`` after its last finished layer
         (same inputs required; :mod:`msquant.resume`); the result is the uninterrupted run's.
     :param checkpoints: write a checkpoint after every decoder layer, so that a killed run can be
-        resumed (single-process runs whose processors are all resumable).
+        resumed (runs whose processors are all resumable; ``dp_layer_wise`` groups too).
     :raises msquant.MsquantInputError: (a subclass) for any problem with the inputs.
     """
     started = time.perf_counter()
@@ -230,7 +230,8 @@ def quantize(
         _fingerprint(resolved.config, samples, model_dir, backend, meta_model),
         resume=resume,
         overwrite=overwrite,
-        blocker=checkpoint_blocker(processors, dist, checkpoints),
+        blocker=checkpoint_blocker(processors, checkpoints),
+        dist=dist,
     )
     with (
         nullcontext() if run_checkpoints is None else run_checkpoints.guard(),
@@ -264,6 +265,7 @@ def quantize(
             ctx = RunContext(
                 model, model_dir, staging, backend, layers, config_text, progress and dist.is_main,
                 streamed=loaded.streamed, spill=loaded.spill, dist=dist, experts=loaded.experts,
+                checkpoint_names=loaded.checkpoint_names,
             )  # fmt: skip
             _start_report(ctx, resolved.config, samples, backend)
             workers = processors if dist.is_main else [p for p in processors if p.stage != "save"]
@@ -348,13 +350,17 @@ def _check_memory(
 ) -> None:
     """Refuse, before weights load, a run whose estimated peak memory exceeds ``limit``."""
     tokens = sum(int(s.numel()) for s in samples) if samples else 0
+    layers = find_decoder_layers(meta_model)
     estimate = estimate_memory(
         meta_model,
-        find_decoder_layers(meta_model),
+        layers,
         checkpoint_size(model_dir),
         streaming=streaming,
         calibration_tokens=-(-tokens // dist.world_size),
         gptq=needs_calibration(processors),
+        gptq_passes=max(
+            (p.calibration_passes(layer) for p in processors for layer in layers), default=1
+        ),
     )
     logger.info("estimated peak memory: %.2f GiB (%s)", estimate.total / 2**30, estimate.describe())
     check_memory(estimate, limit, streaming)
@@ -364,14 +370,15 @@ def _reference(
     ctx: RunContext, stored: Mapping[str, QuantizedWeight] | None = None
 ) -> Mapping[str, QuantizedWeight]:
     """The run's quantized weights: those still in memory and, in a streamed run, those the
-    runner kept on disk when it released their layers (its spill, or the checkpoints' store)."""
+    runner kept on disk when it released their layers (its spill, or the checkpoints' store).
+    Keyed by the checkpoint's module names, as the exports are."""
     in_memory = {
         name: module.qweight
         for name, module in ctx.model.named_modules()
         if isinstance(module, QuantizedLinear) and not module.weight.is_meta
     }
     on_disk = [part for part in (ctx.spill, stored) if part is not None]
-    return MergedWeights(in_memory, *on_disk) if on_disk else in_memory
+    return ctx.disk_keyed(MergedWeights(in_memory, *on_disk) if on_disk else in_memory)
 
 
 def _check_evaluable_export(processors: list[Processor]) -> None:
@@ -487,7 +494,7 @@ def _output_folder(
     """Process 0 writes into the staging folder of the save path; the other processes of a
     ``dp_layer_wise`` group run no saver and get an empty scratch folder. A checkpointed run
     stages in its checkpoint folder, kept when the run is killed (:mod:`msquant.resume`)."""
-    if checkpoints is not None:
+    if checkpoints is not None and dist.is_main:
         with StagedOutputDir(save_path, overwrite, staging=checkpoints.export_dir) as staging:
             yield staging
     elif dist.is_main:

@@ -23,6 +23,7 @@ from msquant import __version__
 from msquant.api import quantize
 from msquant.backends import get_backend, parse_device
 from msquant.config.spec import config_json_schema, load_config
+from msquant.distributed import PeerLostError
 from msquant.errors import MsquantInputError
 from msquant.evaluate import (
     DEFAULT_SEQLEN,
@@ -521,6 +522,18 @@ def _quant_process(
     except ExportVerificationError as exc:
         print(f"msquant: error: {exc}\nnothing was written to the save path", file=sys.stderr)
         sys.exit(EXIT_INPUT)
+    except PeerLostError as exc:
+        print(_peer_lost(exc), file=sys.stderr)
+        sys.exit(EXIT_INTERNAL)
+
+
+def _peer_lost(exc: PeerLostError) -> str:
+    """One line for a ``dp_layer_wise`` process whose group lost a member, with the way on."""
+    return (
+        f"msquant: error: {exc}; nothing was written to the save path. Once the cause is fixed, "
+        "rerun the same command with --resume to continue after the last finished layer "
+        "(runs with --no_checkpoints start over)"
+    )
 
 
 def _regression_gate(
@@ -695,6 +708,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("msquant: interrupted; nothing was written to the save path", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except PeerLostError as exc:
+        print(_peer_lost(exc), file=sys.stderr)
+        return EXIT_INTERNAL
     except Exception:
         logger.exception(
             "internal error (please report it with the command line and this traceback)"

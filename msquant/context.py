@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch import nn
 
 from msquant.distributed import SINGLE, Distributed
-from msquant.model.moe import MoEInfo
+from msquant.model.moe import CheckpointNames, MoEInfo
 from msquant.report import RunReport
 
 if TYPE_CHECKING:
@@ -17,7 +18,9 @@ if TYPE_CHECKING:
     from msquant.model.streaming import StreamedWeights
     from msquant.resume import LayerStore
 
-__all__ = ["DecoderLayer", "RunContext"]
+__all__ = ["DecoderLayer", "DiskNamed", "RunContext", "disk_name"]
+
+V = TypeVar("V")
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,11 @@ class RunContext:
         Hessians and shares the solves out); only ``dist.is_main`` runs the savers.
     :param experts: the MoE experts modules split into per-expert linear layers (empty for a
         dense model); ``linear_quant`` rounds experts with too few calibration tokens to nearest.
+    :param checkpoint_names: how the model's checkpoint names its tensors and modules on disk,
+        when that differs from the loaded model (Mixtral's ``block_sparse_moe.experts.3.w1`` for
+        msquant's ``mlp.experts.3.gate_proj``); None when every name is the same. Savers write
+        every tensor and every module name of their metadata through :meth:`disk_name`, so that
+        engines load the export as they load the original checkpoint.
     """
 
     model: nn.Module
@@ -83,9 +91,69 @@ class RunContext:
     spill: LayerStore | None = None
     dist: Distributed = SINGLE
     experts: MoEInfo = field(default_factory=MoEInfo)
+    checkpoint_names: CheckpointNames | None = None
+
+    def disk_name(self, name: str) -> str:
+        """The checkpoint's name for a module or tensor name of the loaded model (see
+        :func:`disk_name`); ``name`` itself for a model saved under its own names."""
+        return disk_name(self.checkpoint_names, name)
+
+    def disk_keyed(self, mapping: Mapping[str, V]) -> Mapping[str, V]:
+        """``mapping`` (keyed by model module or tensor names) keyed by the checkpoint's names,
+        as a view: values are only read when looked up."""
+        if self.checkpoint_names is None:
+            return mapping
+        return DiskNamed(mapping, self.disk_name)
 
     @property
     def model_type(self) -> str:
         """The Hugging Face ``model_type`` of the model (``"unknown"`` if it has no config)."""
         config = getattr(self.model, "config", None)
         return str(getattr(config, "model_type", "unknown"))
+
+
+def disk_name(names: CheckpointNames | None, name: str) -> str:
+    """The checkpoint's name for ``name``, a module or tensor name of the loaded model.
+
+    A module (``model.layers.0.mlp.experts.3.gate_proj``) gets its disk name
+    (``model.layers.0.block_sparse_moe.experts.3.w1``); a tensor of the model or a new tensor of
+    one of its modules (``<module>.qweight``) keeps its leaf under the module's disk name. Names
+    the checkpoint has no entry for (modules without tensors, e.g. a decoder layer, or tensors
+    transformers converts rather than renames) are returned unchanged.
+    """
+    if names is None:
+        return name
+    if name in names.modules:
+        return names.modules[name]
+    try:
+        return names.tensor_name(name)
+    except LookupError:
+        return name
+
+
+class DiskNamed(Mapping[str, V]):
+    """A read-only view of a mapping with every key renamed (model name -> disk name).
+
+    Only the keys are read up front; values are fetched from the underlying mapping on lookup,
+    so a mapping that reads its values from disk (a streamed run's layer store) stays lazy.
+
+    :raises ValueError: when two keys get the same new name.
+    """
+
+    def __init__(self, mapping: Mapping[str, V], rename: Callable[[str], str]) -> None:
+        self._mapping = mapping
+        self._keys: dict[str, str] = {}
+        for key in mapping:
+            new = rename(key)
+            if new in self._keys:
+                raise ValueError(f"{key} and {self._keys[new]} are both named {new} on disk")
+            self._keys[new] = key
+
+    def __getitem__(self, name: str) -> V:
+        return self._mapping[self._keys[name]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)

@@ -9,6 +9,10 @@ and its result is broadcast to the others. Process 0 alone writes the export and
 Launch with ``torchrun --nproc_per_node N msquant quant ...`` (any rendezvous torchrun supports,
 several nodes included), or let :func:`spawn` start the processes for a multi-device ``--device``.
 A process started without a process group is :data:`SINGLE` (rank 0 of 1): nothing is exchanged.
+
+A collective that fails raises :class:`PeerLostError`: with gloo that is how a process learns that
+another one of its group died (killed, or failed with its own error), so a checkpointed run keeps
+its checkpoints for ``--resume`` instead of treating it as its own failure.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -26,6 +31,7 @@ import torch.distributed as dist
 __all__ = [
     "BACKEND_BY_DEVICE",
     "Distributed",
+    "PeerLostError",
     "SINGLE",
     "balanced_owners",
     "from_environment",
@@ -38,6 +44,23 @@ logger = logging.getLogger(__name__)
 BACKEND_BY_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 T = TypeVar("T")
+
+
+class PeerLostError(RuntimeError):
+    """A collective failed: another process of the ``dp_layer_wise`` group ended (killed, or
+    stopped by its own error, which its log shows) or the connection to it broke."""
+
+
+@contextmanager
+def _collective(name: str) -> Iterator[None]:
+    """Turn the backend's error of a failed collective into :class:`PeerLostError`."""
+    try:
+        yield
+    except RuntimeError as error:  # gloo: "Connection closed by peer"; DistError subclasses it
+        raise PeerLostError(
+            f"dp_layer_wise: {name} failed, another process of the group has ended or is "
+            f"unreachable (see its log): {error}"
+        ) from error
 
 
 @dataclass(frozen=True)
@@ -66,7 +89,8 @@ class Distributed:
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over all processes, in place (every process must call this)."""
         if self.active:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            with _collective("all_reduce"):
+                dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
 
     def broadcast_object(self, obj: T, src: int) -> T:
         """``obj`` of process ``src`` on every process (pickled between the group's own
@@ -74,13 +98,21 @@ class Distributed:
         if not self.active:
             return obj
         box: list[Any] = [obj if self.rank == src else None]
-        dist.broadcast_object_list(box, src=src, device=self.device)
+        with _collective("broadcast"):
+            dist.broadcast_object_list(box, src=src, device=self.device)
         return box[0]
+
+    def all_gather_object(self, obj: T) -> list[T]:
+        """Every process's ``obj``, by rank, on every process (one small broadcast per process:
+        meant for a few bytes of bookkeeping per layer, through the same path as
+        :meth:`broadcast_object` on every backend)."""
+        return [self.broadcast_object(obj, src) for src in range(self.world_size)]
 
     def barrier(self) -> None:
         """Wait until every process got here."""
         if self.active:
-            dist.barrier()
+            with _collective("barrier"):
+                dist.barrier()
 
     def shard(self, items: Sequence[T]) -> list[T]:
         """This process's share of ``items`` (round robin, so shares differ by at most one)."""

@@ -26,7 +26,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from msquant.model.loader import (
     load_model_config,
     load_tokenizer,
 )
+from msquant.model.moe import checkpoint_names, unfuse_experts
 from msquant.report import EvaluationReport
 from msquant.verify.ascend import description_files
 from msquant.verify.base import ExportReader
@@ -434,13 +435,18 @@ def _load_export(path: Path, trust_remote_code: bool) -> nn.Module:
     try:
         _raise_on_errors(path, reader, findings)
         model = _empty_model(path, trust_remote_code)
+        unfuse_experts(model)  # MoE exports hold one quantized Linear per expert projection
+        names = checkpoint_names(model)  # the export uses the checkpoint's names (Mixtral)
+        tensor_of = {disk: mine for mine, disk in names.tensors.items()}
+        module_of = {disk: mine for mine, disk in names.modules.items()}
         assert reader.store is not None
         dtype = next(model.parameters()).dtype
-        covered = _load_float_tensors(model, reader, path)
-        for module_name in reader.quantized_modules():
-            layer = reader.decode(module_name)
+        covered = _load_float_tensors(model, reader, path, tensor_of)
+        for stored_name in reader.quantized_modules():
+            layer = reader.decode(stored_name)
             _raise_on_errors(path, reader, findings)
             assert layer is not None
+            module_name = module_of.get(stored_name, stored_name)
             weight = _linear_weight(model, module_name, path)
             if tuple(weight.shape) != layer.shape:
                 raise ExportReadError(
@@ -492,18 +498,24 @@ def _empty_model(path: Path, trust_remote_code: bool) -> nn.Module:
     return model
 
 
-def _load_float_tensors(model: nn.Module, reader: ExportReader, path: Path) -> set[str]:
-    """Copy the stored float tensors into the model; the names of the parameters set."""
+def _load_float_tensors(
+    model: nn.Module, reader: ExportReader, path: Path, tensor_of: Mapping[str, str]
+) -> set[str]:
+    """Copy the stored float tensors into the model; the names of the parameters set.
+
+    :param tensor_of: stored name -> the model's name, where they differ.
+    """
     assert reader.store is not None
     state = model.state_dict()
     covered: set[str] = set()
     unexpected: list[str] = []
     with torch.no_grad():
-        for name in reader.float_tensors():
+        for stored_name in reader.float_tensors():
+            name = tensor_of.get(stored_name, stored_name)
             if name not in state:
-                unexpected.append(name)
+                unexpected.append(stored_name)
                 continue
-            tensor = reader.store.get(name)
+            tensor = reader.store.get(stored_name)
             if tuple(tensor.shape) != tuple(state[name].shape):
                 raise ExportReadError(
                     f"{path}: {name} is stored with shape {list(tensor.shape)} but the model "

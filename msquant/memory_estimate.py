@@ -8,8 +8,9 @@ the checkpoint's size on disk and the calibration token count:
 * calibration activations: the hidden states entering and leaving a layer, float32, for every
   calibration token (this process's share in a ``dp_layer_wise`` group);
 * GPTQ: the Hessians of one layer (one ``in x in`` float32 matrix per linear layer, an upper
-  bound: q/k/v and gate/up share theirs) and the solve's working copies of the largest weight
-  (three) and Hessian (two; see docs/performance.md).
+  bound: q/k/v and gate/up share theirs; MoE experts spread over the calibration passes of
+  ``ext.experts_per_pass``) and the solve's working copies of the largest weight (three) and
+  Hessian (two; see docs/performance.md).
 
 It ignores the interpreter and libraries (a few hundred MiB) and is meant to stop a run that
 cannot fit early, with the breakdown, rather than to predict the peak to the megabyte.
@@ -25,6 +26,7 @@ from torch import nn
 
 from msquant.context import DecoderLayer
 from msquant.errors import MsquantInputError
+from msquant.model.fused import parse_expert_linear
 
 __all__ = ["MemoryEstimate", "check_memory", "checkpoint_size", "estimate_memory", "parse_memory"]
 
@@ -61,6 +63,8 @@ class MemoryEstimate:
     outside_layers: int
     activations: int
     gptq: int
+    #: the model has MoE experts (their Hessians can be spread over more calibration passes)
+    experts: bool = False
 
     @property
     def total(self) -> int:
@@ -88,8 +92,13 @@ def estimate_memory(
     streaming: bool,
     calibration_tokens: int,
     gptq: bool,
+    gptq_passes: int = 1,
 ) -> MemoryEstimate:
-    """The peak estimate for a run of ``meta_model`` (see the module docstring)."""
+    """The peak estimate for a run of ``meta_model`` (see the module docstring).
+
+    :param gptq_passes: calibration passes per layer (the MoE experts' Hessians are spread
+        over them; the other linears' are gathered in the first).
+    """
     total_params = max(_numel(meta_model), 1)
     bytes_per_param = checkpoint_bytes / total_params
     layer_params = [_numel(layer.module) for layer in layers]
@@ -105,11 +114,27 @@ def estimate_memory(
     if gptq and layers:
         widest = max(layers, key=lambda layer: _numel(layer.module))
         linears = [linear for _, linear in widest.named_linears()]
-        hessians = sum(linear.in_features**2 * 4 for linear in linears)
+        hessians = _hessian_bytes(widest, max(gptq_passes, 1))
         largest = max((lin.in_features * lin.out_features for lin in linears), default=0)
         widest_in = max((lin.in_features for lin in linears), default=0)
         solve = hessians + 3 * largest * 4 + 2 * widest_in**2 * 4
-    return MemoryEstimate(weights, outside, activations, solve)
+    experts = any(
+        parse_expert_linear(name) for layer in layers for name, _ in layer.named_linears()
+    )
+    return MemoryEstimate(weights, outside, activations, solve, experts)
+
+
+def _hessian_bytes(layer: DecoderLayer, passes: int) -> int:
+    """Float32 Hessians alive at once: every non-expert linear's, and one pass's share of the
+    experts' (the first pass holds both)."""
+    dense = experts = 0
+    for name, linear in layer.named_linears():
+        size = linear.in_features**2 * 4
+        if parse_expert_linear(name) is None:
+            dense += size
+        else:
+            experts += size
+    return dense + -(-experts // passes)
 
 
 def _hidden_size(layer: DecoderLayer) -> int:
@@ -136,6 +161,8 @@ def check_memory(estimate: MemoryEstimate, limit: int, streaming: bool) -> None:
         "calibrate on fewer tokens (--max_calib_tokens or a smaller dataset)",
         "share the work over several processes (--nproc / --device npu:0,1,...)",
     ]
+    if estimate.experts:
+        hints.append("gather fewer experts' Hessians at a time (ext.experts_per_pass)")
     raise MsquantInputError(
         f"the run needs about {estimate.total / GIB:.2f} GiB ({estimate.describe()}), more than "
         f"--max_memory {limit / GIB:.2f} GiB; " + "; or ".join(hints)

@@ -29,7 +29,13 @@ from torch import nn
 
 from msquant.context import DecoderLayer
 from msquant.errors import QuantizationError
-from msquant.model.fused import FusedGroup, fused_group_problems, fused_groups
+from msquant.model.fused import (
+    FusedGroup,
+    expert_group_problems,
+    expert_groups,
+    fused_group_problems,
+    fused_groups,
+)
 from msquant.model.head import find_output_head, head_is_tied, tied_head_message
 from msquant.quant.rules import (
     BASE_SOURCE,
@@ -251,7 +257,8 @@ def _fused_errors(
     selected_by: Mapping[str, list[tuple[int, ModuleDecision]]],
     rows: Mapping[str, PlanRow],
 ) -> list[str]:
-    """Fused groups split across entries (or between an entry and no entry).
+    """Fused groups (and MoE experts modules) split across entries (or between an entry and
+    no entry).
 
     Groups whose shards are all selected by one and the same entry are that entry's own
     ``check_model`` business (so a run reports them once).
@@ -274,7 +281,7 @@ def _fused_errors(
             else:
                 members[member] = ("skipped",)
                 describe[member] = f"not quantized ({rows[member].decided_by})"
-    return fused_group_problems(members, describe)
+    return fused_group_problems(members, describe) + expert_group_problems(members, describe)
 
 
 def _tied_head_errors(
@@ -369,7 +376,8 @@ def analyse_plan(
         rows.append(_row(name, decided, selecting))
     groups = fused_groups(names)
     by_name = {row.module: row for row in rows}
-    errors = _overlap_errors(selected_by) + _fused_errors(groups, selected_by, by_name)
+    errors = _overlap_errors(selected_by)
+    errors += _fused_errors([*groups, *expert_groups(names)], selected_by, by_name)
     errors += _tied_head_errors(model, selected_by)
     head = find_output_head(model)
     warnings: list[str] = []

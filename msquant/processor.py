@@ -10,6 +10,8 @@ check_model       after the model's *config* is read, on a weightless (meta) cop
                   before any weight is loaded: shape-dependent errors (e.g. group_size)
 setup             once, the model loaded, before the first decoder layer
 before_layer      for each decoder layer, before calibration data flows through it
+before_pass       for each calibration pass over the layer (see below), before it
+after_pass        for each calibration pass over the layer, after it
 after_layer       for each decoder layer, after calibration data flowed through it
 finalize          once, after the last layer (savers write non-layer tensors and metadata)
 resume_state      after each decoder layer, in a checkpointed run (only when ``resumable``)
@@ -17,7 +19,14 @@ restore           once, when a killed run resumes, after ``setup`` (only when ``
 ================  ==========================================================================
 
 Processors that set ``requires_calibration`` make the runner capture decoder-layer inputs and run
-each layer forward over the calibration set between ``before_layer`` and ``after_layer``.
+each layer forward over the calibration set between ``before_layer`` and ``after_layer``. A
+processor that cannot hold what it gathers from one pass for all of a layer's modules at once
+(GPTQ Hessians of hundreds of MoE experts) asks for more passes with
+:meth:`Processor.calibration_passes`: the runner then pushes the calibration set through the layer
+that many times (the most any processor asks for), calling ``before_pass`` / ``after_pass``
+around each; only the last pass's outputs feed the next layer, and the layer's weights must not
+change before ``after_layer``. Forward hooks registered in ``before_layer`` see every pass;
+register them in ``before_pass`` and remove them in ``after_pass`` to see one.
 
 Checkpoints (:mod:`msquant.resume`): a run whose processors are all ``resumable`` records, after
 every decoder layer, each processor's :meth:`Processor.resume_state` (JSON) beside the layers'
@@ -102,6 +111,18 @@ class Processor(ABC):
 
     def before_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
         """Act on one decoder layer before calibration data flows through it."""
+
+    def calibration_passes(self, layer: DecoderLayer) -> int:
+        """How many times the calibration set must flow through ``layer`` for this processor
+        (called on the weightless model too, for the memory estimate; default 1)."""
+        return 1
+
+    def before_pass(self, ctx: RunContext, layer: DecoderLayer, index: int) -> None:
+        """Act before calibration pass ``index`` (0-based) over ``layer``; every processor gets
+        the call for every pass the runner makes, also past its own ``calibration_passes``."""
+
+    def after_pass(self, ctx: RunContext, layer: DecoderLayer, index: int) -> None:
+        """Act after calibration pass ``index`` over ``layer`` (before the next pass starts)."""
 
     def after_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
         """Act on one decoder layer after calibration data flowed through it."""

@@ -7,16 +7,18 @@ A checkpointed run keeps its work in a folder named after the save path,
     export/                   the staging folder: moved to the save path once the run is complete
     layers/00000.safetensors  the quantized linears of each finished decoder layer
     layers/outside.safetensors  quantized linears outside the layers (the head), at the end
-    hidden-00004.safetensors  the hidden states entering the next layer (calibrated runs)
+    hidden-00004-rank0.safetensors  the hidden states entering the next layer (calibrated runs),
+                              one file per process of a ``dp_layer_wise`` group (its share)
     progress.json             the latest checkpoint, replaced atomically after every layer
-    .msquant-scratch-*/       a streamed run's scratch folder (offload index)
+    .msquant-scratch-*/       a streamed run's scratch folders (offload index), one per process
 
 ``progress.json`` holds the run's fingerprint (versions, config and calibration hashes, model
-files, device kind), how many layers are finished, the run report's per-layer records and every
-processor's :meth:`~msquant.Processor.resume_state` (the savers' writer states). It is written to
-a temporary file, flushed to the disk and renamed over the previous one, after the files it names
-(the layer's quantized linears, the new hidden states); so whenever the process is killed, the
-folder holds one complete checkpoint.
+files, device kind, number of processes), how many layers are finished, the run report's
+per-layer records and, per process, its hidden-state file and every processor's
+:meth:`~msquant.Processor.resume_state` (the savers' writer states, in process 0's entry). It is
+written to a temporary file, flushed to the disk and renamed over the previous one, after the
+files it names (the layer's quantized linears, every process's new hidden states); so whenever a
+process is killed, the folder holds one complete checkpoint.
 
 ``quantize(..., resume=True)`` (``msquant quant ... --resume``) checks the fingerprint against
 the new run's (a difference is a :class:`ResumeError` naming it), captures the calibration inputs
@@ -27,10 +29,20 @@ remaining layers. The export is byte-identical to an uninterrupted run's, the re
 from its ``*seconds`` fields. A checkpoint of stage ``finished`` (every saver has finalised)
 resumes straight at the read-back check, the evaluation and the report.
 
-Policy: every single-process run whose processors are all resumable is checkpointed (opt out with
+``dp_layer_wise`` groups (:mod:`msquant.distributed`): process 0 owns the folder. It alone takes
+the lock, decides how the run uses the folder (fresh, resumed, refused: every process gets its
+decision, or its error), writes the layer store and ``progress.json``; every process writes its
+own hidden-state file, and process 0 commits a layer's checkpoint only once all of them are on
+disk (their names and sizes are gathered first). A resumed group must have as many processes as
+the interrupted one (each takes up its own share of the hidden states); processes other than 0
+rebuild no layer (they run no saver and check nothing). Every process must see the folder at the
+same path: for several nodes, a save path on a shared file system.
+
+Policy: every run whose processors are all resumable is checkpointed (opt out with
 ``checkpoints=False``). A run that fails with an exception removes the folder, as a failed run
 always removed its staging folder (nothing is left behind, on a full disk least of all); a run
-that is stopped after a checkpoint (killed, ``KeyboardInterrupt`` from Ctrl-C, ``SystemExit``)
+that is stopped after a checkpoint (killed, ``KeyboardInterrupt`` from Ctrl-C, ``SystemExit``, or
+in a ``dp_layer_wise`` group the loss of another process: :class:`~msquant.distributed.PeerLostError`)
 keeps it for ``--resume``, with a warning saying so. The save path itself is never touched
 before the export is complete. A later run of the same save path without ``--resume`` is refused
 while such a folder exists, unless ``overwrite`` discards it. The folder is removed once the
@@ -55,13 +67,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from msquant.context import DecoderLayer, RunContext
+from msquant.distributed import SINGLE, Distributed, PeerLostError
 from msquant.errors import MsquantInputError
 from msquant.export.shards import WriterStateError, remove_temporaries
 from msquant.quant.quantized_linear import QuantizedLinear, replace_module
 from msquant.quant.quantized_weight import QuantizedWeight
 
 if TYPE_CHECKING:
-    from msquant.distributed import Distributed
     from msquant.model.capture import CalibrationActivations
     from msquant.processor import Processor
 
@@ -82,7 +94,7 @@ logger = logging.getLogger(__name__)
 
 PARTIAL_SUFFIX = ".msquant-partial"
 PROGRESS_FILE = "progress.json"
-PROGRESS_FORMAT = 1  # bumped when the checkpoint layout changes
+PROGRESS_FORMAT = 2  # bumped when the checkpoint layout changes (2: per-process entries)
 EXPORT_DIR = "export"
 LAYERS_DIR = "layers"
 LOCK_FILE = "lock"
@@ -103,7 +115,14 @@ _FINGERPRINT_LABELS = {
     "model_files": "model files",
     "device_kind": "device kind",
     "num_layers": "number of decoder layers",
+    "world_size": "number of processes (dp_layer_wise)",
 }
+# Said after a difference in the number of processes: the one thing a user is likely to change.
+_WORLD_SIZE_HINT = (
+    "a dp_layer_wise run resumes with as many processes as it started with (--nproc, the devices "
+    "of --device, torchrun's --nnodes x --nproc_per_node): each takes up its share of the hidden "
+    "states"
+)
 
 
 class ResumeError(MsquantInputError):
@@ -190,19 +209,18 @@ def fingerprint_differences(recorded: Mapping[str, Any], current: Mapping[str, A
             continue
         if key == "model_files":
             lines.append(f"{label}: {_files_difference(then or {}, now or {})}")
+        elif key == "world_size":
+            lines.append(f"{label}: {then} then, {now} now; {_WORLD_SIZE_HINT}")
         else:
             lines.append(f"{label}: {_short(then)} then, {_short(now)} now")
     return lines
 
 
-def checkpoint_blocker(
-    processors: Sequence[Processor], dist: Distributed, enabled: bool = True
-) -> str | None:
-    """Why this run cannot be checkpointed, or None when it can."""
+def checkpoint_blocker(processors: Sequence[Processor], enabled: bool = True) -> str | None:
+    """Why this run cannot be checkpointed, or None when it can (the same in every process of a
+    ``dp_layer_wise`` group: pass all the run's processors, savers included)."""
     if not enabled:
         return "checkpoints are turned off (--no_checkpoints; Python: checkpoints=False)"
-    if dist.active:
-        return f"dp_layer_wise runs ({dist.world_size} processes) are not checkpointed yet"
     for processor in processors:
         if not processor.resumable:
             return (
@@ -452,8 +470,8 @@ def _take_lock(directory: Path) -> IO[str] | None:
 
 
 def _discard(directory: Path) -> None:
-    """Remove an interrupted run's folder, unless a run uses it (or another process of this
-    run removes it: every process of a ``dp_layer_wise`` group gets here)."""
+    """Remove an interrupted run's folder, unless a run uses it (process 0 of a
+    ``dp_layer_wise`` group alone gets here)."""
     try:
         handle = _take_lock(directory)
     except (ResumeError, OSError):
@@ -466,6 +484,29 @@ def _discard(directory: Path) -> None:
             handle.close()
 
 
+def _agree(dist: Distributed, error: Exception | None) -> None:
+    """Raise, in every process of the group, the error one of them hit (the first by rank), so
+    that none goes on alone into the next collective; nothing when none did.
+
+    A process raises its own error; the others raise a :class:`ResumeError` with its message
+    (a :class:`RuntimeError` for an error that is not about the inputs).
+    """
+    if not dist.active:
+        if error is not None:
+            raise error
+        return
+    mine = None if error is None else (isinstance(error, MsquantInputError), str(error))
+    reported = dist.all_gather_object(mine)
+    if error is not None:
+        raise error
+    for rank, entry in enumerate(reported):
+        if entry is not None:
+            is_input, message = entry
+            if is_input:
+                raise ResumeError(message)
+            raise RuntimeError(f"dp_layer_wise: process {rank} failed: {message}")
+
+
 def open_checkpoints(
     save_path: str | Path,
     fingerprint: Mapping[str, Any],
@@ -473,21 +514,53 @@ def open_checkpoints(
     resume: bool,
     overwrite: bool,
     blocker: str | None,
+    dist: Distributed = SINGLE,
 ) -> RunCheckpoints | None:
     """Decide, before any work, how this run uses the checkpoint folder of ``save_path``.
 
+    In a ``dp_layer_wise`` group process 0 decides (it alone reads and changes the folder) and
+    every process gets its decision or its error; every process must call this.
+
+    :param fingerprint: the run's :func:`run_fingerprint` (the number of processes is added here).
     :param blocker: why this run cannot be checkpointed (:func:`checkpoint_blocker`), or None.
     :returns: the run's checkpoints (resuming or fresh), or None when it is not checkpointed.
-    :raises ResumeError: ``resume`` with nothing to resume, another run's inputs, an unreadable
-        checkpoint or a run that cannot be checkpointed; or an interrupted run left for this save
-        path while neither ``resume`` nor ``overwrite`` says what to do with it.
+    :raises ResumeError: ``resume`` with nothing to resume, another run's inputs (another number
+        of processes included), an unreadable checkpoint or a run that cannot be checkpointed; or
+        an interrupted run left for this save path while neither ``resume`` nor ``overwrite``
+        says what to do with it.
     """
+    fingerprint = {**fingerprint, "world_size": dist.world_size}
     directory = partial_path(save_path)
+    decision: tuple[bool, dict[str, Any] | None] | None = None
+    error: Exception | None = None
+    if dist.is_main:
+        try:
+            decision = _decide(save_path, directory, fingerprint, resume, overwrite, blocker)
+        except Exception as caught:  # every process must learn of it
+            error = caught
+    _agree(dist, error)
+    decision = dist.broadcast_object(decision, 0)
+    assert decision is not None
+    checkpointed, progress = decision
+    if not checkpointed:
+        return None
+    return RunCheckpoints(directory, fingerprint, progress, dist)
+
+
+def _decide(
+    save_path: str | Path,
+    directory: Path,
+    fingerprint: Mapping[str, Any],
+    resume: bool,
+    overwrite: bool,
+    blocker: str | None,
+) -> tuple[bool, dict[str, Any] | None]:
+    """What :func:`open_checkpoints` does with the folder: (checkpointed, checkpoint to resume)."""
     interrupted = (directory / PROGRESS_FILE).is_file()
     if resume and blocker is not None:
         raise ResumeError(f"--resume: this run is not checkpointed: {blocker}")
     if resume:
-        return _resume_checkpoints(save_path, directory, fingerprint, interrupted)
+        return True, _resume_progress(save_path, directory, fingerprint, interrupted)
     if interrupted and not overwrite:
         raise ResumeError(
             f"an interrupted run of {Path(save_path)} is kept in {directory} ({_describe(directory)}): "
@@ -504,13 +577,14 @@ def open_checkpoints(
         if directory.exists():
             _discard(directory)
         logger.info("no checkpoints: %s", blocker)
-        return None
-    return RunCheckpoints(directory, fingerprint, None)
+        return False, None
+    return True, None
 
 
-def _resume_checkpoints(
+def _resume_progress(
     save_path: str | Path, directory: Path, fingerprint: Mapping[str, Any], interrupted: bool
-) -> RunCheckpoints:
+) -> dict[str, Any] | None:
+    """The checkpoint ``--resume`` continues from (None: start from the first layer)."""
     if not directory.is_dir():
         raise ResumeError(
             f"--resume: there is no interrupted run of {Path(save_path)} to resume (no {directory}); "
@@ -521,7 +595,7 @@ def _resume_checkpoints(
             "--resume: the interrupted run in %s had not finished a layer; starting from the first",
             directory,
         )
-        return RunCheckpoints(directory, fingerprint, None)
+        return None
     progress = _read_progress(directory)
     differences = fingerprint_differences(progress.get("fingerprint", {}), fingerprint)
     if differences:
@@ -532,7 +606,12 @@ def _resume_checkpoints(
             + "\nrerun with the same inputs and --resume, or drop --resume and pass --overwrite "
             "to start over"
         )
-    return RunCheckpoints(directory, fingerprint, progress)
+    return progress
+
+
+def _hidden_name(done: int, rank: int) -> str:
+    """The file of process ``rank``'s hidden states entering layer ``done``."""
+    return f"{HIDDEN_PREFIX}{done:05d}-rank{rank}.safetensors"
 
 
 class RunCheckpoints:
@@ -542,14 +621,21 @@ class RunCheckpoints:
     :param fingerprint: the run's :func:`run_fingerprint`.
     :param progress: the checkpoint to resume from, or None for a fresh run (the folder is then
         emptied when the run starts).
+    :param dist: this process's place in a ``dp_layer_wise`` group (process 0 owns the folder;
+        every process writes its own hidden states).
     """
 
     def __init__(
-        self, directory: Path, fingerprint: Mapping[str, Any], progress: Mapping[str, Any] | None
+        self,
+        directory: Path,
+        fingerprint: Mapping[str, Any],
+        progress: Mapping[str, Any] | None,
+        dist: Distributed = SINGLE,
     ) -> None:
         self.directory = directory
         self.fingerprint = dict(fingerprint)
         self.progress = progress
+        self.dist = dist
         self.store = LayerStore(directory / LAYERS_DIR)
 
     @property
@@ -572,31 +658,56 @@ class RunCheckpoints:
         """Hold the folder for the whole run (enter it before the model is loaded: a streamed
         run's scratch folder goes in it): locked, emptied for a fresh run, rid of the scratch
         folders of killed runs when resuming; removed after success or an error, kept (with a
-        hint) when the run is interrupted after a checkpoint."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        lock = _take_lock(self.directory)
+        hint) when the run is interrupted after a checkpoint.
+
+        In a ``dp_layer_wise`` group process 0 does all of that; the others wait until the folder
+        is ready (every process must enter), and leave it alone afterwards. Losing another
+        process (:class:`~msquant.distributed.PeerLostError`) counts as an interruption."""
+        main = self.dist.is_main
+        lock: IO[str] | None = None
+        error: Exception | None = None
+        if main:
+            try:
+                lock = self._prepare()
+            except Exception as caught:  # the others wait for the folder: tell them
+                error = caught
+        _agree(self.dist, error)
         try:
-            if self.progress is None:
-                self._empty()
-            else:
-                for stale in self.directory.glob(f"{SCRATCH_PREFIX}*"):
-                    shutil.rmtree(stale, ignore_errors=True)
             yield
+        except PeerLostError:
+            if main:
+                self._keep_or_remove()  # another process was killed: as if this one were
+            raise
         except Exception:
-            self._remove()  # a failed run leaves nothing behind, checkpointed or not
+            if main:
+                self._remove()  # a failed run leaves nothing behind, checkpointed or not
             raise
         except BaseException:
-            self._keep_or_remove()
+            if main:
+                self._keep_or_remove()
             raise
         else:
-            self._remove()
+            if main:
+                self._remove()
         finally:
             if lock is not None:
                 lock.close()
 
+    def _prepare(self) -> IO[str] | None:
+        """Create and lock the folder; empty it for a fresh run, or drop the scratch folders a
+        killed run left (of every process) when resuming. Returns the lock."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        lock = _take_lock(self.directory)
+        if self.progress is None:
+            self._empty()
+        else:
+            for stale in self.directory.glob(f"{SCRATCH_PREFIX}*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        return lock
+
     def _keep_or_remove(self) -> None:
-        """After an interruption (Ctrl-C, ``SystemExit``), keep what has been checkpointed,
-        saying how to continue."""
+        """After an interruption (Ctrl-C, ``SystemExit``, a lost process), keep what has been
+        checkpointed, saying how to continue."""
         if not (self.directory / PROGRESS_FILE).is_file():
             self._remove()
             return
@@ -622,8 +733,10 @@ class RunCheckpoints:
     # -- after each layer ---------------------------------------------------------------------
 
     def keep_layer(self, layer: DecoderLayer) -> None:
-        """Store the finished layer's quantized linears (before a streamed run releases it)."""
-        self.store.save(_layer_key(layer.index), layer.module, layer.name)
+        """Store the finished layer's quantized linears (before a streamed run releases it;
+        process 0 alone: every process holds the same results)."""
+        if self.dist.is_main:
+            self.store.save(_layer_key(layer.index), layer.module, layer.name)
 
     def commit_layer(
         self,
@@ -632,61 +745,61 @@ class RunCheckpoints:
         layer: DecoderLayer,
         activations: CalibrationActivations | None,
     ) -> None:
-        """Write the checkpoint after ``layer``: hidden states, then the progress file."""
+        """Write the checkpoint after ``layer``: every process's hidden states, then (process 0,
+        once all are on disk) the progress file; then each process drops its older ones."""
         done = layer.index + 1
         hidden = None if activations is None else self._save_hidden(done, activations.hidden)
-        self._write_progress(
-            ctx,
-            stage=STAGE_LAYERS,
-            layers_done=done,
-            hidden=hidden,
-            processors=[{"type": p.type_name, "state": p.resume_state(ctx)} for p in processors],
-        )
+        states = [{"type": p.type_name, "state": p.resume_state(ctx)} for p in processors]
+        ranks = self.dist.all_gather_object({"hidden": hidden, "processors": states})
+        if self.dist.is_main:
+            self._write_progress(ctx, stage=STAGE_LAYERS, layers_done=done, ranks=ranks)
+        self.dist.barrier()  # committed: the files of the previous checkpoint are not needed
         self._remove_hidden(keep=None if hidden is None else hidden["file"])
         logger.debug("checkpoint: %d of %d layers", done, len(ctx.layers))
 
     def commit_finished(self, ctx: RunContext) -> None:
         """The last checkpoint, once every saver has finalised: a resumed run then only checks,
-        evaluates and reports. The hidden files the writers kept for earlier checkpoints go."""
-        self.store.save(OUTSIDE_KEY, ctx.model, "", exclude=[layer.name for layer in ctx.layers])
-        self._write_progress(
-            ctx, stage=STAGE_FINISHED, layers_done=len(ctx.layers), hidden=None, processors=[]
-        )
+        evaluates and reports. The hidden files the writers kept for earlier checkpoints go.
+
+        Every process calls it: the others write nothing in the folder after it (process 0 may
+        remove the folder once it is done)."""
+        if self.dist.is_main:
+            layers = [layer.name for layer in ctx.layers]
+            self.store.save(OUTSIDE_KEY, ctx.model, "", exclude=layers)
+            self._write_progress(ctx, stage=STAGE_FINISHED, layers_done=len(ctx.layers), ranks=[])
+        self.dist.barrier()
         self._remove_hidden(keep=None)
-        removed = remove_temporaries(self.export_dir)
-        logger.debug("checkpoint: finished (%d temporary file(s) removed)", removed)
+        if self.dist.is_main:
+            removed = remove_temporaries(self.export_dir)
+            logger.debug("checkpoint: finished (%d temporary file(s) removed)", removed)
 
     def _write_progress(
-        self,
-        ctx: RunContext,
-        *,
-        stage: str,
-        layers_done: int,
-        hidden: dict[str, Any] | None,
-        processors: list[dict[str, Any]],
+        self, ctx: RunContext, *, stage: str, layers_done: int, ranks: list[dict[str, Any]]
     ) -> None:
+        """``progress.json``: ``ranks`` holds each process's hidden-state file and processor
+        states, by rank."""
         progress = {
             "format": PROGRESS_FORMAT,
             "stage": stage,
             "fingerprint": self.fingerprint,
             "layers_done": layers_done,
-            "hidden": hidden,
             "report": ctx.report.layer_records(),
-            "processors": processors,
+            "ranks": ranks,
         }
         _write_json_atomically(self.directory / PROGRESS_FILE, progress)
 
     def _save_hidden(self, done: int, hidden: Sequence[torch.Tensor]) -> dict[str, Any]:
-        name = f"{HIDDEN_PREFIX}{done:05d}.safetensors"
+        name = _hidden_name(done, self.dist.rank)
         tensors = {_layer_key(i): h.detach().to("cpu").contiguous() for i, h in enumerate(hidden)}
         path = self.directory / name
         _save_tensors_atomically(tensors, path)
         return {"file": name, "batches": len(tensors), "bytes": path.stat().st_size}
 
     def _remove_hidden(self, keep: str | None) -> None:
-        for path in self.directory.glob(f"{HIDDEN_PREFIX}*"):
+        """Remove this process's hidden-state files (and temporaries) but ``keep``."""
+        for path in self.directory.glob(f"{HIDDEN_PREFIX}*-rank{self.dist.rank}.safetensors*"):
             if path.name != keep:
-                path.unlink()
+                path.unlink(missing_ok=True)
 
     # -- resuming ----------------------------------------------------------------------------
 
@@ -697,32 +810,20 @@ class RunCheckpoints:
         activations: CalibrationActivations | None,
     ) -> int:
         """Take up the checkpoint (after ``setup`` and the capture): rebuild the finished layers,
-        restore the hidden states, the report and the processors.
+        restore the hidden states, the report and the processors (in a ``dp_layer_wise`` group,
+        each process its own; every process must call this).
 
         :returns: the index of the first layer still to run.
-        :raises ResumeError: when the checkpoint does not fit this run or its files are damaged.
+        :raises ResumeError: when the checkpoint does not fit this run or its files are damaged
+            (in every process, when any process finds that).
         """
-        progress = self.progress
-        assert progress is not None and not self.finished
-        recorded = [entry["type"] for entry in progress["processors"]]
-        if recorded != [p.type_name for p in processors]:
-            raise ResumeError(
-                f"--resume: the checkpoint's processors {recorded} are not this run's "
-                f"{[p.type_name for p in processors]}"
-            )
-        done = int(progress["layers_done"])
-        self._rebuild(ctx, done)
-        if activations is not None:
-            self._load_hidden(activations, done)
-        ctx.report.restore_layer_records(progress["report"])
-        for processor, entry in zip(processors, progress["processors"], strict=True):
-            try:
-                processor.restore(ctx, entry["state"])
-            except (WriterStateError, OSError, KeyError, TypeError, ValueError) as error:
-                raise ResumeError(
-                    f"--resume: {processor.type_name} cannot take up its checkpoint ({error}); "
-                    "start over with --overwrite (without --resume)"
-                ) from error
+        done = 0
+        error: ResumeError | None = None
+        try:
+            done = self._restore(ctx, processors, activations)
+        except ResumeError as caught:
+            error = caught
+        _agree(self.dist, error)
         logger.info(
             "resuming after layer %d of %d (checkpoint in %s)",
             done,
@@ -731,10 +832,59 @@ class RunCheckpoints:
         )
         return done
 
+    def _restore(
+        self,
+        ctx: RunContext,
+        processors: Sequence[Processor],
+        activations: CalibrationActivations | None,
+    ) -> int:
+        progress = self.progress
+        assert progress is not None and not self.finished
+        ranks = progress["ranks"]
+        if len(ranks) != self.dist.world_size:  # the fingerprint says so first
+            raise ResumeError(
+                f"--resume: the checkpoint was taken by {len(ranks)} process(es), this run has "
+                f"{self.dist.world_size}; {_WORLD_SIZE_HINT}"
+            )
+        mine = ranks[self.dist.rank]
+        recorded = [entry["type"] for entry in mine["processors"]]
+        if recorded != [p.type_name for p in processors]:
+            raise ResumeError(
+                f"--resume: the checkpoint's processors {recorded} are not this run's "
+                f"{[p.type_name for p in processors]}"
+            )
+        done = int(progress["layers_done"])
+        self._rebuild(ctx, done)
+        if activations is not None:
+            self._load_hidden(activations, mine["hidden"], done)
+        ctx.report.restore_layer_records(progress["report"])
+        for processor, entry in zip(processors, mine["processors"], strict=True):
+            try:
+                processor.restore(ctx, entry["state"])
+            except (WriterStateError, OSError, KeyError, TypeError, ValueError) as error:
+                raise ResumeError(
+                    f"--resume: {processor.type_name} cannot take up its checkpoint ({error}); "
+                    "start over with --overwrite (without --resume)"
+                ) from error
+        return done
+
     def restore_finished(self, ctx: RunContext) -> None:
         """Take up a ``finished`` checkpoint: the quantized modules and the report (the export
-        files are complete in :attr:`export_dir`)."""
+        files are complete in :attr:`export_dir`). Process 0 alone has anything to take up; the
+        others only learn whether it could."""
         assert self.progress is not None and self.finished
+        error: ResumeError | None = None
+        if self.dist.is_main:
+            try:
+                self._restore_finished(ctx, self.progress)
+            except ResumeError as caught:
+                error = caught
+        _agree(self.dist, error)
+        logger.info(
+            "resuming after the export files were written (checkpoint in %s)", self.directory
+        )
+
+    def _restore_finished(self, ctx: RunContext, progress: Mapping[str, Any]) -> None:
         if not self.export_dir.is_dir() or not any(self.export_dir.iterdir()):
             raise ResumeError(
                 f"--resume: the export files of the checkpoint in {self.directory} are missing; "
@@ -742,26 +892,28 @@ class RunCheckpoints:
             )
         self._rebuild(ctx, len(ctx.layers))
         self.store.rebuild(ctx.model, OUTSIDE_KEY, weightless=False)
-        ctx.report.restore_layer_records(self.progress["report"])
-        logger.info(
-            "resuming after the export files were written (checkpoint in %s)", self.directory
-        )
+        ctx.report.restore_layer_records(progress["report"])
 
     def _rebuild(self, ctx: RunContext, count: int) -> None:
-        """The first ``count`` layers as a run leaves them: quantized linears in place, and in a
-        streamed run every tensor released to the meta device."""
+        """The first ``count`` layers as a run leaves them: quantized linears in place (process 0
+        only: the others run no saver and check nothing), and in a streamed run every tensor
+        released to the meta device."""
         streamed = ctx.streamed
         for layer in ctx.layers[:count]:
-            self.store.rebuild(ctx.model, _layer_key(layer.index), weightless=streamed is not None)
+            if self.dist.is_main:
+                key = _layer_key(layer.index)
+                self.store.rebuild(ctx.model, key, weightless=streamed is not None)
             loaded = any(not t.is_meta for t in layer.module.state_dict().values())
             if streamed is not None and loaded:  # capture loads the first layer
                 streamed.release(layer.module)
 
-    def _load_hidden(self, activations: CalibrationActivations, done: int) -> None:
-        """The hidden states entering layer ``done``, in place of the captured ones."""
-        assert self.progress is not None
-        info = self.progress["hidden"]
+    def _load_hidden(
+        self, activations: CalibrationActivations, info: Mapping[str, Any] | None, done: int
+    ) -> None:
+        """The hidden states entering layer ``done`` (this process's share, recorded as
+        ``info``), in place of the captured ones."""
         path = None if info is None else self.directory / info["file"]
+        whose = f" of process {self.dist.rank}" if self.dist.active else ""
         if (
             info is None
             or path is None
@@ -769,8 +921,8 @@ class RunCheckpoints:
             or path.stat().st_size != info["bytes"]
         ):
             raise ResumeError(
-                f"--resume: the hidden states of the checkpoint in {self.directory} are missing "
-                "or damaged; start over with --overwrite (without --resume)"
+                f"--resume: the hidden states{whose} of the checkpoint in {self.directory} are "
+                "missing or damaged; start over with --overwrite (without --resume)"
             )
         with safe_open(str(path), framework="pt") as handle:
             hidden = [handle.get_tensor(_layer_key(i)) for i in range(int(info["batches"]))]
@@ -778,8 +930,8 @@ class RunCheckpoints:
         shapes = [(tuple(h.shape), h.dtype) for h in hidden]
         if shapes != [(tuple(h.shape), h.dtype) for h in captured]:
             raise ResumeError(
-                f"--resume: the checkpoint's hidden states {shapes} do not match the calibration "
-                "batches of this run"
+                f"--resume: the checkpoint's hidden states{whose} {shapes} do not match the "
+                "calibration batches of this run"
             )
         activations.hidden = [h.to(c.device) for h, c in zip(hidden, captured, strict=True)]
         activations.next_layer = done

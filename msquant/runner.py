@@ -2,7 +2,9 @@
 
 For each layer in order: move it to the device, call every processor's ``before_layer``, run the
 layer over the calibration activations (only when a processor needs calibration; the outputs become
-the next layer's inputs), call every ``after_layer``, and move the layer back to host memory.
+the next layer's inputs; as many passes as a processor's ``calibration_passes`` asks for, each
+between ``before_pass`` and ``after_pass``), call every ``after_layer``, and move the layer back
+to host memory.
 Device memory is therefore bounded by one layer plus its calibration activations.
 
 In a streamed run (``ctx.streamed``) the layers' weights are on disk: each layer is read just
@@ -25,7 +27,12 @@ from tqdm.auto import tqdm
 
 from msquant.context import DecoderLayer, RunContext
 from msquant.errors import QuantizationError
-from msquant.model.capture import DEFAULT_MAX_BATCH_TOKENS, batch_samples, capture_layer_inputs
+from msquant.model.capture import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    CalibrationActivations,
+    batch_samples,
+    capture_layer_inputs,
+)
 from msquant.model.head import run_output_head
 from msquant.processor import Processor
 from msquant.report import LayerTiming
@@ -98,7 +105,7 @@ def run_layer_wise(
         for processor in processors:
             processor.before_layer(ctx, layer)
         if activations is not None:
-            activations.advance(layer, ctx.backend)
+            _calibrate(ctx, processors, layer, activations)
         for processor in processors:
             processor.after_layer(ctx, layer)
         ctx.backend.offload(layer.module)
@@ -118,6 +125,25 @@ def run_layer_wise(
         processor.finalize(ctx)
     if checkpoints is not None:
         checkpoints.commit_finished(ctx)
+
+
+def _calibrate(
+    ctx: RunContext,
+    processors: Sequence[Processor],
+    layer: DecoderLayer,
+    activations: CalibrationActivations,
+) -> None:
+    """Push the calibration set through ``layer`` as many times as a processor asks for; the
+    last pass's outputs become the next layer's inputs."""
+    passes = max(processor.calibration_passes(layer) for processor in processors)
+    if passes > 1:
+        logger.debug("%s: %d calibration passes", layer.name, passes)
+    for index in range(passes):
+        for processor in processors:
+            processor.before_pass(ctx, layer, index)
+        activations.advance(layer, ctx.backend, keep_outputs=index == passes - 1)
+        for processor in processors:
+            processor.after_pass(ctx, layer, index)
 
 
 def _check_batches_for_processes(samples: Sequence[torch.Tensor], world_size: int) -> None:

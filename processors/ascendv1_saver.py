@@ -122,11 +122,13 @@ class AscendV1Saver(Processor):
     def setup(self, ctx: RunContext) -> None:
         size = self.config.part_file_size
         self.directory = self.output_dir(ctx)
+        # tensors are recorded under the model's names and stored under the checkpoint's
         self.writer = ShardedSafetensorsWriter(
             self.directory,
             self.weights_prefix,
             size * GIB if size else None,
             self.plain_when_single,
+            rename=ctx.disk_name,
         )
         self.types: dict[str, str] = {}
         self.group_sizes: set[int] = set()
@@ -197,7 +199,8 @@ class AscendV1Saver(Processor):
         }
         order = [n for n in state if n in described]
         order += [n for n in described if n not in state]
-        description = {name: described[name] for name in order}
+        # keyed by the checkpoint's names, as the weights are stored
+        description = {ctx.disk_name(name): described[name] for name in order}
         description.update(self._globals())
         (self.directory / self._description_file()).write_text(
             json.dumps(description, indent=4) + "\n", encoding="utf-8"

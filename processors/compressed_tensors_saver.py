@@ -269,8 +269,9 @@ class CompressedTensorsSaver(Processor):
     resumable = True
 
     def setup(self, ctx: RunContext) -> None:
+        # tensors are recorded under the model's names and stored under the checkpoint's
         self.writer: ShardedSafetensorsWriter = hf_weights_writer(
-            self.output_dir(ctx), self.config.part_file_size
+            self.output_dir(ctx), self.config.part_file_size, rename=ctx.disk_name
         )
         # The float dtype each linear had before quantization: scales and bias are stored in it.
         self.float_dtypes: dict[str, torch.dtype] = {
@@ -310,7 +311,11 @@ class CompressedTensorsSaver(Processor):
         self._check_fused(ctx.model, "")
         self._write_quantized(ctx.model, "")  # quantized linears outside the decoder layers
         ignore = [n for n, m in ctx.model.named_modules() if isinstance(m, nn.Linear)]
-        quantization_config = build_quantization_config(self.schemes, ignore)
+        # targets and ignore name modules as the checkpoint (and vLLM's model) does
+        quantization_config = build_quantization_config(
+            {ctx.disk_name(name): scheme for name, scheme in self.schemes.items()},
+            [ctx.disk_name(name) for name in ignore],
+        )
         self._write_rest(dict(unique_state_items(ctx.model)))
         self.writer.close()
         write_hf_config(ctx.model_path, self.output_dir(ctx), quantization_config)

@@ -393,6 +393,26 @@ def layer_units(
     return sorted(units, key=lambda unit: order[unit.members[0]])
 
 
+def _disk_units(
+    ctx: RunContext, layer_name: str, linears: Mapping[str, tuple[MaybeScheme, LinearLike]]
+) -> list[RuleUnit]:
+    """The rule units of one decoder layer under the checkpoint's names (what the ``dynamic``
+    rules of the exported config must match: vLLM and GPTQModel name modules as the checkpoint).
+
+    :raises QuantizationError: a linear layer's disk name is outside the layer's disk name (the
+        rules are written relative to the layer).
+    """
+    disk_layer = ctx.disk_name(layer_name)
+    disk_linears = {ctx.disk_name(name): value for name, value in linears.items()}
+    outside = [name for name in disk_linears if not name.startswith(f"{disk_layer}.")]
+    if outside:
+        raise QuantizationError(
+            f"gptq_saver: {layer_name}: the checkpoint names {_listing(outside)} outside the "
+            f"layer's own name {disk_layer}, so no `dynamic` rule can be written for them"
+        )
+    return layer_units(disk_layer, disk_linears)
+
+
 def _features(module: LinearLike) -> tuple[int, int]:
     return int(module.out_features), int(module.in_features)
 
@@ -566,8 +586,9 @@ class GPTQSaver(Processor):
     resumable = True
 
     def setup(self, ctx: RunContext) -> None:
+        # tensors are recorded under the model's names and stored under the checkpoint's
         self.writer: ShardedSafetensorsWriter = hf_weights_writer(
-            self.output_dir(ctx), self.config.part_file_size
+            self.output_dir(ctx), self.config.part_file_size, rename=ctx.disk_name
         )
         self.written: set[str] = set()
         self.units: list[RuleUnit] = []
@@ -606,14 +627,14 @@ class GPTQSaver(Processor):
 
     def after_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
         if isinstance(layer, OutputHeadStage):
-            self._write_head(layer)
+            self._write_head(ctx, layer)
             return
         linears = self._layer_linears(layer)
         for name, (scheme, _) in linears.items():
             if scheme is not None:
                 check_bits(name, scheme.bits)
         self._check_fused(layer, linears)
-        units = layer_units(layer.name, linears)
+        units = _disk_units(ctx, layer.name, linears)
         if self.config.strict:
             problem = vllm_problem_message(units, self.format or "gptq_v2")
             if problem:
@@ -626,12 +647,12 @@ class GPTQSaver(Processor):
                 self._add(name, tensor)
         self.units.extend(units)
 
-    def _write_head(self, stage: OutputHeadStage) -> None:
+    def _write_head(self, ctx: RunContext, stage: OutputHeadStage) -> None:
         """The head stage: a quantized head's GPTQ tensors (recorded for ``lm_head: true``), and
         whatever else the head holds as is."""
         module = stage.module
         if isinstance(module, QuantizedLinear):
-            unit = head_unit(stage.name, module)
+            unit = head_unit(ctx.disk_name(stage.name), module)
             assert unit.scheme is not None
             check_bits(stage.name, unit.scheme.bits)
             if self.config.strict:

@@ -38,19 +38,24 @@ Lifecycle:
   the method, activations are float (weight-only quantization), every ``dynamic`` rule is a valid
   regex with known override keys.
 * ``check_model`` (meta model): the resolved group size divides the ``in_features`` of every
-  selected layer (naming the rule that set it); the shards of a fused layer (q/k/v, gate/up) that
-  this entry selects resolve alike; with ``lm_head: true`` the model has a linear output head (and,
+  selected layer (naming the rule that set it); the shards of a fused layer (q/k/v, gate/up), and
+  all experts of an MoE experts module (one FusedMoE layer in vLLM), that this entry selects
+  resolve alike; with ``lm_head: true`` the model has a linear output head (and,
   for GPTQ, a final norm to calibrate it on). A head tied to the embeddings is refused by
   :func:`msquant.check_plan`. Cross-entry checks (overlaps, fused layers split between
   entries) and warnings (include patterns or rules matching nothing, rules that vLLM would match
   differently on fused names) come from :func:`msquant.check_plan` through :meth:`plan_modules`.
-* ``before_layer`` (``method: gptq``): a forward hook on each selected ``nn.Linear`` feeds its
-  inputs to a :class:`~msquant.WeightPerChannelGPTQ` / :class:`~msquant.WeightPerGroupGPTQ`
+* ``before_pass`` (``method: gptq``): a forward hook on each selected ``nn.Linear`` of the pass
+  feeds its inputs to a :class:`~msquant.WeightPerChannelGPTQ` / :class:`~msquant.WeightPerGroupGPTQ`
   Hessian while the runner pushes the calibration set through the layer (float weights, as
-  msModelSlim does, so every layer is calibrated on the float model's activations).
-* ``after_layer``: the hooks are removed; each selected ``nn.Linear`` is quantized (round-to-nearest
-  or GPTQ) with its resolved scheme and replaced by a ``QuantizedLinear`` (whose state dict is the
-  W8A16 layout savers write); modules skipped by a ``-:`` rule stay ``nn.Linear``.
+  msModelSlim does, so every layer is calibrated on the float model's activations). There is one
+  pass per layer, or with ``ext.experts_per_pass: k`` one per slice of ``k`` MoE experts (the
+  first pass also holds every non-expert module): Hessian memory then holds ``k`` experts.
+* ``after_pass``: the hooks are removed and the pass's modules solved (their Hessians freed); the
+  results wait for ``after_layer``, so the layer stays float through every pass.
+* ``after_layer``: each selected ``nn.Linear`` is quantized (round-to-nearest, or the GPTQ result
+  of its pass) with its resolved scheme and replaced by a ``QuantizedLinear`` (whose state dict is
+  the W8A16 layout savers write); modules skipped by a ``-:`` rule stay ``nn.Linear``.
 """
 
 from __future__ import annotations
@@ -98,11 +103,15 @@ from msquant import (
     balanced_owners,
     divisors,
     expert_fallback,
+    expert_group_problems,
+    expert_groups,
     find_final_norm,
     find_output_head,
     fused_group_problems,
     fused_groups,
+    moe_routers,
     parse_dynamic,
+    parse_expert_linear,
     quantize_weight_minmax,
     relative_output_errors,
     replace_module,
@@ -111,6 +120,9 @@ from msquant import (
 )
 
 __all__ = ["LinearQuantConfig", "LinearQuantProcessor"]
+
+#: Why an MoE router stays float whatever the entry selects (see :func:`msquant.moe_routers`).
+ROUTER_REASON = "MoE router: kept float (vLLM, vLLM-Ascend and SGLang load routers unquantized)"
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +194,7 @@ class LinearQuantProcessor(Processor):
         self._hooks: list[RemovableHandle] = []
         self._last_input: tuple[torch.Tensor, str] | None = None
         self._share_with: dict[str, str] = {}  # module -> module whose Hessian it shares
+        self._solved: dict[str, tuple[QuantizedWeight, ModuleReport]] = {}  # this layer's GPTQ
 
     @classmethod
     def check_config(cls, config: ProcessorConfig) -> list[ConfigIssue]:
@@ -311,7 +324,10 @@ class LinearQuantProcessor(Processor):
         (modules a ``-:`` rule skips are left out)."""
         chosen = []
         head = isinstance(layer, OutputHeadStage)
+        routers = moe_routers(layer.module, layer.name)
         for name, module in layer.named_linears():
+            if name in routers:
+                continue
             scheme = self.decide(name, head).scheme
             if scheme is not None and not scheme.skipped:
                 chosen.append((name, module, scheme))
@@ -324,9 +340,15 @@ class LinearQuantProcessor(Processor):
     ) -> Mapping[str, ModuleDecision]:
         """Decision for every linear layer of the decoder layers, plus the output head when
         ``lm_head`` is set or a positive rule matches it (so the plan shows why it stays float)."""
-        decisions = {
-            name: self.decide(name) for layer in layers for name, _ in layer.named_linears()
-        }
+        decisions = {}
+        for layer in layers:
+            routers = moe_routers(layer.module, layer.name)
+            for name, _ in layer.named_linears():
+                decisions[name] = (
+                    ModuleDecision(None, self.method, ROUTER_REASON)
+                    if name in routers
+                    else self.decide(name)
+                )
         head = self._head_name(model)
         if head is not None and (self.config.lm_head or self._positive_rules_matching(head)):
             decisions[head] = self.decide(head, head=True)
@@ -462,11 +484,12 @@ class LinearQuantProcessor(Processor):
 
     @staticmethod
     def _fused_problems(decisions: Mapping[str, ModuleDecision]) -> list[str]:
-        """Fused layers (q/k/v, gate/up) whose shards this entry all selects but resolves
-        differently (splits involving other entries are checked by msquant.check_plan)."""
+        """Fused layers (q/k/v, gate/up) and MoE experts modules whose members this entry all
+        selects but resolves differently (splits involving other entries are checked by
+        msquant.check_plan)."""
         schemes: dict[str, tuple[object, ...]] = {}
         describe: dict[str, str] = {}
-        for group in fused_groups(decisions):
+        for group in [*fused_groups(decisions), *expert_groups(decisions)]:
             found = [decisions[m].scheme for m in group.members]
             if any(scheme is None for scheme in found):
                 continue
@@ -474,7 +497,9 @@ class LinearQuantProcessor(Processor):
                 assert scheme is not None
                 schemes[member] = scheme.signature()
                 describe[member] = f"{scheme.describe()} by {scheme.decided_by}"
-        return [f"linear_quant: {problem}" for problem in fused_group_problems(schemes, describe)]
+        problems = fused_group_problems(schemes, describe)
+        problems += expert_group_problems(schemes, describe)
+        return [f"linear_quant: {problem}" for problem in problems]
 
     # -- quantization ---------------------------------------------------------------------------
 
@@ -490,6 +515,7 @@ class LinearQuantProcessor(Processor):
         """A GPTQ quantizer for one module: ``ext`` with the module's resolved overrides."""
         ext = self.ext.model_dump()
         ext.pop("expert_min_tokens")  # decided here, before the solve (see _expert_fallback)
+        ext.pop("experts_per_pass")  # the runner's passes (see calibration_passes)
         ext.update(
             percdamp=scheme.percdamp,
             desc_act=scheme.desc_act,
@@ -503,10 +529,30 @@ class LinearQuantProcessor(Processor):
             return WeightPerChannelGPTQ.from_ext(scheme.bits, scheme.sym, ext, name)
         return WeightPerGroupGPTQ.from_ext(scheme.bits, scheme.sym, ext, name)
 
+    def calibration_passes(self, layer: DecoderLayer) -> int:
+        """One pass, or with ``ext.experts_per_pass`` one per slice of that many MoE experts."""
+        if self.method != "gptq":
+            return 1
+        return 1 + max((self._pass_of(name) for name, _, _ in self.selected(layer)), default=0)
+
+    def _pass_of(self, name: str) -> int:
+        """The calibration pass gathering a module's Hessian: 0 for every module but the MoE
+        experts past the first ``ext.experts_per_pass`` (expert ``e`` goes to pass
+        ``e // experts_per_pass``)."""
+        per_pass = getattr(self.ext, "experts_per_pass", None)
+        expert = parse_expert_linear(name)
+        return 0 if per_pass is None or expert is None else expert[1] // per_pass
+
     def before_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
+        self._solved.clear()
+
+    def before_pass(self, ctx: RunContext, layer: DecoderLayer, index: int) -> None:
+        """Hook the modules whose Hessians this pass gathers."""
         if self.method != "gptq":
             return
         for name, module, scheme in self.selected(layer):
+            if self._pass_of(name) != index:
+                continue
             self._gptq[name] = self._new_gptq(name, module.in_features, scheme)
 
             def accumulate(
@@ -515,6 +561,23 @@ class LinearQuantProcessor(Processor):
                 self._accumulate(name, args[0])
 
             self._hooks.append(module.register_forward_hook(accumulate))
+
+    def after_pass(self, ctx: RunContext, layer: DecoderLayer, index: int) -> None:
+        """Solve the modules of this pass and free their Hessians; the layer keeps its float
+        weights (the next pass, and the next layer's inputs, are computed with them)."""
+        self._unhook()
+        if self.method != "gptq":
+            return
+        modules = [m for m in self.selected(layer) if self._pass_of(m[0]) == index]
+        if modules:
+            self._solved.update(self._solve_gptq(ctx, layer, modules))
+
+    def _unhook(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self._last_input = None
+        self._share_with.clear()
 
     def _accumulate(self, name: str, x: torch.Tensor) -> None:
         """Feed one module's input to its Hessian, sharing one Hessian between modules that read
@@ -542,16 +605,11 @@ class LinearQuantProcessor(Processor):
         self._last_input = (x, name)
 
     def after_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-        self._last_input = None
-        self._share_with.clear()
+        self._unhook()
         modules = self.selected(layer)
-        solved = self._solve_gptq(ctx, layer, modules) if self.method == "gptq" else {}
         for name, module, scheme in modules:
             if self.method == "gptq":
-                qweight, report = solved[name]
+                qweight, report = self._solved.pop(name)
             else:
                 qweight = self._quantize_rtn(module, scheme, name)
                 report = self._module_report(name, scheme)

@@ -535,6 +535,25 @@ def test_interrupt_exits_130(
     assert "interrupted" in result.err and "Traceback" not in result.err
 
 
+def test_a_lost_peer_is_one_line_with_the_way_on(
+    tmp_path: Path, tiny_llama: Path, run_cli: RunCli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dp_layer_wise process whose group lost a member says so and how to continue."""
+    from msquant.distributed import PeerLostError
+
+    def peer_lost(*args: Any, **kwargs: Any) -> None:
+        raise PeerLostError("dp_layer_wise: all_reduce failed, another process of the group ended")
+
+    monkeypatch.setattr("msquant.cli.quantize", peer_lost)
+    result = run_cli(
+        "quant", "--model_path", tiny_llama, "--save_path", tmp_path / "o", "--quant_type", "w8a16"
+    )
+    assert result.code == 1
+    assert "Traceback" not in result.err and "internal error" not in result.err
+    assert "msquant: error: dp_layer_wise: all_reduce failed" in result.err
+    assert "rerun the same command with --resume" in result.err
+
+
 @pytest.mark.parametrize(
     "argv",
     [

@@ -197,4 +197,5 @@ def test_a_single_process_exchanges_nothing() -> None:
     SINGLE.all_reduce_sum(tensor)
     assert torch.equal(tensor, torch.ones(3))
     assert SINGLE.broadcast_object({"a": 1}, 0) == {"a": 1}
+    assert SINGLE.all_gather_object({"a": 1}) == [{"a": 1}]
     assert SINGLE.shard([1, 2, 3]) == [1, 2, 3] and SINGLE.is_main and not SINGLE.active

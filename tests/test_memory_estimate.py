@@ -6,13 +6,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import CALIB_TXT, CliResult
+from conftest import CALIB_TXT, NEEDS_MOE_TRANSFORMERS, CliResult
 from transformers import AutoConfig
 
 from msquant.errors import MsquantInputError
 from msquant.memory_estimate import GIB, MemoryEstimate, check_memory, estimate_memory, parse_memory
 from msquant.model.layers import find_decoder_layers
-from msquant.model.loader import build_meta_model
+from msquant.model.loader import build_meta_model, load_model_config
 
 
 @pytest.mark.parametrize(
@@ -86,3 +86,31 @@ def test_quant_over_the_limit_stops_before_loading(
     assert "more than --max_memory 0.00 GiB" in result.err
     assert "Loading weights" not in result.err
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@NEEDS_MOE_TRANSFORMERS
+def test_experts_per_pass_spreads_the_expert_hessians(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    """The MoE experts' Hessians count once per calibration pass; the refusal of an MoE run
+    names ``ext.experts_per_pass`` as a fix."""
+    model_dir = tiny_model_factory("qwen3_moe", num_layers=2)
+    meta = build_meta_model(load_model_config(model_dir))
+    layers = find_decoder_layers(meta)
+
+    def gptq_bytes(passes: int) -> int:
+        return estimate_memory(
+            meta, layers, 10**6, streaming=True, calibration_tokens=64, gptq=True,
+            gptq_passes=passes,
+        ).gptq  # fmt: skip
+
+    # 8 experts x (gate, up: in 64; down: in 32), float32; three passes hold a third at a time
+    experts = 8 * (2 * 64**2 + 32**2) * 4
+    assert gptq_bytes(1) - gptq_bytes(3) == experts - -(-experts // 3)
+    assert gptq_bytes(8) - gptq_bytes(3) == -(-experts // 8) - -(-experts // 3)
+    estimate = estimate_memory(
+        meta, layers, 10**6, streaming=True, calibration_tokens=64, gptq=True
+    )
+    assert estimate.experts
+    with pytest.raises(MsquantInputError, match=r"ext\.experts_per_pass"):
+        check_memory(estimate, 1, streaming=True)

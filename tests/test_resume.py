@@ -163,7 +163,7 @@ def test_killed_run_resumes_to_the_uninterrupted_export(
     progress = json.loads((partial_path(save) / PROGRESS_FILE).read_text())
     assert progress["layers_done"] == 1
     assert [m["name"] for m in progress["report"]["modules"]][0].startswith("model.layers.0.")
-    assert progress["hidden"]["batches"] >= 1
+    assert progress["ranks"][0]["hidden"]["batches"] >= 1
 
     result = _quantize(tiny_llama, save, config, resume=True, **on)
 
@@ -199,7 +199,7 @@ def test_kill_in_the_middle_of_a_layer_drops_its_half_written_tensors(
     progress = json.loads((partial / PROGRESS_FILE).read_text())
     assert progress["layers_done"] == 1
     longer = 0
-    for entry in progress["processors"][1:]:
+    for entry in progress["ranks"][0]["processors"][1:]:
         writer = entry["state"]["writer"]
         saver_dir = partial / "export" / entry["type"]
         for stream in writer["current"]["streams"].values():

@@ -194,3 +194,53 @@ def test_decoder_layers_found_generically() -> None:
     ]
     with pytest.raises(msquant.ModelLoadError, match="cannot find the decoder layers"):
         find_decoder_layers(nn.Sequential(nn.Linear(2, 2)))
+
+
+class PassProbe(Probe):
+    """Asks for ``passes`` calibration passes over layer 1 only, recording the events and the
+    layer-1 forwards of each pass."""
+
+    def __init__(self, passes: int) -> None:
+        super().__init__(ProbeConfig())
+        self.passes = passes
+
+    def calibration_passes(self, layer: DecoderLayer) -> int:
+        return self.passes if layer.index == 1 else 1
+
+    def before_pass(self, ctx: RunContext, layer: DecoderLayer, index: int) -> None:
+        self.events.append(f"pass:{layer.index}.{index}")
+
+    def after_pass(self, ctx: RunContext, layer: DecoderLayer, index: int) -> None:
+        self.events.append(f"done:{layer.index}.{index}")
+
+
+def test_layers_get_the_most_passes_any_processor_asks_for(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Extra passes repeat the same inputs through the layer; only the last one's outputs feed
+    the next layer, so the next layer's inputs are those of a single-pass run."""
+    model_dir = tiny_model_factory("llama", num_layers=3)
+    model = load_causal_lm(model_dir)
+    samples = tokenize_samples(read_calibration_texts(CALIB)[:2], load_tokenizer(model_dir))
+    with torch.no_grad():
+        reference = [model(input_ids=s, output_hidden_states=True).hidden_states for s in samples]
+    many, one = PassProbe(3), PassProbe(1)
+    ctx = RunContext(model, model_dir, tmp_path, get_backend("cpu"), find_decoder_layers(model))
+    run_layer_wise(ctx, [one, many], samples, progress=False)
+
+    batches = len(batch_samples(samples))
+    assert batches == len(samples)  # samples of different lengths: one batch each
+    assert [e for e in many.events if ":1" in e] == [
+        "before:1",
+        "pass:1.0", "done:1.0", "pass:1.1", "done:1.1", "pass:1.2", "done:1.2",
+        "after:1",
+    ]  # fmt: skip
+    assert one.events == many.events  # every processor hears of every pass
+    assert len(many.inputs[0]) == batches and len(many.inputs[1]) == 3 * batches
+    for index in range(3):  # every pass over layer 1 saw the same inputs
+        for batch in range(batches):
+            torch.testing.assert_close(
+                many.inputs[1][index * batches + batch], many.inputs[1][batch], rtol=0, atol=0
+            )
+    for i, sample_states in enumerate(reference):  # layer 2 sees the float model's states
+        torch.testing.assert_close(many.inputs[2][i], sample_states[2], rtol=1e-5, atol=1e-5)

@@ -8,7 +8,7 @@ tokenizer / generation files copied from the source model.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +30,16 @@ HF_WEIGHTS_PREFIX = "model"
 GIB = 1024**3
 
 
-def hf_weights_writer(directory: Path, part_file_size_gib: int) -> ShardedSafetensorsWriter:
-    """A writer producing ``model.safetensors`` (size 0) or ``model-*-of-*.safetensors`` + index."""
+def hf_weights_writer(
+    directory: Path, part_file_size_gib: int, rename: Callable[[str], str] | None = None
+) -> ShardedSafetensorsWriter:
+    """A writer producing ``model.safetensors`` (size 0) or ``model-*-of-*.safetensors`` + index.
+
+    :param rename: model name -> name stored on disk (:meth:`msquant.RunContext.disk_name`), so
+        that the checkpoint uses the original model's names; names are stored as given when None.
+    """
     limit = part_file_size_gib * GIB if part_file_size_gib else None
-    return ShardedSafetensorsWriter(directory, HF_WEIGHTS_PREFIX, limit)
+    return ShardedSafetensorsWriter(directory, HF_WEIGHTS_PREFIX, limit, rename=rename)
 
 
 def unique_state_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -37,7 +37,7 @@ import logging
 import os
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,6 +218,10 @@ class ShardedSafetensorsWriter:
     :param max_shard_bytes: shard size limit; ``None`` writes a single unsharded file.
     :param plain_when_single: when everything fits in one shard, write the unsharded
         ``{prefix}.safetensors`` without an index (formats whose readers expect one plain file).
+    :param rename: maps each name given to :meth:`add` to the name stored in the file (e.g.
+        :meth:`msquant.RunContext.disk_name`, the checkpoint's names of a model whose modules
+        transformers renames at load); names are stored as given when None. Checkpoint states
+        hold the stored names, so a restored writer needs the same ``rename``.
     """
 
     def __init__(
@@ -226,12 +230,14 @@ class ShardedSafetensorsWriter:
         prefix: str,
         max_shard_bytes: int | None,
         plain_when_single: bool = False,
+        rename: Callable[[str], str] | None = None,
     ) -> None:
         _require_little_endian()
         self.directory = directory
         self.prefix = prefix
         self.max_shard_bytes = max_shard_bytes
         self.plain_when_single = plain_when_single
+        self.rename = rename
         self._current: _Shard | None = None
         self._shards: list[tuple[Path, list[str]]] = []
         self._names: set[str] = set()
@@ -245,11 +251,15 @@ class ShardedSafetensorsWriter:
         self._synced: set[Path] = set()  # assembled shards already flushed to the disk
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Write one tensor's bytes to the current shard's data file; names must be unique."""
+        """Write one tensor's bytes to the current shard's data file, under ``rename(name)``;
+        stored names must be unique."""
         if self.closed:
             raise RuntimeError("writer is closed")
-        if name in self._names:
-            raise ValueError(f"tensor {name!r} written twice")
+        stored = name if self.rename is None else self.rename(name)
+        if stored in self._names:
+            shown = repr(name) if stored == name else f"{name!r} (stored as {stored!r})"
+            raise ValueError(f"tensor {shown} written twice")
+        name = stored
         if name == _METADATA_KEY:
             raise ValueError(f"{_METADATA_KEY!r} is reserved by the safetensors format")
         if tensor.is_meta:

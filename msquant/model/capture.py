@@ -60,8 +60,12 @@ class CalibrationActivations:
         self.token_count = sum(int(h.shape[0] * h.shape[1]) for h in self.hidden)
 
     @torch.no_grad()
-    def advance(self, layer: DecoderLayer, backend: Backend) -> None:
-        """Run ``layer`` (already on the backend's device) over every batch; outputs become inputs."""
+    def advance(self, layer: DecoderLayer, backend: Backend, keep_outputs: bool = True) -> None:
+        """Run ``layer`` (already on the backend's device) over every batch; outputs become inputs.
+
+        :param keep_outputs: False for an extra calibration pass over the same layer (its
+            forward hooks see the batches again): the outputs are dropped, the inputs kept.
+        """
         if layer.index != self.next_layer:
             raise RuntimeError(
                 f"layers must be run in order: expected {self.next_layer}, got {layer.index}"
@@ -74,8 +78,12 @@ class CalibrationActivations:
                 *_to_device(call.args, backend),
                 **_to_device(call.kwargs, backend),
             )
-            out = result[0] if isinstance(result, tuple) else result
-            outputs.append(out.to(hidden.device))
+            if keep_outputs:
+                out = result[0] if isinstance(result, tuple) else result
+                outputs.append(out.to(hidden.device))
+            del result
+        if not keep_outputs:
+            return
         self.hidden = outputs
         self.next_layer += 1
 
@@ -100,6 +108,17 @@ class _Recorder(nn.Module):
         self.index = index
         self.real = [real]  # a list keeps the real layer out of this module's children
         self.session = session
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes the model's forward reads off its layers (transformers 4's Qwen3 reads
+        ``attention_type``) come from the real layer."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            real = self.__dict__.get("real")
+            if not real:
+                raise
+            return getattr(real[0], name)
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         session = self.session

@@ -4,14 +4,33 @@ vLLM and vLLM-Ascend load q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up
 ``q_a_proj`` + ``kv_a_proj_with_mqa`` as ``fused_qkv_a_proj``; MoE experts: ``w1`` + ``w3``). The
 shards of a fused matrix must share one quantization scheme (bits, group size, symmetry, skip), or
 the engine refuses the checkpoint (vLLM-Ascend: ``ValueError``) or, worse, mis-dequantizes it.
+
+MoE experts go further: vLLM and vLLM-Ascend load every expert of one experts module
+(``model.layers.3.mlp.experts.<e>.{gate,up,down}_proj``, Mixtral's ``...experts.<e>.w1/w2/w3``)
+as a single ``FusedMoE`` layer with one quantization method, looked up by the experts module's
+name; per-expert schemes cannot reach it, so the whole module must share one scheme.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["FUSED_SHARDS", "FusedGroup", "fused_groups", "fused_group_problems"]
+__all__ = [
+    "FUSED_SHARDS",
+    "FusedGroup",
+    "expert_groups",
+    "expert_group_problems",
+    "fused_groups",
+    "fused_group_problems",
+    "parse_expert_linear",
+]
+
+#: ``<experts module>.<expert index>.<projection>``: a linear layer of one MoE expert.
+_EXPERT_LINEAR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<proj>[^.]+)$")
+#: Members listed per scheme in an experts-module message (the rest are counted).
+_LISTED_EXPERTS = 3
 
 #: fused name -> the sibling module names it is built from (vLLM's ``packed_modules_mapping``).
 FUSED_SHARDS: Mapping[str, tuple[str, ...]] = {
@@ -47,6 +66,32 @@ def fused_groups(module_names: Iterable[str]) -> list[FusedGroup]:
     return groups
 
 
+def parse_expert_linear(name: str) -> tuple[str, int] | None:
+    """``(experts module, expert index)`` of an MoE expert's linear layer
+    (``model.layers.3.mlp.experts.17.up_proj`` -> ``("model.layers.3.mlp.experts", 17)``), None
+    for any other name (shared experts included: they are not routed)."""
+    match = _EXPERT_LINEAR.match(name)
+    return None if match is None else (match["experts"], int(match["index"]))
+
+
+def expert_groups(module_names: Iterable[str]) -> list[FusedGroup]:
+    """The MoE experts modules among ``module_names``: one group per ``<...>.experts`` module
+    holding linear layers of at least two experts, its members in name order (every projection
+    of every expert: vLLM loads them all as one ``FusedMoE`` layer)."""
+    found: dict[str, list[str]] = {}
+    indexes: dict[str, set[str]] = {}
+    for name in module_names:
+        match = _EXPERT_LINEAR.match(name)
+        if match:
+            found.setdefault(match["experts"], []).append(name)
+            indexes.setdefault(match["experts"], set()).add(match["index"])
+    return [
+        FusedGroup(experts, tuple(sorted(found[experts])))
+        for experts in sorted(found)
+        if len(indexes[experts]) >= 2
+    ]
+
+
 def fused_group_problems(
     schemes: Mapping[str, Hashable], describe: Mapping[str, str] | None = None
 ) -> list[str]:
@@ -58,13 +103,49 @@ def fused_group_problems(
         ``str`` of the scheme).
     """
     problems = []
+    text = describe or {}
     for group in fused_groups(schemes):
         found = {name: schemes[name] for name in group.members}
         if len(set(found.values())) > 1:
-            text = describe or {}
             parts = ", ".join(f"{name}: {text.get(name, str(found[name]))}" for name in found)
             problems.append(
                 f"{group.fused_name} is loaded as one fused matrix by vLLM / vLLM-Ascend, but its "
                 f"shards differ ({parts}); give them the same quantization (or skip all of them)"
             )
     return problems
+
+
+def expert_group_problems(
+    schemes: Mapping[str, Hashable], describe: Mapping[str, str] | None = None
+) -> list[str]:
+    """One message per MoE experts module whose expert linear layers resolve to different
+    schemes (arguments as :func:`fused_group_problems`).
+
+    Checked on the planned schemes, before the run: a stored export cannot tell a group as wide
+    as the row (``down_proj`` of a narrow expert) from per-channel, so it is not rechecked there.
+    """
+    problems = []
+    text = describe or {}
+    for group in expert_groups(schemes):
+        by_scheme: dict[Hashable, list[str]] = {}
+        for name in group.members:
+            by_scheme.setdefault(schemes[name], []).append(name)
+        if len(by_scheme) > 1:
+            problems.append(
+                f"{group.fused_name} ({len(group.members)} expert linear layers) is loaded as one "
+                "FusedMoE layer with a single quantization by vLLM / vLLM-Ascend, but its experts "
+                f"differ ({_expert_parts(by_scheme, text)}); give every expert of the module the "
+                "same quantization (or skip all of them)"
+            )
+    return problems
+
+
+def _expert_parts(by_scheme: Mapping[Hashable, list[str]], describe: Mapping[str, str]) -> str:
+    """``int4 group 32 sym: a, b, c and 45 more; not quantized: d`` (largest share first)."""
+    parts = []
+    for scheme, names in sorted(by_scheme.items(), key=lambda item: -len(item[1])):
+        shown = ", ".join(names[:_LISTED_EXPERTS])
+        more = len(names) - _LISTED_EXPERTS
+        label = describe.get(names[0], str(scheme))
+        parts.append(f"{label}: {shown}" + (f" and {more} more" if more > 0 else ""))
+    return "; ".join(parts)

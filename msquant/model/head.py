@@ -2,9 +2,10 @@
 
 Quantizing the head is opt-in (``linear_quant``'s ``lm_head: true``). When a processor asks for it
 (:class:`OutputHeadUser`), :func:`run_output_head` runs after the last decoder layer and before
-``finalize``: every processor gets ``before_layer`` / ``after_layer`` with an
-:class:`OutputHeadStage`, a :class:`~msquant.DecoderLayer` whose ``named_linears()`` yields the
-head itself under its own name (``lm_head``), so quantizers and savers treat it like any layer.
+``finalize``: every processor gets ``before_layer`` / ``after_layer`` (and ``before_pass`` /
+``after_pass`` around its single calibration pass) with an :class:`OutputHeadStage`, a
+:class:`~msquant.DecoderLayer` whose ``named_linears()`` yields the head itself under its own
+name (``lm_head``), so quantizers and savers treat it like any layer.
 
 Calibration: the head's input is the model's final norm applied to the last decoder layer's
 outputs, which the runner's :class:`~msquant.model.capture.CalibrationActivations` already hold
@@ -238,9 +239,13 @@ def run_output_head(
     ctx.backend.to_device(stage.module)
     for processor in processors:
         processor.before_layer(ctx, stage)
-    if hidden is not None:
+    if hidden is not None:  # one calibration pass: the head has no experts to split
+        for processor in processors:
+            processor.before_pass(ctx, stage, 0)
         tokens = run_head_calibration(norm, stage.module, hidden, ctx.backend)
         logger.debug("%s: %d calibration token(s) through the head", stage.name, tokens)
+        for processor in processors:
+            processor.after_pass(ctx, stage, 0)
     for processor in processors:
         current = output_head_stage(ctx.model, ctx.layers)
         assert current is not None

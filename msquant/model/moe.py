@@ -50,6 +50,7 @@ __all__ = [
     "checkpoint_sources",
     "expert_fallback",
     "find_fused_experts",
+    "moe_routers",
     "unfuse_experts",
 ]
 
@@ -244,11 +245,18 @@ class UnfusedMoE:
 
 @dataclass(frozen=True)
 class MoEInfo:
-    """What :func:`unfuse_experts` did: the replaced modules, in model order (empty: dense model)."""
+    """What :func:`unfuse_experts` did: the replaced modules, in model order (empty: nothing was
+    fused), and the experts modules the model already held one module per expert.
+
+    :param split: names of experts modules that are ``nn.ModuleList`` s of per-expert MLPs
+        (transformers 4), left as they are; their Linears count as experts too.
+    """
 
     modules: tuple[UnfusedMoE, ...] = ()
+    split: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
+        """Whether experts were unfused (the model's names then differ from the checkpoint's)."""
         return bool(self.modules)
 
     def linear_names(self) -> list[str]:
@@ -263,6 +271,10 @@ class MoEInfo:
                 index, _, role = linear_name[len(prefix) :].partition(".")
                 if index.isdigit() and role in ROLES:
                     return module.expert_name(int(index))
+        for experts in self.split:
+            index, _, rest = linear_name.removeprefix(experts + ".").partition(".")
+            if linear_name.startswith(experts + ".") and index.isdigit() and rest:
+                return f"{experts}.{index}"
         return None
 
 
@@ -393,7 +405,30 @@ def unfuse_experts(model: nn.Module) -> MoEInfo:
             unfused[0].source_class,
             unfused[0].num_experts,
         )
-    return MoEInfo(tuple(unfused))
+    split = tuple(
+        name
+        for name, module in model.named_modules()
+        if name.rpartition(".")[2] == "experts" and isinstance(module, nn.ModuleList)
+    )
+    return MoEInfo(tuple(unfused), split)
+
+
+def moe_routers(module: nn.Module, prefix: str = "") -> set[str]:
+    """Full names of the MoE routers among ``module``'s linear layers: an ``nn.Linear`` that is
+    a direct child of a module which also holds the ``experts`` (Qwen2/3-MoE's and Mixtral's
+    ``gate`` in transformers 4, Qwen2-MoE's ``shared_expert_gate``). vLLM, vLLM-Ascend and
+    SGLang build these unquantized, so msquant keeps them float whatever the config selects.
+
+    :param prefix: the full name of ``module`` (e.g. ``model.layers.3``).
+    """
+    routers = set()
+    for name, parent in module.named_modules(prefix=prefix):
+        if not hasattr(parent, "experts"):
+            continue
+        for child_name, child in parent.named_children():
+            if child_name != "experts" and isinstance(child, nn.Linear):
+                routers.add(f"{name}.{child_name}" if name else child_name)
+    return routers
 
 
 # --------------------------------------------------------------------------------------------
@@ -470,7 +505,11 @@ def checkpoint_names(model: nn.Module) -> CheckpointNames:
     :raises ModelLoadError: transformers would save an unfused experts module in a form that is
         not one tensor per expert projection (e.g. still fused).
     """
-    from transformers.core_model_loading import revert_weight_conversion
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4 saves every tensor under its module's name
+        tensors = {key: key for key in model.state_dict()}
+        return CheckpointNames(tensors=tensors, modules=_module_names(tensors))
 
     unfused = {n: m for n, m in model.named_modules() if isinstance(m, UnfusedExperts)}
     probe: dict[str, torch.Tensor] = {}
@@ -529,6 +568,8 @@ def _expert_disk_names(
     }
     names: dict[str, str] = {}
     for disk, tensor in revert(model, probe).items():
+        if tensor.ndim == 1:  # transformers 5.17 drops the probe's trailing 1-wide dimension
+            tensor = tensor.unsqueeze(1)
         located = _locate(tensor, spans)
         role = expected.get((located[0], located[2])) if located else None
         if located is None or role is None or not disk.endswith(".weight"):

@@ -19,10 +19,15 @@ from torch import nn
 
 from msquant.config.spec import RunnerType
 from msquant.context import DecoderLayer
-from msquant.errors import ModelLoadError
 from msquant.model.layers import find_decoder_layers
 from msquant.model.loader import load_causal_lm
-from msquant.model.moe import MoEInfo, checkpoint_names, checkpoint_sources, unfuse_experts
+from msquant.model.moe import (
+    CheckpointNames,
+    MoEInfo,
+    checkpoint_names,
+    checkpoint_sources,
+    unfuse_experts,
+)
 from msquant.model.streaming import StreamedWeights, load_causal_lm_streaming
 from msquant.resume import LayerStore
 
@@ -38,13 +43,18 @@ def streams(runner: RunnerType) -> bool:
 
 @dataclass
 class LoadedModel:
-    """The model of a run and, when streamed, where its layers' weights and results go."""
+    """The model of a run and, when streamed, where its layers' weights and results go.
+
+    :param checkpoint_names: the names the model's checkpoint uses on disk, when some differ from
+        the loaded (unfused) model's (Mixtral's experts); None when all are the same.
+    """
 
     model: nn.Module
     layers: list[DecoderLayer]
     streamed: StreamedWeights | None = None
     spill: LayerStore | None = None
     experts: MoEInfo = MoEInfo()
+    checkpoint_names: CheckpointNames | None = None
 
 
 @contextmanager
@@ -67,50 +77,49 @@ def load_for_run(
     if not streaming:
         model = load_causal_lm(model_dir, trust_remote_code)
         experts = unfuse_experts(model)
-        _check_expert_names(model, experts)
-        yield LoadedModel(model, find_decoder_layers(model), experts=experts)
+        renamed = _renamed(checkpoint_names(model))
+        yield LoadedModel(
+            model, find_decoder_layers(model), experts=experts, checkpoint_names=renamed
+        )
         return
     scratch_parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".msquant-scratch-", dir=scratch_parent))
     try:
         offload = scratch / "offload"
         offload.mkdir()
-        names = [layer.name for layer in find_decoder_layers(meta_model)]
+        layer_names = [layer.name for layer in find_decoder_layers(meta_model)]
         model, streamed = load_causal_lm_streaming(
-            model_dir, meta_model, names, offload, trust_remote_code
+            model_dir, meta_model, layer_names, offload, trust_remote_code
         )
         experts = unfuse_experts(model)  # the layers are on the meta device: nothing is copied
+        names = checkpoint_names(model)
         if experts:
-            _check_expert_names(model, experts)
             # per-expert tensors are read from the checkpoint's own per-expert names
-            streamed.sources.update(checkpoint_sources(model, checkpoint_names(model), model_dir))
+            streamed.sources.update(checkpoint_sources(model, names, model_dir))
         spill = None
         if keep_reference:
             spill = LayerStore(scratch / "reference")
-        yield LoadedModel(model, find_decoder_layers(model), streamed, spill, experts)
+        yield LoadedModel(
+            model, find_decoder_layers(model), streamed, spill, experts, _renamed(names)
+        )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _check_expert_names(model: nn.Module, experts: MoEInfo) -> None:
-    """Exports name tensors by module; refuse MoE models whose checkpoints name them otherwise.
+def _renamed(names: CheckpointNames) -> CheckpointNames | None:
+    """``names`` when the checkpoint names some tensor or module differently from the loaded
+    (unfused) model (Mixtral saves ``mlp.experts.3.gate_proj`` as ``block_sparse_moe.experts.3.w1``),
+    None when transformers saves every name unchanged.
 
-    Qwen2/3-MoE and DeepSeek checkpoints store ``mlp.experts.N.gate_proj`` as the split modules
-    are named; Mixtral stores ``block_sparse_moe.experts.N.w1`` and would need the names mapped
-    back in every exporter, which is not implemented yet.
+    Exporters write under these names (:meth:`msquant.RunContext.disk_name`), so that vLLM,
+    vLLM-Ascend, MindIE and transformers load an export the way they load the original checkpoint.
     """
-    if not experts:
-        return
-    names = checkpoint_names(model)
     if names.is_identity:
-        return
-    example = next(
-        (f"{n} -> {names.tensor_name(n)}" for n, _ in model.named_parameters()
-         if names.tensor_name(n) != n),
-        "",
-    )  # fmt: skip
-    raise ModelLoadError(
-        f"{type(model).__name__}: its checkpoint names MoE tensors differently from the modules "
-        f"msquant quantizes ({example}); exporting such models (Mixtral-style names) is not "
-        "supported yet. Qwen2-MoE, Qwen3-MoE and DeepSeek-style models are."
+        return None
+    example = next((f"{k} -> {v}" for k, v in names.modules.items() if k != v), "")
+    logger.info(
+        "the checkpoint names some modules differently from the loaded model (%s); exports use "
+        "the checkpoint's names",
+        example,
     )
+    return names

@@ -124,6 +124,14 @@ class GPTQExt(BaseModel):
         description="MoE experts whose Hessian got fewer calibration tokens than this times their "
         "in_features are rounded to nearest instead of solved by GPTQ (listed in the run report).",
     )
+    experts_per_pass: StrictInt | None = Field(
+        None,
+        gt=0,
+        description="MoE: gather the Hessians of at most this many experts per calibration pass "
+        "over a layer (each pass solves its experts, then frees their Hessians), bounding GPTQ "
+        "memory for models with many wide experts at the cost of one more layer forward per "
+        "pass; the result is identical. Default: all experts in one pass.",
+    )
 
     def mse_options(self) -> MSEOptions | None:
         """The MSE search options, or None when ``mse`` is off (plain min/max)."""
