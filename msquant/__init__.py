@@ -29,6 +29,7 @@ from msquant.errors import (
     OutputPathError,
     QuantizationError,
     RegistryError,
+    validation_message,
 )
 from msquant.evaluate import (
     EvaluationError,
@@ -52,6 +53,7 @@ from msquant.export import (
 from msquant.model.fused import (
     FUSED_SHARDS,
     FusedGroup,
+    engine_names,
     expert_group_problems,
     expert_groups,
     fused_group_problems,
@@ -104,6 +106,7 @@ from msquant.quant.rules import (
     fused_name_mismatches,
     parse_dynamic,
     resolve_module_scheme,
+    written_for_engine_name,
 )
 from msquant.registry import ENTRY_POINT_GROUP, ProcessorRegistry, default_registry
 from msquant.regression import (
@@ -236,6 +239,7 @@ __all__ = [
     "FusedNameMismatch",
     "parse_dynamic",
     "resolve_module_scheme",
+    "written_for_engine_name",
     "fused_name_mismatches",
     "BASE_SOURCE",
     "DYNAMIC_KEYS",
@@ -244,6 +248,7 @@ __all__ = [
     "FUSED_SHARDS",
     "FusedGroup",
     "fused_groups",
+    "engine_names",
     "expert_groups",
     "expert_group_problems",
     "parse_expert_linear",
@@ -295,5 +300,6 @@ __all__ = [
     "QuantizationError",
     "NotImplementedYetError",
     "RegistryError",
+    "validation_message",
     "ResumeError",
 ]

@@ -312,8 +312,9 @@ def _verify_exports(
     """Read each export back and compare it with the quantized modules still in memory (and
     those of ``stored``: a checkpointed run's layer store).
 
-    The consumer notes of the report are logged at DEBUG only: the savers already warned about
-    what their consumers cannot load.
+    The report's consumer notes (what a named serving engine refuses or treats differently in the
+    export as written) are logged as warnings: they describe the files, which is what a user
+    deploys, and the reader found them independently of the saver's own warnings.
     """
     from msquant.verify import ExportVerificationError, verify_export
 
@@ -327,7 +328,7 @@ def _verify_exports(
         started = time.perf_counter()
         report = verify_export(saver.output_dir(ctx), reference=reference)
         for warning in report.warnings:
-            logger.debug("verify: %s: %s", saver.type_name, warning)
+            logger.warning("verify: %s export: %s", saver.type_name, warning)
         if not report.ok:
             raise ExportVerificationError(report)
         logger.info(

@@ -7,8 +7,9 @@ and prints its message without a traceback. Anything else escaping the engine is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "MsquantError",
@@ -22,7 +23,15 @@ __all__ = [
     "QuantizationError",
     "NotImplementedYetError",
     "RegistryError",
+    "validation_message",
 ]
+
+#: pydantic error types whose message already names the input, or where it has none to echo.
+_UNECHOED_TYPES = frozenset(
+    {"missing", "extra_forbidden", "union_tag_invalid", "union_tag_not_found"}
+)
+#: Longest echoed input before it is shortened.
+_ECHO_LIMIT = 60
 
 
 class MsquantError(Exception):
@@ -42,6 +51,28 @@ class ConfigIssue:
 
     def __str__(self) -> str:
         return f"{self.path or '<root>'}: {self.message}"
+
+
+def validation_message(error: Mapping[str, Any]) -> str:
+    """The message of one pydantic error, with the value that was given when it is a scalar.
+
+    pydantic says what it expected (``Input should be 'per_tensor', 'per_channel', ...``) but not
+    what it got; a user reading the message should not have to search the YAML for it.
+
+    :param error: one item of ``ValidationError.errors()``.
+    """
+    message = str(error["msg"])
+    value = error.get("input")
+    if error.get("type") in _UNECHOED_TYPES or "input" not in error:
+        return message
+    if value is None:
+        return f"{message}, got an empty value (null)"
+    if not isinstance(value, str | int | float | bool):
+        return message
+    shown = repr(value)
+    if len(shown) > _ECHO_LIMIT:
+        shown = shown[: _ECHO_LIMIT - 3] + "..."
+    return f"{message}, got {shown}"
 
 
 class ConfigError(MsquantInputError):

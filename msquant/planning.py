@@ -20,6 +20,7 @@ on a weightless (meta) copy of the model and checks what no single entry can see
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from msquant.context import DecoderLayer
 from msquant.errors import QuantizationError
 from msquant.model.fused import (
     FusedGroup,
+    engine_names,
     expert_group_problems,
     expert_groups,
     fused_group_problems,
@@ -302,6 +304,29 @@ def _tied_head_errors(
     return [tied_head_message(model, name, f"{entry_path(quantizing[0])} (lm_head: true)")]
 
 
+def _nothing_quantized_errors(rows: Sequence[PlanRow], planners: int) -> list[str]:
+    """A run that would quantize no linear layer is refused before any weight is loaded (its
+    export would be the float model under a quantized format's name). Only asked when every
+    ``spec.process`` entry plans its modules: a plugin processor that does not may quantize
+    modules the plan cannot see."""
+    if any(not row.skipped for row in rows):
+        return []
+    if not planners:
+        return [
+            "spec.process has no entry that quantizes linear layers, so the export would be the "
+            "float model; add a linear_quant entry"
+        ]
+    reasons = Counter(row.decided_by for row in rows).most_common()
+    shown = "; ".join(f"{count} {reason}" for reason, count in reasons[:LISTED])
+    more = f"; and {len(reasons) - LISTED} more reason(s)" if len(reasons) > LISTED else ""
+    return [
+        f"the config quantizes none of the model's {len(rows)} linear layer(s) ({shown}{more}), "
+        "so the export would be the float model; check the entries' include / exclude patterns "
+        "and dynamic rules against the module names (msquant plan lists every module and what "
+        "decided it)"
+    ]
+
+
 def _mismatch_warnings(index: int, mismatches: Sequence[FusedNameMismatch]) -> list[str]:
     """Rules matching a fused name differently from its shards, one warning per rule and kind."""
     kinds: dict[tuple[str, str, bool, tuple[str, ...]], list[FusedNameMismatch]] = {}
@@ -337,10 +362,15 @@ def _rule_warnings(
         head is explained by the entry's own notes (``lm_head: false``), not reported here.
     """
     warnings = []
+    # a rule may be written against the names engines load modules under (qkv_proj, ...experts)
+    reachable = [
+        *selected,
+        *{g.fused_name for found in engine_names(selected).values() for g in found},
+    ]
     for rule in rules:
         if head is not None and head not in selected and rule.matches(head):
             continue
-        if not any(rule.matches(name) for name in selected):
+        if not any(rule.matches(name) for name in reachable):
             example = selected[0] if selected else "model.layers.0.mlp.down_proj"
             warnings.append(
                 f"{entry_path(index)}.{rule.source} matches none of the {len(selected)} module(s) "
@@ -379,6 +409,9 @@ def analyse_plan(
     errors = _overlap_errors(selected_by)
     errors += _fused_errors([*groups, *expert_groups(names)], selected_by, by_name)
     errors += _tied_head_errors(model, selected_by)
+    process = [p for p in processors if p.stage == "process"]
+    if len(planners) == len(process):  # a processor that does not plan may quantize on its own
+        errors += _nothing_quantized_errors(rows, len(planners))
     head = find_output_head(model)
     warnings: list[str] = []
     for (index, planner), found in zip(planners, decisions, strict=True):

@@ -82,6 +82,7 @@ from msquant import (
     ConfigIssue,
     DecoderLayer,
     DynamicRule,
+    FusedGroup,
     GPTQExt,
     LinearQConfig,
     MinMaxExt,
@@ -102,6 +103,7 @@ from msquant import (
     WeightPerGroupGPTQ,
     balanced_owners,
     divisors,
+    engine_names,
     expert_fallback,
     expert_group_problems,
     expert_groups,
@@ -117,6 +119,7 @@ from msquant import (
     replace_module,
     resolve_module_scheme,
     unmatched_patterns,
+    validation_message,
 )
 
 __all__ = ["LinearQuantConfig", "LinearQuantProcessor"]
@@ -132,8 +135,11 @@ DYNAMIC_DESCRIPTION = (
     "(value {}); `+:` or no prefix overrides keys of qconfig for them: "
     f"{', '.join(DYNAMIC_KEYS)} (bits 2-8; group_size -1 = per-channel). Negative rules are tried "
     "first, then the first matching positive rule decides alone (keys it lacks come from "
-    "qconfig, never from a later rule). Quote patterns with single quotes in YAML "
-    "('.*\\.0\\..*'); `msquant plan` shows which rule decides each module."
+    "qconfig, never from a later rule). A rule written for the name vLLM and SGLang load a fused "
+    "layer or MoE experts module under ('.*qkv_proj', '.*gate_up_proj', "
+    "'-:.*\\.0\\.mlp\\.experts$'), matching none of its shards' own names, applies to every "
+    "shard. Quote patterns with single quotes in YAML ('.*\\.0\\..*'); `msquant plan` shows which "
+    "rule decides each module."
 )
 
 LM_HEAD_DESCRIPTION = (
@@ -238,7 +244,7 @@ class LinearQuantProcessor(Processor):
         except ValidationError as exc:
             for err in exc.errors(include_url=False):
                 loc = ".".join(str(p) for p in err["loc"])
-                message = err["msg"]
+                message = validation_message(err)
                 if err["type"] == "extra_forbidden":
                     message = f"unknown {method.name} option; valid: {', '.join(method.ext_model.model_fields)}"
                 issues.append(ConfigIssue(f"qconfig.weight.ext.{loc}", message))
@@ -297,12 +303,16 @@ class LinearQuantProcessor(Processor):
             raise ValueError("; ".join(str(issue) for issue in issues))
         return rules
 
-    def decide(self, name: str, head: bool = False) -> ModuleDecision:
+    def decide(
+        self, name: str, head: bool = False, groups: Sequence[FusedGroup] = ()
+    ) -> ModuleDecision:
         """What this entry does with module ``name``: not selected (with the exclude glob that
         dropped it), or its resolved scheme (possibly skipped by a ``-:`` rule).
 
         :param head: ``name`` is the output head, which only ``lm_head: true`` selects (globs
             never do); its ``dynamic`` rules apply as to any module.
+        :param groups: the fused layers / experts modules serving engines load ``name`` as part
+            of (:func:`msquant.engine_names`); ``dynamic`` rules written for them apply to it.
         """
         if head:
             if not self.config.lm_head:
@@ -316,7 +326,7 @@ class LinearQuantProcessor(Processor):
         if _glob_match(name, self.config.include) is None:
             return ModuleDecision(None, self.method)
         return ModuleDecision(
-            resolve_module_scheme(name, self.base_scheme, self.rules), self.method
+            resolve_module_scheme(name, self.base_scheme, self.rules, groups), self.method
         )
 
     def selected(self, layer: DecoderLayer) -> list[tuple[str, nn.Linear, ResolvedScheme]]:
@@ -325,10 +335,12 @@ class LinearQuantProcessor(Processor):
         chosen = []
         head = isinstance(layer, OutputHeadStage)
         routers = moe_routers(layer.module, layer.name)
-        for name, module in layer.named_linears():
+        linears = list(layer.named_linears())
+        groups = engine_names(name for name, _ in linears)
+        for name, module in linears:
             if name in routers:
                 continue
-            scheme = self.decide(name, head).scheme
+            scheme = self.decide(name, head, groups.get(name, ())).scheme
             if scheme is not None and not scheme.skipped:
                 chosen.append((name, module, scheme))
         return chosen
@@ -343,11 +355,13 @@ class LinearQuantProcessor(Processor):
         decisions = {}
         for layer in layers:
             routers = moe_routers(layer.module, layer.name)
-            for name, _ in layer.named_linears():
+            names = [name for name, _ in layer.named_linears()]
+            groups = engine_names(names)
+            for name in names:
                 decisions[name] = (
                     ModuleDecision(None, self.method, ROUTER_REASON)
                     if name in routers
-                    else self.decide(name)
+                    else self.decide(name, groups=groups.get(name, ()))
                 )
         head = self._head_name(model)
         if head is not None and (self.config.lm_head or self._positive_rules_matching(head)):

@@ -467,6 +467,40 @@ def test_unknown_enum_values_list_valid_ones(
 
 
 @pytest.mark.parametrize(
+    ("weight", "path", "echo"),
+    [
+        ("{method: minmax, scope: per_tensorx}", f"{W}.scope", "got 'per_tensorx'"),
+        ("{method: minmax, dtype: int9}", f"{W}.dtype", "got 'int9'"),
+        ("{method: minmax, symmetric: maybe}", f"{W}.symmetric", "got 'maybe'"),
+        ("{method: minmax, scope: }", f"{W}.scope", "got an empty value (null)"),
+        ("{method: gptq, ext: {percdamp: lots}}", f"{W}.ext.percdamp", "got 'lots'"),
+    ],
+    ids=["enum", "dtype", "bool", "null", "ext"],
+)
+def test_bad_values_are_echoed(
+    weight: str, path: str, echo: str, registry: ProcessorRegistry
+) -> None:
+    """The message repeats the value that was given, not only what was expected."""
+    issue = issue_at(config_error(linear_quant(weight), registry), path)
+    assert issue.message.endswith(echo), issue.message
+
+
+def test_bad_dynamic_override_value_is_echoed(registry: ProcessorRegistry) -> None:
+    text = linear_quant("{method: gptq}") + '      dynamic: {"+:.*q_proj": {sym: sometimes}}\n'
+    issue = issue_at(config_error(text, registry), 'spec.process[0].dynamic["+:.*q_proj"].sym')
+    assert issue.message.endswith("got 'sometimes'"), issue.message
+
+
+def test_long_values_are_shortened_in_messages(registry: ProcessorRegistry) -> None:
+    issue = issue_at(
+        config_error(linear_quant("{method: minmax, scope: " + "x" * 500 + "}"), registry),
+        f"{W}.scope",
+    )
+    assert "got 'xxx" in issue.message and issue.message.endswith("...")
+    assert len(issue.message) < 300
+
+
+@pytest.mark.parametrize(
     "weight",
     [
         "{method: minmax, dtype: mxfp4}",

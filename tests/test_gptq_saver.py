@@ -330,8 +330,11 @@ def test_fused_group_with_differing_members_is_refused(tiny_llama: Path, tmp_pat
 
 def test_no_quantized_layer_is_refused(tiny_llama: Path, tmp_path: Path) -> None:
     config = make_config(W4_G32_SYM, include=["lm_head"])
-    with pytest.raises(QuantizationError, match="no linear layer was quantized"):
+    with pytest.raises(QuantizationError, match="the config quantizes none of the model"):
         msquant.quantize(tiny_llama, tmp_path / "out", config, progress=False, verify=False)
+    # the saver's own check, behind the plan's
+    with pytest.raises(QuantizationError, match="no linear layer was quantized"):
+        build_quantization_config([], "gptq", ["minmax"])
 
 
 # --- consumer warnings and strict -----------------------------------------------------------

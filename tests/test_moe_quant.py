@@ -318,3 +318,18 @@ def test_routers_stay_float_in_the_plan(tiny_model_factory: Callable[..., Path])
     gate = rows["model.layers.0.mlp.shared_expert_gate"]
     assert gate.skipped and gate.decided_by.startswith("spec.process[0] MoE router: kept float")
     assert not rows["model.layers.0.mlp.shared_expert.gate_proj"].skipped
+
+
+def test_rules_on_the_experts_module_name_apply_to_every_expert(qwen3_moe: Path) -> None:
+    """vLLM looks the FusedMoE layer's scheme up by the experts module's name: a rule written for
+    that name (and none of the experts' own names) applies to all of the module's experts."""
+    cfg = _int4_experts(dynamic={r"-:model\.layers\.0\.mlp\.experts$": {}})
+    result = msquant.build_plan(qwen3_moe, cfg)
+    assert result.errors == [] and result.warnings == []
+    rows = {row.module: row for row in result.rows}
+    layer0 = [row for name, row in rows.items() if name.startswith("model.layers.0.mlp.experts.")]
+    layer1 = [row for name, row in rows.items() if name.startswith("model.layers.1.mlp.experts.")]
+    assert len(layer0) == len(layer1) == 24
+    assert all(row.skipped for row in layer0)
+    assert not any(row.skipped for row in layer1)
+    assert not rows["model.layers.0.self_attn.q_proj"].skipped

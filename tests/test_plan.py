@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -358,3 +359,122 @@ def test_cli_plan_exit_codes(
     with pytest.raises(SystemExit) as usage:
         run_cli("plan", "--model_path", weightless_llama)
     assert usage.value.code == 2
+
+
+# -- rules written against the names vLLM and SGLang load modules under ----------------------------
+
+
+@pytest.mark.parametrize(
+    ("rule", "overrides", "fused", "shards"),
+    [
+        (r".*qkv_proj", {"bits": 8}, "self_attn", ("q_proj", "k_proj", "v_proj")),
+        (r".*self_attn\.qkv_proj.*", {"bits": 8}, "self_attn", ("q_proj", "k_proj", "v_proj")),
+        (r"-:.*gate_up_proj$", {}, "mlp", ("gate_proj", "up_proj")),
+    ],
+    ids=["qkv", "qkv_dotstar", "gate_up_negative"],
+)
+def test_rules_on_vllm_fused_names_apply_to_every_shard(
+    weightless_llama: Path,
+    rule: str,
+    overrides: dict[str, Any],
+    fused: str,
+    shards: tuple[str, ...],
+) -> None:
+    """vLLM reads a rule against ``qkv_proj`` / ``gate_up_proj``; msquant applies it to the shards
+    (it used to match none of them, and the run quantized them with the base scheme)."""
+    result = msquant.build_plan(
+        weightless_llama, config(entry(INT4_G32, dynamic={rule: overrides}))
+    )
+    assert result.ok, result.errors
+    assert result.warnings == []  # neither "matches nothing" nor a fused-name mismatch
+    rows = rows_by_name(result.rows)
+    for layer in (0, 1):
+        for shard in shards:
+            row = rows[f"model.layers.{layer}.{fused}.{shard}"]
+            assert row.decided_by == f'spec.process[0].dynamic["{rule}"]'
+            if overrides:
+                assert (row.bits, row.group_size) == (8, 32)
+            else:
+                assert row.skipped
+        assert rows[f"model.layers.{layer}.self_attn.o_proj"].bits == 4
+
+
+def test_rule_matching_a_fused_name_and_some_shards_is_still_a_split(
+    weightless_llama: Path,
+) -> None:
+    """``.*v_proj`` matches ``qkv_proj`` for vLLM and only ``v_proj`` for GPTQModel: ambiguous, so
+    it applies to ``v_proj`` alone and the split is refused, as before."""
+    result = msquant.build_plan(
+        weightless_llama, config(entry(INT4_G32, dynamic={".*v_proj": {"bits": 8}}))
+    )
+    assert len(result.errors) == 2 and "qkv_proj is loaded as one fused matrix" in result.errors[0]
+
+
+def test_rules_on_vllm_fused_names_reach_the_quantized_model(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """End to end: the export quantizes q/k/v with the rule's bits, and its own dynamic rule for
+    them matches the fused name vLLM looks up."""
+    cfg = config(entry(INT4_G32, dynamic={r".*qkv_proj": {"bits": 8}}))
+    result = msquant.quantize(tiny_llama, tmp_path / "out", cfg, progress=False)
+    assert result.quantized_modules
+    written = json.loads((tmp_path / "out" / "quantize_config.json").read_text())
+    assert written["bits"] == 4
+    rules = written["dynamic"]
+    assert len(rules) == 1
+    (pattern,) = rules
+    assert rules[pattern] == {"bits": 8}
+    for layer in (0, 1):
+        assert re.match(pattern.removeprefix("+:"), f"model.layers.{layer}.self_attn.qkv_proj")
+        for shard in ("q_proj", "k_proj", "v_proj"):
+            assert re.match(pattern.removeprefix("+:"), f"model.layers.{layer}.self_attn.{shard}")
+        assert not re.match(pattern.removeprefix("+:"), f"model.layers.{layer}.self_attn.o_proj")
+
+
+# -- a config that quantizes nothing ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("entries", "reason"),
+    [
+        ([entry(INT8_CH, include=["*nothing_here*"])], "14 not selected by any quantizing entry"),
+        ([entry(INT8_CH, exclude=["*"])], "14 spec.process[0] exclude *"),
+        ([entry(INT8_CH, dynamic={"-:.*": {}})], '14 spec.process[0].dynamic["-:.*"]'),
+    ],
+    ids=["include", "exclude", "negative_rule"],
+)
+def test_config_quantizing_nothing_is_refused_before_weights_load(
+    weightless_llama: Path, entries: list[dict[str, Any]], reason: str
+) -> None:
+    """Refused on the meta model (the weights file holds nothing loadable), with what decided."""
+    with pytest.raises(msquant.QuantizationError) as info:
+        msquant.plan(weightless_llama, config(*entries))
+    message = str(info.value)
+    assert "the config quantizes none of the model's 14 linear layer(s)" in message
+    assert reason in message
+    assert "msquant plan lists every module" in message
+
+
+def test_config_without_a_quantizing_entry_is_refused(weightless_llama: Path) -> None:
+    result = msquant.build_plan(weightless_llama, config())
+    assert result.errors == [
+        "spec.process has no entry that quantizes linear layers, so the export would be the "
+        "float model; add a linear_quant entry"
+    ]
+
+
+def test_cli_refuses_a_config_quantizing_nothing_before_loading(
+    tiny_llama: Path, tmp_path: Path, run_cli: Callable[..., Any]
+) -> None:
+    """It used to run the whole calibration and exit 0 with an Ascend export of the float model."""
+    cfg = tmp_path / "none.yaml"
+    cfg.write_text(
+        yaml.safe_dump(config(entry(INT8_CH, include=["*nothing_here*"]), save="ascendv1_saver"))
+    )
+    result = run_cli(
+        "quant", "--model_path", str(tiny_llama), "--save_path", str(tmp_path / "out"),
+        "--config_path", str(cfg),
+    )  # fmt: skip
+    assert result.code == 2
+    assert "the config quantizes none of the model's 14 linear layer(s)" in result.err
+    assert not (tmp_path / "out").exists()

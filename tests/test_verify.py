@@ -1050,3 +1050,32 @@ def test_cli_quant_reports_a_failed_verification(
     assert result.code == 2
     assert "failed verification (1 error)" in result.err and "model.x.qweight" in result.err
     assert "nothing was written" in result.err and "Traceback" not in result.err
+
+
+def test_cli_quant_prints_the_consumer_warnings_of_its_verification(
+    tiny_llama: Path, tmp_path: Path, run_cli: Callable[..., CliResult]
+) -> None:
+    """The read-back check's consumer notes describe the files a user deploys: ``quant`` prints
+    them (it used to log them at DEBUG, so only ``msquant verify`` showed them)."""
+    config = tmp_path / "asym.yaml"
+    weight = {"scope": "per_group", "dtype": "int4", "symmetric": False, "method": "minmax"}
+    weight["ext"] = {"group_size": 32}
+    entry = {"type": "linear_quant", "qconfig": {"weight": weight}}
+    spec = {"process": [entry], "save": [{"type": "gptq_saver"}]}
+    config.write_text(yaml.safe_dump({"apiversion": "modelslim_v1", "spec": spec}))
+    out = tmp_path / "out"
+    args = ("--model_path", tiny_llama, "--save_path", out, "--config_path", config)
+    result = run_cli("quant", *args, "--calib_path", EXAMPLES.parent / "tests/data/calib.txt")
+    assert result.code == 0, result.err
+    verify_lines = [
+        line for line in result.err.splitlines() if "verify: gptq_saver export: " in line
+    ]
+    assert verify_lines and all("WARNING" in line for line in verify_lines), result.err
+    assert any(
+        "vLLM 0.33 / SGLang load GPTQ only as 4/8-bit symmetric (Marlin): asymmetric layers are "
+        "refused" in line
+        for line in verify_lines
+    )
+    # the same notes msquant verify reports for the folder
+    report = verify_export(out)
+    assert any(note in line for line in verify_lines for note in report.warnings)

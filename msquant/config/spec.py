@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from msquant.config.yaml_loader import load_yaml_file, load_yaml_text
-from msquant.errors import ConfigError, ConfigIssue
+from msquant.errors import ConfigError, ConfigIssue, validation_message
 from msquant.processor import ProcessorConfig, Stage
 from msquant.registry import ProcessorRegistry
 
@@ -181,7 +181,7 @@ def _schema_issues(
     issues = []
     for err in exc.errors(include_url=False):
         loc = _strip_tags(err["loc"], registry)
-        message = err["msg"]
+        message = validation_message(err)
         if err["type"] == "extra_forbidden":
             valid = _valid_keys(model_cls, err["loc"][:-1], registry)
             message = "unknown key" + (f"; valid keys here: {', '.join(valid)}" if valid else "")

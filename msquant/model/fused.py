@@ -20,6 +20,7 @@ from dataclasses import dataclass
 __all__ = [
     "FUSED_SHARDS",
     "FusedGroup",
+    "engine_names",
     "expert_groups",
     "expert_group_problems",
     "fused_groups",
@@ -90,6 +91,22 @@ def expert_groups(module_names: Iterable[str]) -> list[FusedGroup]:
         for experts in sorted(found)
         if len(indexes[experts]) >= 2
     ]
+
+
+def engine_names(module_names: Iterable[str]) -> dict[str, tuple[FusedGroup, ...]]:
+    """For each module that serving engines load as part of a bigger one, the groups they look its
+    quantization up by: the fused matrix (``...self_attn.qkv_proj`` for ``q_proj``) and, for an
+    MoE expert's linear layer, the whole experts module (``model.layers.3.mlp.experts``).
+
+    vLLM and SGLang match ``dynamic`` rules against these names only, never against the shards'
+    (see :func:`msquant.resolve_module_scheme`). Modules loaded as themselves are absent.
+    """
+    names = list(module_names)
+    found: dict[str, list[FusedGroup]] = {}
+    for group in [*fused_groups(names), *expert_groups(names)]:
+        for member in group.members:
+            found.setdefault(member, []).append(group)
+    return {name: tuple(groups) for name, groups in found.items()}
 
 
 def fused_group_problems(

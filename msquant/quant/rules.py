@@ -19,7 +19,10 @@ Semantics, exactly as GPTQModel's (``gptqmodel/quantization/config.py``):
 Everything here is pure (no model, no torch): :func:`parse_dynamic` validates a mapping into
 :class:`DynamicRule` objects, :func:`resolve_module_scheme` decides one module, and
 :func:`fused_name_mismatches` finds rules that treat a fused layer (``qkv_proj``) differently
-from its shards, which matters because vLLM matches rules against the fused names.
+from its shards, which matters because vLLM matches rules against the fused names. A rule written
+against the names vLLM and SGLang match and none of the shards' own names (``.*qkv_proj``,
+``.*gate_up_proj``, an MoE ``...experts$`` module) applies to every shard, as those engines read it
+back (:func:`written_for_engine_name`).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from pydantic import (
     field_validator,
 )
 
-from msquant.errors import ConfigIssue
+from msquant.errors import ConfigIssue, validation_message
 from msquant.model.fused import FusedGroup
 
 __all__ = [
@@ -60,6 +63,7 @@ __all__ = [
     "parse_dynamic",
     "ordered_rules",
     "resolve_module_scheme",
+    "written_for_engine_name",
     "fused_name_mismatches",
 ]
 
@@ -215,7 +219,9 @@ def _override_issues(
     except ValidationError as exc:
         for err in exc.errors(include_url=False):
             field_name = str(err["loc"][0]) if err["loc"] else ""
-            issues.append(ConfigIssue(f"{path}.{field_name}" if field_name else path, err["msg"]))
+            issues.append(
+                ConfigIssue(f"{path}.{field_name}" if field_name else path, validation_message(err))
+            )
         return {}, issues
     if parsed.group_size is not None and parsed.group_size != -1 and parsed.group_size <= 0:
         issues.append(
@@ -369,16 +375,31 @@ def _apply(base: BaseScheme, overrides: Mapping[str, Any], decided_by: str) -> R
     return replace(scheme, **values)
 
 
+def written_for_engine_name(rule: DynamicRule, group: FusedGroup) -> bool:
+    r"""Whether ``rule`` names the fused layer / experts module ``group`` as vLLM and SGLang see it
+    and none of its members by their own names (``.*qkv_proj``, ``-:.*mlp\.experts$``): such a
+    rule is meant for the whole group."""
+    return rule.matches(group.fused_name) and not any(rule.matches(m) for m in group.members)
+
+
 def resolve_module_scheme(
-    name: str, base: BaseScheme, rules: Sequence[DynamicRule]
+    name: str,
+    base: BaseScheme,
+    rules: Sequence[DynamicRule],
+    groups: Sequence[FusedGroup] = (),
 ) -> ResolvedScheme:
     """The scheme of module ``name`` under ``rules`` (GPTQModel semantics, see the module doc).
 
     Negative rules are tried before positive ones whatever order ``rules`` is in; the first match
     decides and no later rule is consulted.
+
+    :param groups: the fused layers / MoE experts modules serving engines load ``name`` as part of
+        (:func:`msquant.engine_names`). A rule written for one of them
+        (:func:`written_for_engine_name`) applies to ``name`` as vLLM and SGLang apply it when
+        they read it back: ``.*qkv_proj`` reaches ``q_proj``, ``k_proj`` and ``v_proj``.
     """
     for rule in ordered_rules(rules):
-        if not rule.matches(name):
+        if not (rule.matches(name) or any(written_for_engine_name(rule, g) for g in groups)):
             continue
         if rule.negative:
             return replace(base.resolved(rule.source), skipped=True)
@@ -421,15 +442,17 @@ class FusedNameMismatch:
 def fused_name_mismatches(
     rules: Iterable[DynamicRule], groups: Iterable[FusedGroup]
 ) -> list[FusedNameMismatch]:
-    """Every (rule, fused group) where the rule does not match the fused name and all shards
-    alike: it matches the fused name but not every shard, or some shard but not the fused name."""
+    """Every (rule, fused group) where the rule does not match the fused name and the shards'
+    own names alike: it matches the fused name and some (not all) shards, or some shard but not
+    the fused name. A rule matching the fused name and no shard is written for vLLM's names and
+    applies to every shard (:func:`written_for_engine_name`): not a mismatch."""
     found = []
     groups = list(groups)
     for rule in rules:
         for group in groups:
             fused = rule.matches(group.fused_name)
             members = tuple(m for m in group.members if rule.matches(m))
-            consistent = (fused and len(members) == len(group.members)) or (
+            consistent = (fused and len(members) in (0, len(group.members))) or (
                 not fused and not members
             )
             if not consistent:
