@@ -9,8 +9,8 @@ byte-identical") records the golden set before it moves anything and checks it a
 
 The runs: every file in ``yaml_examples/`` on a tiny Llama, per-module rules (``dynamic``, two
 ``linear_quant`` entries, ``-:`` rules), a quantized ``lm_head``, Qwen3-MoE and Mixtral exports in
-every format, a streamed and a whole-model runner, and a run interrupted after its first layer then
-resumed. Models are random tiny models built from configs (seeded), calibrated on the suite's
+every format, a streamed and a whole-model runner, and a run interrupted in its last layer (after the first
+layer's checkpoint) then resumed. Models are random tiny models built from configs (seeded), calibrated on the suite's
 ``tests/data/calib.txt``, all on the CPU with one thread.
 
 Hashes are machine-dependent (float summation order differs between CPUs and BLAS builds), so
