@@ -359,6 +359,18 @@ def _fill_fused_moe(module: types.ModuleType) -> None:
     module.FusedMoeWeightScaleSupported = FusedMoeWeightScaleSupported
     module.FusedMoEConfig = types.SimpleNamespace
     module.FusedMoEQuantConfig = placeholder_class("FusedMoEQuantConfig")
+    module.MoERunner = placeholder_class("MoERunner")
+
+
+#: What ``vllm.config.get_current_vllm_config()`` returns (vLLM-Ascend reads the model type and
+#: the quantization config from it); ``get_current_vllm_config_or_none`` answers None (defaults).
+CURRENT_CONFIG = types.SimpleNamespace(model_config=None, quant_config=None, kv_transfer_config=None)
+
+
+def _fill_config(module: types.ModuleType) -> None:
+    module.get_current_vllm_config = lambda: CURRENT_CONFIG
+    module.get_current_vllm_config_or_none = lambda: None
+    module.CompilationMode = placeholder_class("CompilationMode")
 
 
 def _fill_platforms(module: types.ModuleType) -> None:
@@ -391,11 +403,9 @@ def _safetensors_metadata(module: types.ModuleType) -> None:
 
 
 STUBS = {
-    "vllm.logger": stub(init_logger=EngineLogger),
+    "vllm.logger": stub(init_logger=EngineLogger, logger=EngineLogger("vllm")),
     "vllm.platforms": _fill_platforms,
-    "vllm.config": stub(
-        get_current_vllm_config=lambda: None, get_current_vllm_config_or_none=lambda: None
-    ),
+    "vllm.config": _fill_config,
     "vllm.distributed": _tp_state,
     "vllm.distributed.parallel_state": _tp_state,
     "vllm.distributed.utils": stub(verify_group_size_divides_partition=_noop),
@@ -514,27 +524,8 @@ def resolve(config: Any, module: EngineModule) -> Resolution:
     try:
         method = config.get_quant_method(layer, prefix=module.prefix) if module.quantizable else None
         if method is None:  # no quant_config, or not handled: the layer's own unquantized method
-            method = _default_method(module)
-        if module.kind == "experts":
-            width = module.output_sizes[0]
-            method.create_weights(
-                layer=layer, num_experts=module.num_experts, hidden_size=module.input_size,
-                unpadded_hidden_size=module.input_size, intermediate_size_per_partition=width,
-                params_dtype=PARAMS_DTYPE, weight_loader=_weight_loader,
-                global_num_experts=module.num_experts,
-            )  # fmt: skip
-        elif module.kind == "lm_head":
-            assert isinstance(layer, ParallelLMHead)
-            padded = layer.num_embeddings_padded
-            method.create_weights(
-                layer, layer.embedding_dim, [padded], layer.embedding_dim, padded,
-                params_dtype=PARAMS_DTYPE, weight_loader=_weight_loader,
-            )  # fmt: skip
-        else:
-            method.create_weights(
-                layer, module.input_size, list(module.output_sizes), module.input_size,
-                module.output_size, params_dtype=PARAMS_DTYPE, weight_loader=_weight_loader,
-            )  # fmt: skip
+            method = default_method(module)
+        create_weights(method, layer, module)
     except (ValueError, NotImplementedError, RuntimeError, KeyError, AssertionError) as error:
         return Resolution(module, None, error=f"{type(error).__name__}: {error}")
     return Resolution(
@@ -542,7 +533,32 @@ def resolve(config: Any, module: EngineModule) -> Resolution:
     )
 
 
-def _default_method(module: EngineModule) -> Any:
+def create_weights(method: Any, layer: torch.nn.Module, module: EngineModule) -> None:
+    """Call ``method.create_weights`` with the arguments the layer's constructor passes
+    (``RoutedExperts``, ``VocabParallelEmbedding``, ``LinearBase``) at tensor-parallel size 1."""
+    if module.kind == "experts":
+        width = module.output_sizes[0]
+        method.create_weights(
+            layer=layer, num_experts=module.num_experts, hidden_size=module.input_size,
+            unpadded_hidden_size=module.input_size, intermediate_size_per_partition=width,
+            params_dtype=PARAMS_DTYPE, weight_loader=_weight_loader,
+            global_num_experts=module.num_experts,
+        )  # fmt: skip
+    elif module.kind == "lm_head":
+        assert isinstance(layer, ParallelLMHead)
+        padded = layer.num_embeddings_padded
+        method.create_weights(
+            layer, layer.embedding_dim, [padded], layer.embedding_dim, padded,
+            params_dtype=PARAMS_DTYPE, weight_loader=_weight_loader,
+        )  # fmt: skip
+    else:
+        method.create_weights(
+            layer, module.input_size, list(module.output_sizes), module.input_size,
+            module.output_size, params_dtype=PARAMS_DTYPE, weight_loader=_weight_loader,
+        )  # fmt: skip
+
+
+def default_method(module: EngineModule) -> Any:
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 

@@ -202,13 +202,13 @@ class EngineImporter(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Any = None, target: Any = None
     ) -> importlib.machinery.ModuleSpec | None:
-        top = fullname.partition(".")[0]
-        if top not in self.sources:
-            return None
-        if fullname in self.stubs:
+        if fullname in self.stubs:  # also device packages that are not in a wheel (torch_npu)
             spec = importlib.machinery.ModuleSpec(fullname, _StubLoader(self.stubs[fullname]))
             spec.submodule_search_locations = []
             return spec
+        top = fullname.partition(".")[0]
+        if top not in self.sources:
+            return None
         source = self.sources[top]
         if self.is_real(fullname):
             file = source.module_file(fullname)
