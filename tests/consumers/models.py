@@ -12,7 +12,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+import transformers
+from packaging.version import Version
 from tiny_models import build_tiny_model
+
+#: transformers' MoE layouts differ before 5.24 (as in tests/conftest.py).
+NEEDS_MOE_TRANSFORMERS = pytest.mark.skipif(
+    Version(transformers.__version__) < Version("5.24"),
+    reason=f"MoE support is tested with transformers >= 5.24, not {transformers.__version__}",
+)
 
 #: The architectures of the consumer matrix.
 CONSUMER_ARCHS = ("llama", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
