@@ -192,7 +192,11 @@ def _gated_mlp(prefix: str, hidden: int, width: int) -> list[EngineModule]:
             (width, width),
         ),
         EngineModule(
-            f"{prefix}.down_proj", "RowParallelLinear", "linear", (f"{prefix}.down_proj",), width,
+            f"{prefix}.down_proj",
+            "RowParallelLinear",
+            "linear",
+            (f"{prefix}.down_proj",),
+            width,
             (hidden,),
         ),  # fmt: skip
     ]
@@ -248,7 +252,9 @@ def _mlp(arch: str, prefix: str, config: dict[str, Any], engine: Engine) -> list
         count = _expert_count(config)
         return [
             _router(f"{moe}.gate", hidden, count, quantizable=False),
-            _experts(f"{moe}.experts", hidden, config["intermediate_size"], count, ("w1", "w3", "w2")),
+            _experts(
+                f"{moe}.experts", hidden, config["intermediate_size"], count, ("w1", "w3", "w2")
+            ),
         ]
     moe = f"{prefix}.mlp"
     width = config["moe_intermediate_size"]
@@ -301,7 +307,9 @@ def engine_modules(model_dir: Path, engine: Engine = "vllm") -> list[EngineModul
         modules += _mlp(arch, prefix, config, engine)
     if not config.get("tie_word_embeddings", False):
         hidden, vocab = config["hidden_size"], config["vocab_size"]
-        modules.append(EngineModule("lm_head", "ParallelLMHead", "lm_head", ("lm_head",), hidden, (vocab,)))
+        modules.append(
+            EngineModule("lm_head", "ParallelLMHead", "lm_head", ("lm_head",), hidden, (vocab,))
+        )
     return modules
 
 

@@ -58,7 +58,9 @@ class AscendUnquantizedLinearMethod:
         output_partition_sizes: list[int], input_size: int, output_size: int,
         params_dtype: torch.dtype, **extra: Any,
     ) -> None:  # fmt: skip
-        data = torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype)
+        data = torch.empty(
+            sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype
+        )
         layer.register_parameter("weight", torch.nn.Parameter(data, requires_grad=False))
 
 
@@ -97,7 +99,8 @@ STUBS = {
         )
     ),
     "vllm_ascend.ascend_forward_context": stub(
-        MoECommType=placeholder_class("MoECommType"), _EXTRA_CTX=None,
+        MoECommType=placeholder_class("MoECommType"),
+        _EXTRA_CTX=None,
         use_cann_megamoe=lambda *a, **k: False,
     ),  # fmt: skip
     "vllm_ascend.device.mxfp_compat": stub(
@@ -105,8 +108,10 @@ STUBS = {
         **{
             name: lambda *a, **k: None
             for name in (
-                "ensure_mxfp4_flatquant_linear_available", "ensure_mxfp4_linear_available",
-                "ensure_mxfp4_moe_available", "ensure_mxfp8_linear_available",
+                "ensure_mxfp4_flatquant_linear_available",
+                "ensure_mxfp4_linear_available",
+                "ensure_mxfp4_moe_available",
+                "ensure_mxfp8_linear_available",
                 "ensure_mxfp8_moe_available",
             )  # fmt: skip
         },
@@ -165,7 +170,9 @@ def resolve_export(export: Path, model_type: str, modules: list[EngineModule]) -
 def _resolve(config: Any, module: EngineModule) -> Resolution:
     layer = vllm_engine.LAYER_CLASSES[module.cls](module)
     try:
-        method = config.get_quant_method(layer, prefix=module.prefix) if module.quantizable else None
+        method = (
+            config.get_quant_method(layer, prefix=module.prefix) if module.quantizable else None
+        )
         if method is None:
             method = vllm_engine.default_method(module)
         vllm_engine.create_weights(method, layer, module)

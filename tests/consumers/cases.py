@@ -49,10 +49,18 @@ GPTQ_MOE_RULES = {
     case.name: case
     for arch in MOE_ARCHS
     for case in (
-        _gptq(f"gptq_moe_float_experts_{arch}", arch, weight=gptq_weight(group=64),
-              exclude=LAYER1_EXPERTS),
-        _gptq(f"gptq_moe_int8_experts_{arch}", arch, weight=gptq_weight(group=64),
-              dynamic=LAYER1_EXPERTS_8BIT),
+        _gptq(
+            f"gptq_moe_float_experts_{arch}",
+            arch,
+            weight=gptq_weight(group=64),
+            exclude=LAYER1_EXPERTS,
+        ),
+        _gptq(
+            f"gptq_moe_int8_experts_{arch}",
+            arch,
+            weight=gptq_weight(group=64),
+            dynamic=LAYER1_EXPERTS_8BIT,
+        ),
     )  # fmt: skip
 }
 #: What vLLM 0.33 / SGLang cannot serve as GPTQ at all.
@@ -70,8 +78,15 @@ CT_SERVED = {
         _ct("ct_asym", weight=gptq_weight(group=64, sym=False)),
         _ct("ct_head_other_scheme", lm_head=True, dynamic=HEAD_8BIT),
         *(_ct(f"ct_moe_{arch}", arch, weight=gptq_weight(group=64)) for arch in MOE_ARCHS),
-        *(_ct(f"ct_moe_float_experts_{arch}", arch, weight=gptq_weight(group=64),
-              exclude=LAYER1_EXPERTS) for arch in MOE_ARCHS),  # fmt: skip
+        *(
+            _ct(
+                f"ct_moe_float_experts_{arch}",
+                arch,
+                weight=gptq_weight(group=64),
+                exclude=LAYER1_EXPERTS,
+            )
+            for arch in MOE_ARCHS
+        ),  # fmt: skip
     )
 }
 CT_INT3 = _ct("ct_int3", dynamic={r".*": {"bits": 3}})

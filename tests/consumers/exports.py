@@ -68,7 +68,9 @@ def gptq_weight(bits: int = 4, group: int | None = 128, sym: bool = True) -> dic
     return weight
 
 
-def minmax_weight(dtype: str = "int8", group: int | None = None, sym: bool = True) -> dict[str, Any]:
+def minmax_weight(
+    dtype: str = "int8", group: int | None = None, sym: bool = True
+) -> dict[str, Any]:
     """A round-to-nearest ``qconfig.weight`` (what the Ascend examples use)."""
     weight: dict[str, Any] = {
         "dtype": dtype,

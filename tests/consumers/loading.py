@@ -85,9 +85,7 @@ class Resolution:
 def param_infos(module: torch.nn.Module) -> dict[str, ParamInfo]:
     """The parameters a quantization method registered on a (stub) layer."""
     return {
-        name: ParamInfo(
-            tuple(param.shape), param.dtype, getattr(param, "output_dim", None)
-        )
+        name: ParamInfo(tuple(param.shape), param.dtype, getattr(param, "output_dim", None))
         for name, param in module.named_parameters(recurse=False)
         if param is not None
     }
@@ -97,7 +95,9 @@ def _dtype_problem(where: str, param: ParamInfo, tensor: TensorInfo) -> str | No
     if param.dtype.is_floating_point:
         # vLLM keeps the experts' compressed-tensors weight_shape in a float tensor (copy_ casts)
         if tensor.dtype not in FLOAT_NAMES and not where.endswith(".weight_shape"):
-            return f"{where}: the engine creates a float parameter, the export stores {tensor.dtype}"
+            return (
+                f"{where}: the engine creates a float parameter, the export stores {tensor.dtype}"
+            )
         return None
     wanted = INT_DTYPES.get(param.dtype, str(param.dtype))
     if tensor.dtype != wanted:
@@ -230,7 +230,11 @@ def loading_problems(
 
 def _module_tensors(module: EngineModule, table: Mapping[str, TensorInfo]) -> list[str]:
     prefixes = tuple(f"{shard}." for shard in module.shards)
-    return [name for name in table if name.startswith(prefixes) and name.count(".") == _depth(name, prefixes)]
+    return [
+        name
+        for name in table
+        if name.startswith(prefixes) and name.count(".") == _depth(name, prefixes)
+    ]
 
 
 def _depth(name: str, prefixes: tuple[str, ...]) -> int:

@@ -43,7 +43,9 @@ def _weights(folder: Path) -> dict[str, tuple[int, ...]]:
 
 @NEEDS_MOE_TRANSFORMERS
 @pytest.mark.parametrize("arch", CONSUMER_ARCHS)
-def test_engine_modules_cover_the_checkpoint(arch: str, consumer_model: Callable[[str], Path]) -> None:
+def test_engine_modules_cover_the_checkpoint(
+    arch: str, consumer_model: Callable[[str], Path]
+) -> None:
     folder = consumer_model(arch)
     shapes = _weights(folder)
     linear = {name[: -len(".weight")] for name, shape in shapes.items()
@@ -55,7 +57,9 @@ def test_engine_modules_cover_the_checkpoint(arch: str, consumer_model: Callable
     for module in modules:
         if module.kind == "experts":
             for expert in range(module.num_experts):
-                gate, up, down = (shapes[f"{module.expert_shard(expert, r)}.weight"] for r in range(3))
+                gate, up, down = (
+                    shapes[f"{module.expert_shard(expert, r)}.weight"] for r in range(3)
+                )
                 assert gate == up == (module.output_sizes[0], module.input_size)
                 assert down == (module.input_size, module.output_sizes[0])
         else:
@@ -77,4 +81,3 @@ def test_engine_modules_of_tied_heads_and_routers(consumer_model: Callable[[str]
     experts = mixtral["model.layers.1.block_sparse_moe.experts"]
     assert experts.expert_shard(3, 0) == "model.layers.1.block_sparse_moe.experts.3.w1"
     assert experts.expert_shard(3, 2) == "model.layers.1.block_sparse_moe.experts.3.w2"
-

@@ -30,7 +30,7 @@ def _decoded_checkpoint(export: Export, folder: Path) -> Path:
     gptq = read_gptq_export(export.path)
     tensors = {
         name: tensor.float() for name, tensor in gptq.tensors.items()
-        if not name.rpartition(".")[2] in ("qweight", "qzeros", "scales", "g_idx")
+        if name.rpartition(".")[2] not in ("qweight", "qzeros", "scales", "g_idx")
     }  # fmt: skip
     for name, module in gptq.modules.items():
         tensors[f"{name}.weight"] = module.dequantize()
@@ -83,7 +83,9 @@ def test_dense_gptq_export_loads_exactly(
 def test_negative_rules_only_export_loads_exactly(
     make_export: ExportFactory, tmp_path: Path
 ) -> None:
-    assert _relative_logit_difference(make_export(GPTQ_SERVED["gptq_neg_rules_only"]), tmp_path) < 2e-3
+    assert (
+        _relative_logit_difference(make_export(GPTQ_SERVED["gptq_neg_rules_only"]), tmp_path) < 2e-3
+    )
 
 
 @pytest.mark.parametrize(

@@ -58,7 +58,11 @@ def test_gptq_moe_experts_with_rules_load_in_vllm(
 ) -> None:
     resolutions, problems = vllm_check(make_export(case))
     assert problems == []
-    layer1 = next(r for r in resolutions if r.module.prefix.startswith("model.layers.1.") and r.module.kind == "experts")
+    layer1 = next(
+        r
+        for r in resolutions
+        if r.module.prefix.startswith("model.layers.1.") and r.module.kind == "experts"
+    )
     if "float" in case.name:
         assert layer1.method == "UnquantizedFusedMoEMethod"
 
@@ -100,7 +104,9 @@ def test_compressed_tensors_exports_load_in_vllm(
     experts = {r.module.prefix: r.method for r in resolutions if r.module.kind == "experts"}
     for prefix, method in experts.items():
         float_layer = "float_experts" in case.name and prefix.startswith("model.layers.1.")
-        assert method == ("UnquantizedFusedMoEMethod" if float_layer else "CompressedTensorsWNA16MoEMethod")
+        assert method == (
+            "UnquantizedFusedMoEMethod" if float_layer else "CompressedTensorsWNA16MoEMethod"
+        )
 
 
 @ROUTER_XFAIL
@@ -127,7 +133,10 @@ def test_compressed_tensors_int3_loads_in_vllm(make_export: ExportFactory) -> No
     packing (whether its kernels compute them right needs a GPU)."""
     resolutions, problems = vllm_check(make_export(CT_INT3))
     assert problems == []
-    assert _by_prefix(resolutions)["model.layers.0.mlp.down_proj"].method == "CompressedTensorsLinearMethod"
+    assert (
+        _by_prefix(resolutions)["model.layers.0.mlp.down_proj"].method
+        == "CompressedTensorsLinearMethod"
+    )
 
 
 @pytest.mark.xfail(
@@ -168,9 +177,8 @@ def _class_packed_mapping(tree: ast.Module, class_name: str) -> dict[str, list[s
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and node.name == class_name:
             for statement in node.body:
-                if (
-                    isinstance(statement, ast.Assign)
-                    and any(getattr(t, "id", None) == "packed_modules_mapping" for t in statement.targets)
+                if isinstance(statement, ast.Assign) and any(
+                    getattr(t, "id", None) == "packed_modules_mapping" for t in statement.targets
                 ):
                     return dict(ast.literal_eval(statement.value))
     raise AssertionError(f"{class_name}.packed_modules_mapping not found")

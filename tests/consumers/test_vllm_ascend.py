@@ -31,7 +31,11 @@ def test_w8a16_per_channel_loads_in_vllm_ascend(name: str, make_export: ExportFa
     linear = [r for r in resolutions if r.module.kind == "linear"]
     assert all(r.method == "AscendLinearMethod[AscendW8A16LinearMethod]" for r in linear)
     head = next(r for r in resolutions if r.module.kind == "lm_head")
-    expected = "AscendEmbeddingMethod[AscendW8A16LinearMethod]" if "head" in name else "UnquantizedEmbeddingMethod"
+    expected = (
+        "AscendEmbeddingMethod[AscendW8A16LinearMethod]"
+        if "head" in name
+        else "UnquantizedEmbeddingMethod"
+    )
     assert head.method == expected
 
 
@@ -67,7 +71,9 @@ def test_w4a16_linear_is_refused_by_vllm_ascend_and_msquant_warns(
     export = make_export(ASCEND["ascend_w4a16"])
     resolutions, _ = ascend_check(export)
     linear = [r for r in resolutions if r.module.kind == "linear"]
-    assert linear and all("quant_type=W4A16 for layer_type=linear" in (r.error or "") for r in linear)
+    assert linear and all(
+        "quant_type=W4A16 for layer_type=linear" in (r.error or "") for r in linear
+    )
     assert export.warned("W4A16", "vLLM-Ascend")
 
 
@@ -87,4 +93,3 @@ def test_w8a16_moe_is_refused_by_vllm_ascend_and_msquant_warns(
     attention = [r for r in resolutions if r.module.leaf in ("qkv_proj", "o_proj")]
     assert all(r.error is None for r in attention)
     assert export.warned("MoE", "vLLM-Ascend")
-

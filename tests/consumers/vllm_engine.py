@@ -190,7 +190,9 @@ def _unquantized_linear_methods() -> tuple[type, type, type]:
             output_partition_sizes: list[int], input_size: int, output_size: int,
             params_dtype: torch.dtype, **extra: Any,
         ) -> None:  # fmt: skip
-            data = torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype)
+            data = torch.empty(
+                sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype
+            )
             layer.register_parameter("weight", _param(data, input_dim=1, output_dim=0))
 
     class UnquantizedEmbeddingMethod(UnquantizedLinearMethod):
@@ -218,7 +220,8 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     ) -> None:  # fmt: skip
         width = intermediate_size_per_partition
         layer.register_parameter(
-            "w13_weight", _param(torch.empty(num_experts, 2 * width, hidden_size, dtype=params_dtype))
+            "w13_weight",
+            _param(torch.empty(num_experts, 2 * width, hidden_size, dtype=params_dtype)),
         )
         layer.register_parameter(
             "w2_weight", _param(torch.empty(num_experts, hidden_size, width, dtype=params_dtype))
@@ -364,7 +367,9 @@ def _fill_fused_moe(module: types.ModuleType) -> None:
 
 #: What ``vllm.config.get_current_vllm_config()`` returns (vLLM-Ascend reads the model type and
 #: the quantization config from it); ``get_current_vllm_config_or_none`` answers None (defaults).
-CURRENT_CONFIG = types.SimpleNamespace(model_config=None, quant_config=None, kv_transfer_config=None)
+CURRENT_CONFIG = types.SimpleNamespace(
+    model_config=None, quant_config=None, kv_transfer_config=None
+)
 
 
 def _fill_config(module: types.ModuleType) -> None:
@@ -441,9 +446,7 @@ STUBS = {
     "vllm.model_executor.determinism.batch_invariant": stub(matmul_batch_invariant=_noop),
     "vllm.model_executor.layers.quantization": _quantization_package,
     "vllm.model_executor.layers.quantization.utils": stub(replace_parameter=_noop),
-    "vllm.model_executor.layers.quantization.utils.int8_utils": stub(
-        per_token_quant_int8=_noop
-    ),
+    "vllm.model_executor.layers.quantization.utils.int8_utils": stub(per_token_quant_int8=_noop),
     "vllm.model_executor.layers.quantization.input_quant_fp8": stub(
         QuantFP8=placeholder_class("QuantFP8")
     ),
@@ -522,7 +525,9 @@ def resolve(config: Any, module: EngineModule) -> Resolution:
     parameters, as the layer's constructor does."""
     layer = LAYER_CLASSES[module.cls](module)
     try:
-        method = config.get_quant_method(layer, prefix=module.prefix) if module.quantizable else None
+        method = (
+            config.get_quant_method(layer, prefix=module.prefix) if module.quantizable else None
+        )
         if method is None:  # no quant_config, or not handled: the layer's own unquantized method
             method = default_method(module)
         create_weights(method, layer, module)
