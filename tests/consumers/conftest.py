@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+# appended, not prepended: tests/conftest.py must stay the `conftest` the other tests import
+sys.path.append(str(Path(__file__).parent))
 
 from exports import ExportFactory  # noqa: E402
 
