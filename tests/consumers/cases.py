@@ -1,0 +1,105 @@
+"""The exports the consumer tests check (issue 13 §1), shared by the engine test files."""
+
+from __future__ import annotations
+
+from exports import (
+    LAYER1_EXPERTS,
+    LAYER1_EXPERTS_8BIT,
+    ExportCase,
+    gptq_weight,
+    minmax_weight,
+)
+
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+#: Layer 1's MLP in int8 (its down_proj too), layer 0's down_proj in float.
+MIXED_RULES = {r"model\.layers\.1\.mlp\..*": {"bits": 8}}
+LAYER0_DOWN = ("model.layers.0.mlp.down_proj",)
+HEAD_8BIT = {"lm_head": {"bits": 8, "group_size": -1}}
+
+
+def _gptq(name: str, arch: str = "llama", **kwargs: object) -> ExportCase:
+    weight = kwargs.pop("weight", gptq_weight())
+    return ExportCase(name, arch, "gptq_saver", weight, **kwargs)  # type: ignore[arg-type]
+
+
+def _ct(name: str, arch: str = "llama", **kwargs: object) -> ExportCase:
+    weight = kwargs.pop("weight", gptq_weight())
+    return ExportCase(name, arch, "compressed_tensors", weight, **kwargs)  # type: ignore[arg-type]
+
+
+def _ascend(name: str, arch: str = "llama", **kwargs: object) -> ExportCase:
+    weight = kwargs.pop("weight", minmax_weight())
+    return ExportCase(name, arch, "ascendv1_saver", weight, **kwargs)  # type: ignore[arg-type]
+
+
+GPTQ_SERVED = {
+    case.name: case
+    for case in (
+        _gptq("gptq_int4_g128"),
+        _gptq("gptq_int8_channel", weight=gptq_weight(8, None)),
+        _gptq("gptq_neg_rules_only", exclude=LAYER0_DOWN),
+        _gptq("gptq_mixed", exclude=LAYER0_DOWN, dynamic=MIXED_RULES),
+        _gptq("gptq_head_same_scheme", lm_head=True),
+        _gptq("gptq_head_other_scheme", lm_head=True, dynamic=HEAD_8BIT),
+        *(_gptq(f"gptq_moe_{arch}", arch, weight=gptq_weight(group=64)) for arch in MOE_ARCHS),
+    )
+}
+#: §1 #1: experts of layer 1 left float / in int8 under per-module rules.
+GPTQ_MOE_RULES = {
+    case.name: case
+    for arch in MOE_ARCHS
+    for case in (
+        _gptq(
+            f"gptq_moe_float_experts_{arch}",
+            arch,
+            weight=gptq_weight(group=64),
+            exclude=LAYER1_EXPERTS,
+        ),
+        _gptq(
+            f"gptq_moe_int8_experts_{arch}",
+            arch,
+            weight=gptq_weight(group=64),
+            dynamic=LAYER1_EXPERTS_8BIT,
+        ),
+    )  # fmt: skip
+}
+#: What vLLM 0.33 / SGLang cannot serve as GPTQ at all.
+GPTQ_UNSERVABLE = {
+    "gptq_asym": _gptq("gptq_asym", weight=gptq_weight(group=128, sym=False)),
+    "gptq_int3": _gptq("gptq_int3", dynamic={r".*": {"bits": 3}}),
+}
+
+CT_SERVED = {
+    case.name: case
+    for case in (
+        _ct("ct_int4_g128"),
+        _ct("ct_int8_channel", weight=gptq_weight(8, None)),
+        _ct("ct_mixed", exclude=LAYER0_DOWN, dynamic=MIXED_RULES),
+        _ct("ct_asym", weight=gptq_weight(group=64, sym=False)),
+        _ct("ct_head_other_scheme", lm_head=True, dynamic=HEAD_8BIT),
+        *(_ct(f"ct_moe_{arch}", arch, weight=gptq_weight(group=64)) for arch in MOE_ARCHS),
+        *(
+            _ct(
+                f"ct_moe_float_experts_{arch}",
+                arch,
+                weight=gptq_weight(group=64),
+                exclude=LAYER1_EXPERTS,
+            )
+            for arch in MOE_ARCHS
+        ),  # fmt: skip
+    )
+}
+CT_INT3 = _ct("ct_int3", dynamic={r".*": {"bits": 3}})
+CT_HEAD_SAME = _ct("ct_head_same_scheme", lm_head=True)
+
+ASCEND = {
+    case.name: case
+    for case in (
+        _ascend("ascend_w8a16_sym"),
+        _ascend("ascend_w8a16_asym", weight=minmax_weight(sym=False)),
+        _ascend("ascend_w8a16_per_group", weight=minmax_weight(group=64)),
+        _ascend("ascend_w4a16", weight=minmax_weight("int4", group=64)),
+        _ascend("ascend_w8a16_head", lm_head=True),
+        *(_ascend(f"ascend_w8a16_moe_{arch}", arch) for arch in MOE_ARCHS),
+    )
+}

@@ -1,0 +1,578 @@
+"""vLLM 0.33.0's quantization code, run on the CPU against a checkpoint folder.
+
+Real (from the wheel, unchanged): the GPTQ config (``auto_gptq.py``: ``from_config``,
+``maybe_update_config``, ``get_quant_method``, ``AutoGPTQLinearMethod`` / ``AutoGPTQMoEMethod``
+``create_weights``), its rule matching (``utils/gptq_utils.py``), the Marlin support checks
+(``utils/marlin_utils.py``), the compressed-tensors config, target matching and schemes
+(``compressed_tensors/compressed_tensors.py``, ``utils.py``, ``schemes/compressed_tensors_wNa16.py``,
+``compressed_tensors_moe/*.py``), ``parameter.py``, ``scalar_type.py``, ``envs.py``.
+
+Stubbed (see :data:`STUBS`): the layer classes (``LinearBase`` and its subclasses,
+``ParallelLMHead``, ``RoutedExperts``: the harness builds them, the quantization code only calls
+``isinstance`` on them and registers parameters into them), the unquantized methods'
+``create_weights`` (float ``weight`` ``[out, in]`` / experts ``w13_weight [E, 2I, H]`` and
+``w2_weight [E, H, I]``, as ``linear.py`` / ``unquantized_fused_moe_method.py`` create them),
+kernel selection (``choose_mp_linear_kernel``, the MoE kernel oracle), custom ops, tensor-parallel
+state (rank 0 of 1), the current platform (an SM 9.0 CUDA GPU), the logger and the vLLM config.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from architectures import PACKED_MODULES, EngineModule
+from loading import Resolution, param_infos
+from wheels import (
+    CudaPlatformStub,
+    EngineImporter,
+    EngineLogger,
+    Release,
+    WheelSource,
+    install,
+    placeholder_class,
+    stub,
+)
+
+VLLM = Release("vllm", "0.33.0")
+#: Parameter dtype of the served model (vLLM serves GPTQ / compressed-tensors in half precision).
+PARAMS_DTYPE = torch.bfloat16
+#: vLLM pads the vocabulary of ``ParallelLMHead`` to a multiple of this
+#: (``vocab_parallel_embedding.py``: ``DEFAULT_VOCAB_PADDING_SIZE``).
+VOCAB_PADDING = 64
+
+REAL = (
+    "vllm.envs",
+    "vllm.scalar_type",
+    "vllm.utils.math_utils",
+    "vllm.utils.collection_utils",
+    "vllm.model_executor.parameter",
+    "vllm.model_executor.layers.quantization.base_config",
+    "vllm.model_executor.layers.quantization.auto_gptq",
+    "vllm.model_executor.layers.quantization.moe_wna16",
+    "vllm.model_executor.layers.quantization.utils.gptq_utils",
+    "vllm.model_executor.layers.quantization.utils.marlin_utils",
+    "vllm.model_executor.layers.quantization.utils.quant_utils",
+    "vllm.model_executor.layers.quantization.utils.config_utils",
+    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
+    "vllm.model_executor.layers.quantization.compressed_tensors.utils",
+    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe",
+    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe",
+    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_wna16",
+    "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_scheme",
+    "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16",
+)
+
+
+# -- stand-ins for the layer classes --------------------------------------------------------------
+
+
+class LinearBase(torch.nn.Module):
+    """vLLM's ``LinearBase``: holds what the quantization method registers."""
+
+    def __init__(self, module: EngineModule) -> None:
+        super().__init__()
+        self.prefix = module.prefix
+        self.input_size = module.input_size
+        self.output_size = module.output_size
+        self.output_partition_sizes = list(module.output_sizes)
+        self.params_dtype = PARAMS_DTYPE
+        self.tp_size = 1
+
+
+class ColumnParallelLinear(LinearBase):
+    pass
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    pass
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    pass
+
+
+class RowParallelLinear(LinearBase):
+    pass
+
+
+class ReplicatedLinear(LinearBase):
+    pass
+
+
+class GateLinear(ReplicatedLinear):
+    pass
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    pass
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def __init__(self, module: EngineModule) -> None:
+        super().__init__()
+        self.prefix = module.prefix
+        vocab = module.output_size
+        self.num_embeddings = vocab
+        self.num_embeddings_padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
+        self.embedding_dim = module.input_size
+
+
+class RoutedExperts(torch.nn.Module):
+    """vLLM's ``RoutedExperts`` (what ``FusedMoE`` builds): the experts of one MoE block."""
+
+    def __init__(self, module: EngineModule) -> None:
+        super().__init__()
+        self.prefix = module.prefix
+        gate, up, down = module.expert_roles
+        self.ckpt_gate_proj_name, self.ckpt_up_proj_name, self.ckpt_down_proj_name = gate, up, down
+        width = module.output_sizes[0]
+        self.moe_config = types.SimpleNamespace(
+            num_experts=module.num_experts,
+            num_local_experts=module.num_experts,
+            hidden_dim=module.input_size,
+            hidden_dim_unpadded=module.input_size,
+            intermediate_size_per_partition=width,
+            intermediate_size_per_partition_unpadded=width,
+            w13_num_shards=2,
+            is_act_and_mul=True,
+            in_dtype=PARAMS_DTYPE,
+            has_bias=False,
+            moe_parallel_config=types.SimpleNamespace(tp_size=1, ep_size=1, use_ep=False),
+        )
+        self._loaded_expert_biases: set[str] = set()
+
+
+LAYER_CLASSES: dict[str, type[torch.nn.Module]] = {
+    cls.__name__: cls
+    for cls in (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+        ReplicatedLinear,
+        GateLinear,
+        ParallelLMHead,
+        RoutedExperts,
+    )
+}
+
+
+def _param(data: torch.Tensor, **attributes: Any) -> torch.nn.Parameter:
+    parameter = torch.nn.Parameter(data, requires_grad=False)
+    for key, value in attributes.items():
+        setattr(parameter, key, value)
+    return parameter
+
+
+class _MethodBase:
+    """Base of the stubbed methods; real methods derive from vLLM's ``QuantizeMethodBase``."""
+
+
+def _unquantized_linear_methods() -> tuple[type, type, type]:
+    """The unquantized methods, created after base_config is importable (they subclass it)."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    class LinearMethodBase(QuantizeMethodBase):
+        def apply(self, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+            raise NotImplementedError("kernels are not run by the consumer harness")
+
+    class UnquantizedLinearMethod(LinearMethodBase):
+        """``linear.py``: float ``weight [sum(output_partition_sizes), input_size]``."""
+
+        def create_weights(
+            self, layer: torch.nn.Module, input_size_per_partition: int,
+            output_partition_sizes: list[int], input_size: int, output_size: int,
+            params_dtype: torch.dtype, **extra: Any,
+        ) -> None:  # fmt: skip
+            data = torch.empty(
+                sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype
+            )
+            layer.register_parameter("weight", _param(data, input_dim=1, output_dim=0))
+
+    class UnquantizedEmbeddingMethod(UnquantizedLinearMethod):
+        pass
+
+    return LinearMethodBase, UnquantizedLinearMethod, UnquantizedEmbeddingMethod
+
+
+class FusedMoEMethodBase:
+    """``fused_moe_method_base.py``: keeps the MoE config."""
+
+    def __init__(self, moe: Any) -> None:
+        self.moe = moe
+        self.moe_config = moe
+
+    is_monolithic = False
+
+
+class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
+    """``unquantized_fused_moe_method.py``: float ``w13_weight [E, 2I, H]``, ``w2_weight [E, H, I]``."""
+
+    def create_weights(
+        self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
+        intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra: Any,
+    ) -> None:  # fmt: skip
+        width = intermediate_size_per_partition
+        layer.register_parameter(
+            "w13_weight",
+            _param(torch.empty(num_experts, 2 * width, hidden_size, dtype=params_dtype)),
+        )
+        layer.register_parameter(
+            "w2_weight", _param(torch.empty(num_experts, hidden_size, width, dtype=params_dtype))
+        )
+
+
+class FusedMoeWeightScaleSupported(enum.Enum):
+    TENSOR = "tensor"
+    CHANNEL = "channel"
+    GROUP = "group"
+    BLOCK = "block"
+
+
+class WNA16MoEBackend(enum.Enum):
+    """``fused_moe/oracle/int_wna16.py``'s backend names (the oracle itself needs the GPU)."""
+
+    MARLIN = "MARLIN"
+    BATCHED_MARLIN = "BATCHED_MARLIN"
+    HUMMING = "HUMMING"
+    CPU = "CPU"
+    ZEN_CPU = "ZEN_CPU"
+    FLASHINFER_TRTLLM = "FLASHINFER_TRTLLM"
+    TRITON = "TRITON"
+    XPU = "XPU"
+    EMULATION = "EMULATION"
+    RDNA3 = "RDNA3"
+
+
+def _select_wna16_moe_backend(*args: Any, **kwargs: Any) -> tuple[WNA16MoEBackend, None]:
+    """Kernel choice for WNA16 MoE (the oracle needs the GPU); Marlin is what an H100 gets."""
+    return WNA16MoEBackend.MARLIN, None
+
+
+@dataclass
+class MPLinearLayerConfig:
+    """``kernels/linear``: the description a mixed-precision linear kernel is chosen by."""
+
+    full_weight_shape: tuple[int, int]
+    partition_weight_shape: tuple[int, int]
+    weight_type: Any
+    act_type: torch.dtype
+    group_size: int
+    zero_points: bool
+    has_g_idx: bool = False
+    out_type: torch.dtype | None = None
+
+
+class _Kernel:
+    """A chosen kernel: records its configuration, runs nothing."""
+
+    def __init__(self, config: MPLinearLayerConfig, **names: Any) -> None:
+        self.config = config
+        self.names = names
+
+
+def _choose_mp_linear_kernel(config: MPLinearLayerConfig, *args: Any, **kwargs: Any) -> type:
+    return _Kernel
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _fill_linear(module: types.ModuleType) -> None:
+    base, unquantized, _ = _unquantized_linear_methods()
+    module.LinearBase = LinearBase
+    module.ColumnParallelLinear = ColumnParallelLinear
+    module.MergedColumnParallelLinear = MergedColumnParallelLinear
+    module.QKVParallelLinear = QKVParallelLinear
+    module.RowParallelLinear = RowParallelLinear
+    module.ReplicatedLinear = ReplicatedLinear
+    module.LinearMethodBase = base
+    module.UnquantizedLinearMethod = unquantized
+    from vllm.model_executor.utils import set_weight_attrs
+
+    module.set_weight_attrs = set_weight_attrs
+
+
+def _fill_vocab(module: types.ModuleType) -> None:
+    *_, embedding = _unquantized_linear_methods()
+    module.VocabParallelEmbedding = VocabParallelEmbedding
+    module.ParallelLMHead = ParallelLMHead
+    module.UnquantizedEmbeddingMethod = embedding
+
+
+def _fill_model_executor_utils(module: types.ModuleType) -> None:
+    """``model_executor/utils.py`` needs torch_utils; only its two helpers are used here."""
+
+    def set_weight_attrs(weight: torch.Tensor, attrs: dict[str, Any] | None) -> None:
+        for key, value in (attrs or {}).items():
+            assert not hasattr(weight, key), f"Overwriting existing tensor attribute: {key}"
+            setattr(weight, key, value)
+
+    def replace_parameter(layer: torch.nn.Module, name: str, new: torch.Tensor) -> None:
+        layer.register_parameter(name, torch.nn.Parameter(new, requires_grad=False))
+
+    module.set_weight_attrs = set_weight_attrs
+    module.replace_parameter = replace_parameter
+
+
+def _quantization_package(module: types.ModuleType) -> None:
+    module.QuantizationMethods = str
+
+    def register_quantization_config(name: str) -> Any:
+        return lambda cls: cls
+
+    module.register_quantization_config = register_quantization_config
+
+
+def _compressed_tensors_schemes(module: types.ModuleType) -> None:
+    """``schemes/__init__`` imports every scheme (and their kernels); only WNA16 is loaded for
+    real, the others are placeholders that fail if vLLM ever picks them for these exports."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        compressed_tensors_scheme,
+    )
+
+    module.CompressedTensorsScheme = compressed_tensors_scheme.CompressedTensorsScheme
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        compressed_tensors_wNa16,
+    )
+
+    module.CompressedTensorsWNA16 = compressed_tensors_wNa16.CompressedTensorsWNA16
+    module.WNA16_SUPPORTED_BITS = compressed_tensors_wNa16.WNA16_SUPPORTED_BITS
+    for name in (
+        "CompressedTensorsW4A4Fp4", "CompressedTensorsW4A4Mxfp4", "CompressedTensorsW4A8Fp8",
+        "CompressedTensorsW4A8Int", "CompressedTensorsW4A8Mxfp4", "CompressedTensorsW8A16Fp8",
+        "CompressedTensorsW8A8Fp8", "CompressedTensorsW8A8Int8", "CompressedTensorsW8A8Mxfp8",
+        "CompressedTensorsWNA4Int", "CompressedTensorsWNA8Int", "CompressedTensorsWNA8O8Int",
+    ):  # fmt: skip
+        setattr(module, name, placeholder_class(name))
+
+
+def _fill_fused_moe(module: types.ModuleType) -> None:
+    module.RoutedExperts = RoutedExperts
+    module.SharedExperts = placeholder_class("SharedExperts")
+    module.FusedMoEMethodBase = FusedMoEMethodBase
+    module.UnquantizedFusedMoEMethod = UnquantizedFusedMoEMethod
+    module.FusedMoeWeightScaleSupported = FusedMoeWeightScaleSupported
+    module.FusedMoEConfig = types.SimpleNamespace
+    module.FusedMoEQuantConfig = placeholder_class("FusedMoEQuantConfig")
+    module.MoERunner = placeholder_class("MoERunner")
+
+
+#: What ``vllm.config.get_current_vllm_config()`` returns (vLLM-Ascend reads the model type and
+#: the quantization config from it); ``get_current_vllm_config_or_none`` answers None (defaults).
+CURRENT_CONFIG = types.SimpleNamespace(
+    model_config=None, quant_config=None, kv_transfer_config=None
+)
+
+
+def _fill_config(module: types.ModuleType) -> None:
+    module.get_current_vllm_config = lambda: CURRENT_CONFIG
+    module.get_current_vllm_config_or_none = lambda: None
+    module.CompilationMode = placeholder_class("CompilationMode")
+
+
+def _fill_platforms(module: types.ModuleType) -> None:
+    module.current_platform = CudaPlatformStub()
+
+
+def _tp_state(module: types.ModuleType) -> None:
+    module.get_tensor_model_parallel_rank = lambda *a, **k: 0
+    module.get_tensor_model_parallel_world_size = lambda *a, **k: 1
+    group = types.SimpleNamespace(world_size=1, rank_in_group=0)
+    module.get_tp_group = lambda *a, **k: group
+    module.get_ep_group = lambda *a, **k: group
+
+
+def _safetensors_metadata(module: types.ModuleType) -> None:
+    """``transformers_utils/config.py`` is the HF-hub glue; ``get_safetensors_params_metadata``
+    reads the ``dtype`` of every tensor from the local files' headers, which this does too."""
+
+    def get_safetensors_params_metadata(model: str, revision: str | None = None) -> dict[str, Any]:
+        metadata: dict[str, Any] = {}
+        for path in sorted(Path(model).glob("*.safetensors")):
+            with path.open("rb") as handle:
+                size = int.from_bytes(handle.read(8), "little")
+                header = json.loads(handle.read(size))
+            header.pop("__metadata__", None)
+            metadata.update(header)
+        return metadata
+
+    module.get_safetensors_params_metadata = get_safetensors_params_metadata
+
+
+STUBS = {
+    "vllm.logger": stub(init_logger=EngineLogger, logger=EngineLogger("vllm")),
+    "vllm.platforms": _fill_platforms,
+    "vllm.config": _fill_config,
+    "vllm.distributed": _tp_state,
+    "vllm.distributed.parallel_state": _tp_state,
+    "vllm.distributed.utils": stub(verify_group_size_divides_partition=_noop),
+    "vllm._custom_ops": stub(),
+    "vllm.utils.platform_utils": stub(num_compute_units=lambda *a: 132),
+    "vllm.utils.torch_utils": stub(direct_register_custom_op=_noop, current_stream=_noop),
+    "vllm.transformers_utils.config": _safetensors_metadata,
+    "vllm.model_executor.utils": _fill_model_executor_utils,
+    "vllm.model_executor.layers.linear": _fill_linear,
+    "vllm.model_executor.layers.vocab_parallel_embedding": _fill_vocab,
+    "vllm.model_executor.layers.attention": stub(Attention=placeholder_class("Attention")),
+    "vllm.model_executor.layers.fused_moe": _fill_fused_moe,
+    "vllm.model_executor.layers.fused_moe.config": stub(
+        FusedMoEConfig=types.SimpleNamespace,
+        FusedMoEQuantConfig=placeholder_class("FusedMoEQuantConfig"),
+    ),
+    "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method": stub(
+        UnquantizedFusedMoEMethod=UnquantizedFusedMoEMethod
+    ),
+    "vllm.model_executor.layers.fused_moe.oracle.int_wna16": stub(
+        WNA16MoEBackend=WNA16MoEBackend,
+        select_wna16_moe_backend=_select_wna16_moe_backend,
+        convert_to_wna16_moe_kernel_format=_noop,
+        make_wna16_moe_kernel=_noop,
+        make_wna16_moe_quant_config=_noop,
+    ),
+    "vllm.model_executor.kernels.linear": stub(
+        MPLinearLayerConfig=MPLinearLayerConfig,
+        choose_mp_linear_kernel=_choose_mp_linear_kernel,
+        MPLinearKernel=_Kernel,
+        MarlinLinearKernel=placeholder_class("MarlinLinearKernel", _Kernel),
+    ),
+    "vllm.model_executor.determinism.batch_invariant": stub(matmul_batch_invariant=_noop),
+    "vllm.model_executor.layers.quantization": _quantization_package,
+    "vllm.model_executor.layers.quantization.utils": stub(replace_parameter=_noop),
+    "vllm.model_executor.layers.quantization.utils.int8_utils": stub(per_token_quant_int8=_noop),
+    "vllm.model_executor.layers.quantization.input_quant_fp8": stub(
+        QuantFP8=placeholder_class("QuantFP8")
+    ),
+    "vllm.model_executor.layers.quantization.kv_cache": stub(
+        BaseKVCacheMethod=placeholder_class("BaseKVCacheMethod")
+    ),
+    "vllm.model_executor.layers.quantization.compressed_tensors.schemes": (
+        _compressed_tensors_schemes
+    ),
+    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_embedding": stub(
+        CompressedTensorsEmbeddingWNA16Int=placeholder_class("CompressedTensorsEmbeddingWNA16Int")
+    ),
+    "vllm.model_executor.layers.quantization.compressed_tensors.transform.linear": stub(
+        CompressedTensorsLinearTransformMethod=placeholder_class(
+            "CompressedTensorsLinearTransformMethod"
+        ),
+        get_linear_transform_schemes=lambda *args, **kwargs: (None, None),
+    ),
+}
+
+
+_SOURCE: WheelSource | None = None
+
+
+def load_vllm() -> WheelSource:
+    """Download (once) and install vLLM's wheel behind the harness importer."""
+    global _SOURCE
+    if _SOURCE is None:
+        _SOURCE = WheelSource(VLLM)
+        install(EngineImporter({"vllm": _SOURCE}, REAL, STUBS))
+    return _SOURCE
+
+
+def vllm_packed_modules(arch: str) -> dict[str, tuple[str, ...]]:
+    """The ``packed_modules_mapping`` vLLM's quantization configs receive for ``arch``."""
+    return dict(PACKED_MODULES[arch])
+
+
+def _weight_loader(*args: Any, **kwargs: Any) -> None:
+    raise NotImplementedError("the consumer harness compares shapes; it loads no weights")
+
+
+#: Parameters vLLM's loaders may leave at their initial value (expert biases are zero-initialised
+#: and optional in ``AutoGPTQMoEMethod``).
+OPTIONAL = frozenset({"w13_bias", "w2_bias"})
+#: Checkpoint tensors vLLM 0.33 drops on purpose (``base_config.get_checkpoint_weight_mapper``).
+IGNORED_LEAVES = frozenset({"g_idx"})
+
+
+def quant_config_for(export: Path, arch: str) -> Any:
+    """vLLM's quantization config object for an export folder, set up as its model loader does:
+    ``from_config(config.json's quantization_config)``, the model class's
+    ``packed_modules_mapping`` (``configure_quant_config``) and ``maybe_update_config``."""
+    load_vllm()
+    hf_config = json.loads((export / "config.json").read_text())["quantization_config"]
+    method = hf_config["quant_method"]
+    if method == "gptq":
+        from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQConfig
+
+        config: Any = AutoGPTQConfig.from_config(hf_config)
+    elif method == "compressed-tensors":
+        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+            CompressedTensorsConfig,
+        )
+
+        config = CompressedTensorsConfig.from_config(hf_config)
+    else:
+        raise ValueError(f"vLLM adapter: unexpected quant_method {method!r}")
+    config.packed_modules_mapping = {k: list(v) for k, v in vllm_packed_modules(arch).items()}
+    config.maybe_update_config(str(export))
+    return config
+
+
+def resolve(config: Any, module: EngineModule) -> Resolution:
+    """Ask vLLM's quantization config about ``module`` and let the chosen method create its
+    parameters, as the layer's constructor does."""
+    layer = LAYER_CLASSES[module.cls](module)
+    try:
+        method = (
+            config.get_quant_method(layer, prefix=module.prefix) if module.quantizable else None
+        )
+        if method is None:  # no quant_config, or not handled: the layer's own unquantized method
+            method = default_method(module)
+        create_weights(method, layer, module)
+    except (ValueError, NotImplementedError, RuntimeError, KeyError, AssertionError) as error:
+        return Resolution(module, None, error=f"{type(error).__name__}: {error}")
+    return Resolution(
+        module, type(method).__name__, param_infos(layer), None, OPTIONAL, IGNORED_LEAVES
+    )
+
+
+def create_weights(method: Any, layer: torch.nn.Module, module: EngineModule) -> None:
+    """Call ``method.create_weights`` with the arguments the layer's constructor passes
+    (``RoutedExperts``, ``VocabParallelEmbedding``, ``LinearBase``) at tensor-parallel size 1."""
+    if module.kind == "experts":
+        width = module.output_sizes[0]
+        method.create_weights(
+            layer=layer, num_experts=module.num_experts, hidden_size=module.input_size,
+            unpadded_hidden_size=module.input_size, intermediate_size_per_partition=width,
+            params_dtype=PARAMS_DTYPE, weight_loader=_weight_loader,
+            global_num_experts=module.num_experts,
+        )  # fmt: skip
+    elif module.kind == "lm_head":
+        assert isinstance(layer, ParallelLMHead)
+        padded = layer.num_embeddings_padded
+        method.create_weights(
+            layer, layer.embedding_dim, [padded], layer.embedding_dim, padded,
+            params_dtype=PARAMS_DTYPE, weight_loader=_weight_loader,
+        )  # fmt: skip
+    else:
+        method.create_weights(
+            layer, module.input_size, list(module.output_sizes), module.input_size,
+            module.output_size, params_dtype=PARAMS_DTYPE, weight_loader=_weight_loader,
+        )  # fmt: skip
+
+
+def default_method(module: EngineModule) -> Any:
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    if module.kind == "experts":
+        return UnquantizedFusedMoEMethod(RoutedExperts(module).moe_config)
+    return UnquantizedEmbeddingMethod() if module.kind == "lm_head" else UnquantizedLinearMethod()
+
+
+def resolve_export(export: Path, arch: str, modules: list[EngineModule]) -> list[Resolution]:
+    """vLLM's decision for every module of an export (a config vLLM rejects raises)."""
+    config = quant_config_for(export, arch)
+    return [resolve(config, module) for module in modules]
