@@ -11,7 +11,10 @@ on a weightless (meta) copy of the model and checks what no single entry can see
 * the shards of a layer vLLM fuses (q/k/v, gate/up) must resolve alike across entries (the
   entries check their own shards in ``check_model``);
 * warnings: ``include`` patterns and ``dynamic`` rules matching nothing, and rules that match a
-  fused name (what vLLM / SGLang match) differently from its shards (what msquant matches).
+  fused name (what vLLM / SGLang match) differently from its shards (what msquant matches);
+* what the savers' consumers will not load: processors implementing :class:`PlanReviewer`
+  (savers, usually) check the finished plan and add their own errors and warnings, so that a
+  run refuses or warns before weights load and ``msquant plan`` shows the same messages.
 
 :func:`check_plan` is what a run calls after the processors' own ``check_model``;
 :func:`plan` / :func:`build_plan` (``msquant plan``) return the table.
@@ -55,6 +58,8 @@ if TYPE_CHECKING:
 __all__ = [
     "ModuleDecision",
     "ModulePlanner",
+    "PlanReview",
+    "PlanReviewer",
     "PlanRow",
     "ModelPlan",
     "analyse_plan",
@@ -166,6 +171,26 @@ class ModelPlan:
             "errors": list(self.errors),
             "warnings": list(self.warnings),
         }
+
+
+@dataclass
+class PlanReview:
+    """What a :class:`PlanReviewer` found in a plan: errors refuse the run, warnings are logged
+    (both are shown by ``msquant plan``). Messages name the reviewer, e.g. ``gptq_saver: ...``."""
+
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+@runtime_checkable
+class PlanReviewer(Protocol):
+    """A processor (usually a saver) that checks the whole plan against what the consumers of
+    its output load, before any weight is loaded."""
+
+    def review_plan(self, plan: ModelPlan, model: nn.Module) -> PlanReview:
+        """Problems of ``plan`` (every linear layer's scheme, the output head included) for this
+        processor's consumers; ``model`` is the weightless model the plan was made on."""
+        ...
 
 
 def _planners(processors: Sequence[Processor]) -> list[tuple[int, ModulePlanner]]:
@@ -421,7 +446,13 @@ def analyse_plan(
             index, planner.plan_rules(), selected, groups, head[0] if head else None
         )
     model_type = str(getattr(getattr(model, "config", None), "model_type", "unknown"))
-    return ModelPlan(rows, errors, warnings, model_type)
+    result = ModelPlan(rows, errors, warnings, model_type)
+    for processor in processors:
+        if isinstance(processor, PlanReviewer):
+            review = processor.review_plan(result, model)
+            result.errors += review.errors
+            result.warnings += review.warnings
+    return result
 
 
 def check_plan(

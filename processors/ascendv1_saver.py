@@ -37,6 +37,16 @@ not run on hardware); MindIE support is unknown. A warning says so.
 Fused layers: vLLM-Ascend loads q/k/v and gate/up as one matrix and raises ``ValueError`` when the
 shards' types differ, so such an export is refused here with the layers named.
 
+vLLM-Ascend (``--quantization ascend``) loads per-channel W8A16 linear layers only; before
+weights load (``review_plan``, also shown by ``msquant plan``) a warning names, with the
+consumer, the layers it cannot load or may compute wrongly: W4A16 linear layers (no W4A16
+linear scheme), per-group W8A16 (its scheme is per-channel only), quantized MoE experts (no
+W8A16 MoE scheme; its W4A16 MoE scheme reads llm-compressor's int32 layout) and asymmetric
+weights (it passes ``weight_offset`` unchanged to ``npu_weight_quant_batchmatmul``, which CANN
+documents as ``(weight + offset) * scale``, while this format means ``(weight - offset) *
+scale``: the sign is unsettled until checked on hardware). They are warnings, not errors: the
+same files serve MindIE, and msModelSlim writes these types itself.
+
 Lifecycle: ``after_layer`` queues the layer's tensors (written shard by shard; the head stage
 alike); ``finalize`` adds the remaining tensors (embeddings, final norm, a float head) and writes
 the description and copied files. Resumable: a checkpoint holds the writer's state and the types
@@ -55,8 +65,11 @@ from torch import nn
 
 from msquant import (
     DecoderLayer,
+    ModelPlan,
     MsquantInputError,
     OutputHeadStage,
+    PlanReview,
+    PlanRow,
     Processor,
     ProcessorConfig,
     QuantizationError,
@@ -66,6 +79,7 @@ from msquant import (
     copy_model_files,
     fused_group_problems,
     pack_int4_pairs,
+    parse_expert_linear,
     safe_file_stem,
 )
 
@@ -85,6 +99,34 @@ HEAD_WARNING = (
     "{head} is written {kind}, which msModelSlim never does (it keeps the head FLOAT): vLLM-Ascend "
     "loads a quantized head through the linear scheme of its type (per-channel W8A16 only; read "
     "in its source, not verified on hardware); MindIE support is unknown"
+)
+
+
+#: How many module names a plan warning lists before "and N more".
+LISTED_MODULES = 4
+VLLM_ASCEND_ASYM = (
+    "asymmetric weights: vLLM-Ascend passes weight_offset unchanged to "
+    "torch_npu.npu_weight_quant_batchmatmul (antiquant_offset), which CANN documents as "
+    "(weight + offset) * scale, while this format (msModelSlim's) means (weight - offset) * scale; "
+    "until that is checked on Ascend hardware the offset's sign is unsettled there, so for "
+    "vLLM-Ascend quantize with symmetric: true (offset 0); msModelSlim writes this convention for MindIE: "
+    "{names}"
+)
+VLLM_ASCEND_MOE = (
+    "vLLM-Ascend cannot load these MoE experts: it has no W8A16 scheme for MoE layers, and its "
+    "W4A16 MoE scheme reads llm-compressor's int32 weight_packed layout, not this format's int8 "
+    "pairs; for vLLM-Ascend keep the experts in float (exclude: ['*.experts.*']); MindIE support "
+    "is unknown: {names}"
+)
+VLLM_ASCEND_W4A16 = (
+    "vLLM-Ascend has no W4A16 linear scheme (vllm-ascend#6481), so these W4A16 layers do not load "
+    "there; for vLLM-Ascend use dtype: int8 (W8A16); the export is for MindIE and later "
+    "releases: {names}"
+)
+VLLM_ASCEND_PER_GROUP = (
+    "vLLM-Ascend's W8A16 scheme is per-channel only (weight_scale [out, 1]), so these per-group "
+    "W8A16 layers do not load there; for vLLM-Ascend use scope: per_channel (msModelSlim writes "
+    "per-group W8A16 alike, for MindIE): {names}"
 )
 
 
@@ -118,6 +160,28 @@ class AscendV1Saver(Processor):
         except MsquantInputError as error:
             return [f"{self.type_name}: {error}"]
         return []
+
+    def review_plan(self, plan: ModelPlan, model: nn.Module) -> PlanReview:
+        """Before weights load, warn about what vLLM-Ascend cannot load or may mis-compute.
+
+        Warnings, not errors: the same files serve MindIE, msModelSlim itself writes these
+        types (its configs must run unchanged here), and the offset sign is not settled yet.
+        """
+        rows = [row for row in plan.rows if not row.skipped and row.bits is not None]
+        linears = [row for row in rows if parse_expert_linear(row.module) is None]
+        found = (
+            (VLLM_ASCEND_MOE, [row for row in rows if parse_expert_linear(row.module)]),
+            (VLLM_ASCEND_W4A16, [row for row in linears if row.bits == 4]),
+            (VLLM_ASCEND_PER_GROUP, [row for row in linears if row.bits == 8 and _grouped(row)]),
+            (VLLM_ASCEND_ASYM, [row for row in rows if row.sym is False]),
+        )
+        return PlanReview(
+            warnings=[
+                f"{self.type_name}: " + message.format(names=_listing([r.module for r in hit]))
+                for message, hit in found
+                if hit
+            ]
+        )
 
     def setup(self, ctx: RunContext) -> None:
         size = self.config.part_file_size
@@ -267,20 +331,9 @@ class AscendV1Saver(Processor):
                 sorted(self.group_sizes),
                 max(self.group_sizes),
             )
-        if self.group_sizes and "W8A16" in self.types.values():
-            logger.warning(
-                "per-group W8A16 weights (scale [out, in/group_size]) are written as msModelSlim does, "
-                "but vLLM-Ascend's W8A16 scheme loads per-channel weights only"
-            )
         if self.head is not None:
             kind = self.types[f"{self.head}.weight"]
             logger.warning("%s: %s", self.type_name, HEAD_WARNING.format(head=self.head, kind=kind))
-        if "W4A16" in self.types.values():
-            logger.warning(
-                "W4A16 linear weights are written (int4 pairs packed in int8), but no vLLM-Ascend "
-                "release serves W4A16 linear layers yet (vllm-ascend#6481); MindIE or a later "
-                "release is needed"
-            )
         return {
             "version": DESCRIPTION_VERSION,
             "model_quant_type": model_type,
@@ -288,6 +341,16 @@ class AscendV1Saver(Processor):
             "group_size": max(self.group_sizes) if self.group_sizes else 0,
             "optional": {},
         }
+
+
+def _grouped(row: PlanRow) -> bool:
+    """Whether a plan row is per-group (``group_size`` -1 is per-channel)."""
+    return row.group_size is not None and row.group_size != -1
+
+
+def _listing(names: list[str]) -> str:
+    more = len(names) - LISTED_MODULES
+    return ", ".join(names[:LISTED_MODULES]) + (f" and {more} more" if more > 0 else "")
 
 
 def _quant_type(module: QuantizedLinear, name: str) -> str:

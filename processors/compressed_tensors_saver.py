@@ -34,20 +34,28 @@ Other tensors keep their dtype; tied weights are stored once.
 ``quantization_config``: one ``config_groups`` entry per distinct scheme (bits, symmetry,
 channel/group, group size). The most common scheme targets the class ``Linear``; the others list
 their exact module names, which take precedence over class targets in compressed-tensors and vLLM.
-Every ``nn.Linear`` left unquantized (``lm_head`` included) is listed by name in ``ignore``.
+Every ``nn.Linear`` left unquantized (``lm_head`` included) and every MoE router is listed by name
+in ``ignore``: transformers 5's routers are not ``nn.Linear`` (``Qwen3MoeTopKRouter``), but vLLM
+builds Qwen3-MoE's ``mlp.gate`` as a linear layer that takes the ``Linear`` target unless ignored,
+and then finds no packed router weight (llm-compressor's MoE recipes ignore the routers too).
 Layers that vLLM fuses (q/k/v, gate/up) must share one scheme, or the export is refused.
 
 A head quantized with ``linear_quant``'s ``lm_head: true`` is packed like any linear (written when
-the runner's head stage reaches this saver) and belongs to a config group: the ``Linear`` one when
-it shares the most common scheme, else a group naming ``lm_head``; it is not in ``ignore``.
-transformers loads it (compressed-tensors matches ``lm_head`` as a ``Linear``), vLLM does not:
-its compressed-tensors method is given to ``LinearBase`` layers only, and ``ParallelLMHead`` is an
-embedding there, so the packed head tensors have no parameters to load into (a warning says so).
+the runner's head stage reaches this saver) and always named in the targets of its config group
+(before ``Linear`` when it shares the most common scheme): vLLM 0.33 and SGLang give the head, a
+``ParallelLMHead``, a compressed-tensors scheme only when a target names it, and transformers
+matches it either way. It is not in ``ignore``.
 
-Which consumer loads what (compressed-tensors 0.20.1, transformers 5.24, vLLM 0.33):
+Which consumer loads what (compressed-tensors 0.20.1, transformers 5.24, vLLM 0.33, SGLang 0.5.23):
 
 * vLLM: symmetric and asymmetric, 2-8 bits, channel or group (``CompressedTensorsWNA16``), mixed
-  precision included.
+  precision included, a named quantized head included.
+* SGLang: weight-only 4 and 8 bits only (its WNA16 scheme refuses other widths); a warning lists
+  the layers of other widths.
+* int3/5/6/7 are packed densely across int32 words, the layout of compressed-tensors 0.18 and
+  later; compressed-tensors 0.17 (the version vLLM 0.33 pins) packs those widths otherwise, and
+  transformers with it fails to load such an export. A warning says so (2, 4 and 8 bits pack the
+  same in every version).
 * transformers (+ ``compressed-tensors``): symmetric with the default loader
   (``AutoModelForCausalLM.from_pretrained(path)``); asymmetric only with
   ``quantization_config=CompressedTensorsConfig(dequantize=True)`` (the default loader expects an
@@ -86,6 +94,7 @@ from msquant import (
     ShardedSafetensorsWriter,
     fused_group_problems,
     hf_weights_writer,
+    moe_routers,
     pack_int32,
     unique_state_items,
     write_hf_config,
@@ -99,7 +108,7 @@ __all__ = [
     "pack_quantized_tensors",
     "build_quantization_config",
     "transformers_loading_note",
-    "VLLM_HEAD_WARNING",
+    "consumer_warnings",
 ]
 
 logger = logging.getLogger(__name__)
@@ -110,11 +119,21 @@ COMPRESSED_TENSORS_VERSION = "0.20.1"
 FORMAT = "pack-quantized"
 MIN_BITS, MAX_BITS = 2, 8
 UNQUANTIZED = "unquantized"
-VLLM_HEAD_WARNING = (
-    "{head} is quantized: transformers loads it, but vLLM gives compressed-tensors schemes to "
-    "LinearBase layers only (its lm_head is a ParallelLMHead), so vLLM cannot load this export "
-    "(read in vLLM's source, not run); "
-    "for vLLM keep lm_head: false here, or export the head with type: gptq_saver"
+#: Widths SGLang's compressed-tensors WNA16 scheme loads.
+SGLANG_BITS = (4, 8)
+#: Widths whose dense packing (across int32 words) needs compressed-tensors >= 0.18.
+DENSE_PACKING_BITS = (3, 5, 6, 7)
+SGLANG_BITS_WARNING = (
+    "SGLang 0.5.23 loads compressed-tensors weight-only layers of 4 or 8 bits only; these layers "
+    "are {kinds} and do not load there: {names} (vLLM loads 2-8 bits)"
+)
+PACKING_WARNING = (
+    "{kinds} layers are packed densely across int32 words, the layout of compressed-tensors 0.18 "
+    "and later; compressed-tensors 0.17 and earlier pack {widths}-bit weights otherwise, and vLLM "
+    "0.33 pins compressed-tensors 0.17.0: a loader that unpacks with compressed-tensors 0.17 "
+    "(transformers with it fails to load this export) needs compressed-tensors >= 0.18 installed; "
+    "vLLM 0.33 creates parameters of the dense shapes for these widths (its kernels were not run "
+    "on them here); 4 or 8 bits avoid both: {names}"
 )
 
 
@@ -212,17 +231,20 @@ def pack_quantized_tensors(
 
 
 def build_quantization_config(
-    schemes: Mapping[str, WeightScheme], ignore: Iterable[str]
+    schemes: Mapping[str, WeightScheme], ignore: Iterable[str], head: str | None = None
 ) -> dict[str, Any]:
     """``config.json``'s ``quantization_config`` for quantized modules ``schemes`` (name -> scheme).
 
     The most common scheme (ties: the first met) targets the class ``Linear``; every other scheme
     lists its modules by exact name, which wins over a class target in compressed-tensors and vLLM.
     The named groups come first: compressed-tensors scans targets in config order when it applies
-    the config, and warns about exact names it never reached behind ``Linear``.
+    the config, and warns about exact names it never reached behind ``Linear``. For the same reason
+    a quantized output head sharing the most common scheme is named before ``Linear``: vLLM and
+    SGLang quantize the head only when a target names it.
 
     :param schemes: quantized module name -> scheme, in model order.
-    :param ignore: names of the linear layers left unquantized.
+    :param ignore: names of the linear layers (and routers) left unquantized.
+    :param head: the quantized output head's name (one of ``schemes``), None when it is float.
     :raises QuantizationError: when ``schemes`` is empty.
     """
     if not schemes:
@@ -235,7 +257,9 @@ def build_quantization_config(
         scheme: [name for name, found in schemes.items() if found == scheme]
         for scheme in ranked[1:]
     }
-    targets[ranked[0]] = ["Linear"]
+    base = ranked[0]
+    targets[base] = [head] if head is not None and schemes.get(head) == base else []
+    targets[base].append("Linear")
     groups = {
         f"group_{index}": {
             "targets": names,
@@ -310,11 +334,17 @@ class CompressedTensorsSaver(Processor):
     def finalize(self, ctx: RunContext) -> None:
         self._check_fused(ctx.model, "")
         self._write_quantized(ctx.model, "")  # quantized linears outside the decoder layers
-        ignore = [n for n, m in ctx.model.named_modules() if isinstance(m, nn.Linear)]
+        routers = moe_routers(ctx.model)
+        ignore = [
+            name
+            for name, module in ctx.model.named_modules()
+            if (isinstance(module, nn.Linear) or name in routers) and name not in self.schemes
+        ]
         # targets and ignore name modules as the checkpoint (and vLLM's model) does
         quantization_config = build_quantization_config(
             {ctx.disk_name(name): scheme for name, scheme in self.schemes.items()},
             [ctx.disk_name(name) for name in ignore],
+            None if self.head is None else ctx.disk_name(self.head),
         )
         self._write_rest(dict(unique_state_items(ctx.model)))
         self.writer.close()
@@ -328,8 +358,10 @@ class CompressedTensorsSaver(Processor):
             self.writer.total_bytes / 2**20,
         )
         logger.info("compressed_tensors: %s", transformers_loading_note(self.schemes.values()))
-        if self.head is not None:
-            logger.warning("compressed_tensors: %s", VLLM_HEAD_WARNING.format(head=self.head))
+        for message in consumer_warnings(
+            {ctx.disk_name(name): scheme for name, scheme in self.schemes.items()}
+        ):
+            logger.warning("compressed_tensors: %s", message)
 
     def _check_fused(self, root: nn.Module, prefix: str) -> None:
         """Refuse shards of one vLLM-fused matrix that differ in scheme (or in being skipped)."""
@@ -384,6 +416,32 @@ def transformers_loading_note(schemes: Iterable[WeightScheme]) -> str:
         "packed zero points; dequantize=True decompresses every layer with one group's scheme); "
         "vLLM can"
     )
+
+
+def _listing(names: list[str], shown: int = 6) -> str:
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
+def consumer_warnings(schemes: Mapping[str, WeightScheme]) -> list[str]:
+    """What SGLang and compressed-tensors 0.17 (pinned by vLLM 0.33) do not load among the
+    quantized modules ``schemes`` (name -> scheme, in model order)."""
+    warnings = []
+    odd = {name: s for name, s in schemes.items() if s.num_bits not in SGLANG_BITS}
+    if odd:
+        kinds = ", ".join(sorted({f"int{s.num_bits}" for s in odd.values()}))
+        warnings.append(SGLANG_BITS_WARNING.format(kinds=kinds, names=_listing(list(odd))))
+    dense = {name: s for name, s in schemes.items() if s.num_bits in DENSE_PACKING_BITS}
+    if dense:
+        widths = sorted({s.num_bits for s in dense.values()})
+        warnings.append(
+            PACKING_WARNING.format(
+                kinds=", ".join(f"int{b}" for b in widths),
+                widths="/".join(str(b) for b in widths),
+                names=_listing(list(dense)),
+            )
+        )
+    return warnings
 
 
 def _float_dtype(model: nn.Module) -> torch.dtype:

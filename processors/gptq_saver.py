@@ -35,8 +35,17 @@ other tensor keeps its dtype; tied weights are stored once.
 The base ``quantization_config`` is the most common scheme (bits, group size, symmetry); modules
 quantized otherwise get a positive ``dynamic`` rule, linear layers of the decoder layers left in
 float a negative (``-:``) one. Rules are full-name regexes written so that they also match the
-names vLLM matches them against: the fused ``qkv_proj`` / ``gate_up_proj``. Layers vLLM fuses must
-therefore share one scheme, or the export is refused.
+names vLLM matches them against: the fused ``qkv_proj`` / ``gate_up_proj``, and the experts
+module of an MoE layer (``model.layers.N.mlp.experts``, Mixtral's
+``...block_sparse_moe.experts``), which vLLM loads as one FusedMoE layer and looks up by that
+name only; one rule per experts module matches that name and every expert linear in it
+(GPTQModel's lookup). Layers vLLM fuses, and the experts of one module, must therefore share one
+scheme, or the export is refused. When some decoder linears stay in float,
+``modules_in_block_to_quantize`` lists the quantized ones (a list of lists of names relative to
+the decoder layer, full names where a relative one would also name a float layer, plus
+``lm_head`` for a quantized head): transformers + optimum ignore ``dynamic`` and read it (they
+keep a linear float unless its name ends with an entry), and vLLM reads it instead of the file
+metadata (a linear, or the head, is quantized when an entry is a substring of its name).
 
 Output head (``linear_quant`` with ``lm_head: true``): ``lm_head.qweight/qzeros/scales/g_idx``
 like any linear layer, written when the runner's head stage reaches this saver, and
@@ -44,12 +53,23 @@ like any linear layer, written when the runner's head stage reaches this saver, 
 with the GPTQ method and apply ``dynamic`` to the name ``lm_head``). A head quantized otherwise
 than the base scheme gets its own positive rule ``+:lm_head$``; the head never decides the base
 scheme unless nothing else is quantized. A float head is written as ``lm_head.weight`` with
-``lm_head: false``.
+``lm_head: false``. vLLM and SGLang pad the vocabulary to a multiple of 64, so they load a
+quantized head only when its vocabulary is one: checked before weights load (a warning, an
+error under ``strict: true``).
 
-Consumers: vLLM 0.33 and SGLang serve only 4/8-bit symmetric GPTQ (Marlin kernels, which also
-limit layer shapes); other results are logged as warnings (errors under ``strict: true``) that point
-to ``type: compressed_tensors``. transformers (optimum + gptqmodel) loads every bit width and
-asymmetric weights but ignores ``dynamic``, so mixed exports are for vLLM, SGLang and GPTQModel.
+Consumers (warnings at quant time name them; ``strict: true`` turns the vLLM ones into errors):
+
+* vLLM 0.33 and SGLang serve only 4/8-bit symmetric GPTQ (Marlin kernels); other results point
+  to ``type: compressed_tensors``. Marlin takes group sizes -1/32/64/128 only (both engines
+  refuse others); vLLM zero-pads layers whose widths are not whole Marlin tiles (out % 64,
+  in % 128), SGLang runs Marlin on them unchecked, so such exports are not for SGLang.
+* SGLang's GPTQ MoE method ignores ``dynamic``: MoE experts stored otherwise than the base scheme
+  (float, other bits) cannot be served there.
+* transformers (optimum + gptqmodel) loads every bit width and asymmetric weights, and float
+  layers through ``modules_in_block_to_quantize``, but ignores ``dynamic``: exports whose
+  quantized layers differ in scheme are for vLLM, SGLang and GPTQModel. It also loads a quantized
+  ``lm_head`` and MoE experts without error but randomly initialised (``GPTQModel.load`` and vLLM
+  load them; for transformers use ``type: compressed_tensors``).
 
 Lifecycle: ``after_layer`` checks and writes the layer's tensors (shard by shard) and records the
 scheme of each of its linear layers (for the head stage, the head's); ``finalize`` adds the
@@ -74,17 +94,21 @@ from torch import nn
 import msquant
 from msquant import (
     DecoderLayer,
+    ModelPlan,
     OutputHeadStage,
+    PlanReview,
     Processor,
     ProcessorConfig,
     QuantizationError,
     QuantizedLinear,
     RunContext,
     ShardedSafetensorsWriter,
+    find_output_head,
     fused_group_problems,
     fused_groups,
     hf_weights_writer,
     pack_int32,
+    parse_expert_linear,
     unique_state_items,
     write_hf_config,
 )
@@ -96,6 +120,7 @@ __all__ = [
     "gptq_module_tensors",
     "head_unit",
     "build_quantization_config",
+    "modules_in_block_to_quantize",
 ]
 
 logger = logging.getLogger(__name__)
@@ -119,16 +144,44 @@ CT_ALTERNATIVE = (
     "2-8 bit)"
 )
 
+#: vLLM / SGLang pad the vocabulary to a multiple of this; a quantized head of another size does
+#: not load into the padded parameters (``vocab_parallel_embedding.py``'s weight loader).
+VOCAB_PADDING = 64
+
 DYNAMIC_WARNING = (
-    "the layers are not all quantized alike, so the checkpoint carries GPTQModel `dynamic` rules; "
-    "vLLM, SGLang and GPTQModel apply them, but transformers (optimum) ignores them and expects "
-    "every linear layer of the decoder layers in the base scheme, so it cannot load this "
-    "checkpoint; for transformers use `type: compressed_tensors`"
+    "the layers are not all quantized alike, so the checkpoint carries GPTQModel `dynamic` rules "
+    "with other bits / group sizes / symmetry; vLLM, SGLang and GPTQModel apply them, but "
+    "transformers (optimum) ignores them and expects every quantized linear layer of the decoder "
+    "layers in the base scheme, so it cannot load this checkpoint; for transformers use "
+    "`type: compressed_tensors`"
 )
 
-HEAD_NOTE = (
-    "lm_head is quantized (quantization_config.lm_head: true): vLLM, SGLang and GPTQModel load "
-    "it; whether transformers + optimum does is not verified"
+SKIPPED_NOTE = (
+    "some linear layers of the decoder layers stay in float: `-:` rules in `dynamic` (vLLM, "
+    "SGLang, GPTQModel) and the quantized ones in modules_in_block_to_quantize (transformers + "
+    "optimum, vLLM)"
+)
+
+SGLANG_MOE_WARNING = (
+    "the MoE experts of {experts} are stored {what}, which only `dynamic` rules say; SGLang's "
+    "GPTQ MoE method ignores `dynamic` and builds every experts module with the base scheme "
+    "({base}), then skips the checkpoint tensors that do not fit, serving uninitialised experts: "
+    "SGLang cannot serve this checkpoint (vLLM and GPTQModel.load read the rules)"
+)
+
+TRANSFORMERS_RANDOM_WARNING = (
+    "transformers + optimum (gptqmodel) load this checkpoint without an error but leave {what} "
+    "randomly initialised (optimum replaces only the nn.Linear layers of the decoder layers; "
+    "transformers 5 MoE experts are not nn.Linear): GPTQModel.load and vLLM load {them} "
+    "correctly; for transformers export `type: compressed_tensors`, which transformers loads "
+    "{them} from"
+)
+
+VOCAB_WARNING = (
+    "{head} is quantized, but its {vocab} output rows (the vocabulary) are not a multiple of "
+    f"{VOCAB_PADDING}: vLLM and SGLang pad the vocabulary to a multiple of {VOCAB_PADDING} and "
+    "cannot load GPTQ head tensors of another width (qweight / qzeros / scales [..., {vocab}]); "
+    "GPTQModel loads it; to serve with vLLM or SGLang set lm_head: false"
 )
 
 
@@ -146,7 +199,8 @@ class GPTQSaverConfig(ProcessorConfig):
     strict: bool = Field(
         False,
         description="Refuse (instead of warning about) results vLLM cannot serve: asymmetric or "
-        "not 4/8-bit weights.",
+        "not 4/8-bit weights, a quantized lm_head whose vocabulary is not a multiple of 64 "
+        "(checked before weights load).",
     )
 
 
@@ -417,16 +471,87 @@ def _features(module: LinearLike) -> tuple[int, int]:
     return int(module.out_features), int(module.in_features)
 
 
+def _leaves(unit: RuleUnit) -> list[str]:
+    """The last name parts a unit's rule must match: its members' and, for a fused group, the
+    fused name vLLM uses."""
+    leaves = [member.rpartition(".")[2] for member in unit.members]
+    if len(unit.members) > 1:
+        leaves.append(unit.name.rpartition(".")[2])
+    return leaves
+
+
+def experts_module_units(units: list[RuleUnit]) -> list[RuleUnit]:
+    """``units`` with the units of each MoE experts module merged into one, in place of the first.
+
+    vLLM builds all experts of a module as one FusedMoE layer and looks ``dynamic`` up by the
+    experts module's own name (``model.layers.3.mlp.experts``); GPTQModel looks it up by every
+    expert linear's name. The merged unit's pattern matches both:
+    ``mlp\\.experts(?:\\.\\d+\\.(?:gate_proj|up_proj|gate_up_proj|down_proj))?``. All experts of
+    a module share one scheme (the plan refuses anything else before weights load).
+
+    :raises QuantizationError: when the experts of one module differ in scheme.
+    """
+    grouped: dict[str, list[RuleUnit]] = {}
+    order: list[RuleUnit | str] = []
+    for unit in units:
+        found = parse_expert_linear(unit.members[0])
+        if found is None:
+            order.append(unit)
+            continue
+        if found[0] not in grouped:
+            grouped[found[0]] = []
+            order.append(found[0])
+        grouped[found[0]].append(unit)
+    merged = []
+    for item in order:
+        if isinstance(item, RuleUnit):
+            merged.append(item)
+            continue
+        members = grouped[item]
+        schemes = {unit.scheme for unit in members}
+        if len(schemes) > 1:
+            kinds = sorted("float" if s is None else s.describe() for s in schemes)
+            raise _fail(
+                item,
+                f"its experts are quantized differently ({', '.join(kinds)}), but vLLM loads "
+                "them as one FusedMoE layer with one scheme; give every expert the same one",
+            )
+        layer = members[0].layer
+        relative = item[len(layer) + 1 :] if item.startswith(f"{layer}.") else item
+        leaves = [leaf for unit in members for leaf in _leaves(unit)]
+        merged.append(
+            RuleUnit(
+                layer,
+                f"{re.escape(relative)}(?:\\.\\d+\\.{_alternation(leaves)})?",
+                members[0].scheme,
+                item,
+                tuple(m for unit in members for m in unit.members),
+                members[0].out_features,
+                members[0].in_features,
+            )
+        )
+    return merged
+
+
+def is_experts_unit(unit: RuleUnit) -> bool:
+    """Whether ``unit`` stands for a whole MoE experts module (see :func:`experts_module_units`)."""
+    return (
+        parse_expert_linear(unit.name) is None and parse_expert_linear(unit.members[0]) is not None
+    )
+
+
 def dynamic_rules(units: list[RuleUnit], base: GPTQScheme) -> dict[str, dict[str, Any]]:
     """GPTQModel ``dynamic`` rules: ``-:`` for float units, ``+:`` overrides for other schemes.
 
-    Units with the same relative pattern and the same rule across layers share one rule. Negative
-    rules come first (GPTQModel saves them so and vLLM applies rules in file order, first match
-    wins); every pattern is anchored with ``$`` so it matches exactly the names it is written for.
+    Units with the same relative pattern and the same rule across layers share one rule; the
+    units of an MoE experts module become one rule matching the module's name and its experts'
+    (:func:`experts_module_units`). Negative rules come first (GPTQModel saves them so and vLLM
+    applies rules in file order, first match wins); every pattern is anchored with ``$`` so it
+    matches exactly the names it is written for.
     """
     negative: dict[str, list[str]] = {}
     positive: dict[tuple[str, tuple[tuple[str, Any], ...]], list[str]] = {}
-    for unit in units:
+    for unit in experts_module_units(units):
         if unit.scheme is None:
             negative.setdefault(unit.pattern, []).append(unit.layer)
         elif unit.scheme != base:
@@ -438,6 +563,46 @@ def dynamic_rules(units: list[RuleUnit], base: GPTQScheme) -> dict[str, dict[str
     for (pattern, override), layers in positive.items():
         rules[f"+:{layers_pattern(layers)}\\.{pattern}$"] = dict(override)
     return rules
+
+
+def modules_in_block_to_quantize(
+    units: list[RuleUnit], head: RuleUnit | None = None
+) -> list[list[str]]:
+    """``modules_in_block_to_quantize``: the quantized linear layers, one inner list per unit
+    (a fused group's members together), the head last.
+
+    transformers + optimum keep a decoder-layer linear in float unless its name *ends with* an
+    entry (``sum(lists, [])``, so the value must be a list of lists); vLLM quantizes a linear
+    (and, with ``lm_head: true``, the head) only when an entry is a *substring* of its name. An
+    entry is the name relative to the decoder layer (``self_attn.q_proj``) when every linear layer
+    whose name contains it is quantized, else the full name of each quantized one.
+    """
+    quantized = {member for unit in units if unit.scheme is not None for member in unit.members}
+    every = [member for unit in units for member in unit.members]
+    safe: dict[str, bool] = {}
+
+    def only_quantized(entry: str) -> bool:
+        if entry not in safe:
+            safe[entry] = all(name in quantized for name in every if entry in name)
+        return safe[entry]
+
+    lists: list[list[str]] = []
+    seen: set[str] = set()
+    for unit in units:
+        if unit.scheme is None:
+            continue
+        entries = []
+        for member in unit.members:
+            relative = member[len(unit.layer) + 1 :]
+            entry = relative if relative and only_quantized(relative) else member
+            if entry not in seen:
+                seen.add(entry)
+                entries.append(entry)
+        if entries:
+            lists.append(entries)
+    if head is not None and head.scheme is not None:
+        lists.append([head.name])
+    return lists
 
 
 def base_scheme(schemes: Iterable[MaybeScheme]) -> GPTQScheme:
@@ -499,6 +664,10 @@ def build_quantization_config(
         rules[f"+:{head.pattern}$"] = head.scheme.overrides(base)  # after the negative rules
     if rules:
         config["dynamic"] = rules
+    if any(unit.scheme is None for unit in units):
+        # transformers + optimum ignore `dynamic`: without this list they build the float layers
+        # quantized and fail at the first forward
+        config["modules_in_block_to_quantize"] = modules_in_block_to_quantize(units, head)
     config["meta"] = {
         "quantizer": [f"msquant:{msquant.__version__}"],
         "msquant_methods": sorted(set(methods)),
@@ -533,27 +702,70 @@ def vllm_problem_message(units: list[RuleUnit], checkpoint_format: CheckpointFor
 
 
 def marlin_problem_message(units: list[RuleUnit]) -> str | None:
-    """Which quantized units break the shape limits of vLLM's Marlin GPTQ kernels (None if none)."""
-    bad = []
+    """Which quantized units do not fit the Marlin GPTQ kernels, and what each engine does with
+    them (None if all fit).
+
+    vLLM 0.33 refuses group sizes Marlin has no kernel for, and zero-pads layers whose widths are
+    not whole Marlin tiles (``out % 64``, ``in % 128``); SGLang 0.5.23 has no other CUDA GPTQ
+    kernel for such group sizes, and runs Marlin on misaligned layers without its shape check.
+    MoE experts are not checked: vLLM picks their kernels per experts module (Marlin MoE, or its
+    MoE WNA16 kernels when Marlin does not fit).
+    """
+    groups, shapes = [], []
     for unit in units:
-        if unit.scheme is None:
+        if unit.scheme is None or parse_expert_linear(unit.members[0]) is not None:
             continue
-        if (
-            unit.out_features % MARLIN_OUT_MULTIPLE
-            or unit.in_features % MARLIN_IN_MULTIPLE
-            or unit.scheme.group_size not in MARLIN_GROUP_SIZES
-        ):
-            shape = f"out {unit.out_features}, in {unit.in_features}"
-            bad.append(f"{unit.name} [{shape}, group_size {unit.scheme.group_size}]")
-    if not bad:
+        shape = f"{unit.name} [out {unit.out_features}, in {unit.in_features}, group_size "
+        shape += f"{unit.scheme.group_size}]"
+        if unit.scheme.group_size not in MARLIN_GROUP_SIZES:
+            groups.append(shape)
+        elif unit.out_features % MARLIN_OUT_MULTIPLE or unit.in_features % MARLIN_IN_MULTIPLE:
+            shapes.append(shape)
+    parts = []
+    if groups:
+        parts.append(
+            f"group sizes Marlin has no kernel for (it takes {list(MARLIN_GROUP_SIZES)}): "
+            f"{_listing(groups)}; vLLM 0.33 refuses such layers (ValueError) and SGLang has no "
+            "other CUDA GPTQ kernel, so neither serves this checkpoint; "
+            "`type: compressed_tensors` (pack-quantized) is vLLM's other weight-only format"
+        )
+    if shapes:
+        parts.append(
+            f"widths that are not whole Marlin tiles (out_features % {MARLIN_OUT_MULTIPLE}, "
+            f"in_features % {MARLIN_IN_MULTIPLE}, at tensor-parallel size 1): "
+            f"{_listing(shapes)}; vLLM 0.33 zero-pads them to whole tiles and loads the "
+            "checkpoint, but SGLang 0.5.23 runs its Marlin kernels on them without checking "
+            "(its shape check's result is unused), so do not serve this checkpoint with SGLang"
+        )
+    if not parts:
         return None
-    return (
-        f"vLLM's GPTQ (Marlin) kernels need out_features % {MARLIN_OUT_MULTIPLE} == 0, "
-        f"in_features % {MARLIN_IN_MULTIPLE} == 0 and group_size in {list(MARLIN_GROUP_SIZES)} "
-        f"(at tensor-parallel size 1); these layers do not fit, so vLLM will not load this "
-        f"checkpoint: {_listing(bad)}. `type: compressed_tensors` (pack-quantized) is vLLM's "
-        "other weight-only format"
+    return "Marlin GPTQ kernels (vLLM, SGLang): " + "; ".join(parts)
+
+
+def sglang_moe_message(units: list[RuleUnit], base: GPTQScheme) -> str | None:
+    """Why SGLang cannot serve the MoE experts of these units (None when it can): its GPTQ MoE
+    method ignores ``dynamic``, so every experts module must be quantized with the base scheme."""
+    odd = [u for u in experts_module_units(units) if is_experts_unit(u) and u.scheme != base]
+    if not odd:
+        return None
+    kinds = sorted({"in float" if u.scheme is None else f"as {u.scheme.describe()}" for u in odd})
+    return SGLANG_MOE_WARNING.format(
+        experts=_listing([u.name for u in odd]), what=" / ".join(kinds), base=base.describe()
     )
+
+
+def transformers_random_message(units: list[RuleUnit], head: RuleUnit | None) -> str | None:
+    """What transformers + optimum load without error but randomly initialised: a quantized head,
+    quantized MoE experts (None when neither is exported)."""
+    parts = []
+    if any(is_experts_unit(u) and u.scheme is not None for u in experts_module_units(units)):
+        parts.append("the MoE experts")
+    if head is not None and head.scheme is not None:
+        parts.append(f"the quantized output head ({head.name})")
+    if not parts:
+        return None
+    them = "them" if len(parts) > 1 or parts[0].endswith("experts") else "it"
+    return TRANSFORMERS_RANDOM_WARNING.format(what=" and ".join(parts), them=them)
 
 
 def _unit_to_json(unit: RuleUnit) -> dict[str, Any]:
@@ -753,10 +965,38 @@ class GPTQSaver(Processor):
         problem = vllm_problem_message(units, self.format or "gptq")
         if problem:
             logger.warning("gptq_saver: %s", problem)
-        if "dynamic" in quantization_config:
+        base = GPTQScheme(
+            quantization_config["bits"],
+            quantization_config["group_size"],
+            quantization_config["sym"],
+        )
+        if any(u.scheme is not None and u.scheme != base for u in self.units):
             logger.warning("gptq_saver: %s", DYNAMIC_WARNING)
-        if self.head is not None:
-            logger.info("gptq_saver: %s", HEAD_NOTE)
-        marlin = marlin_problem_message(units)
-        if marlin:
-            logger.warning("gptq_saver: %s", marlin)
+        elif "modules_in_block_to_quantize" in quantization_config:
+            logger.info("gptq_saver: %s", SKIPPED_NOTE)
+        for message in (
+            sglang_moe_message(self.units, base),
+            transformers_random_message(self.units, self.head),
+            marlin_problem_message(units),
+        ):
+            if message:
+                logger.warning("gptq_saver: %s", message)
+
+    def review_plan(self, plan: ModelPlan, model: nn.Module) -> PlanReview:
+        """Before weights load: a quantized head whose vocabulary vLLM / SGLang cannot load (an
+        error under ``strict``)."""
+        review = PlanReview()
+        found = find_output_head(model)
+        if found is None:
+            return review
+        name, module = found
+        row = next((row for row in plan.rows if row.module == name), None)
+        vocab = int(getattr(module, "out_features", 0))
+        if row is None or row.skipped or vocab % VOCAB_PADDING == 0:
+            return review
+        message = VOCAB_WARNING.format(head=name, vocab=vocab)
+        if self.config.strict:
+            review.errors.append(f"gptq_saver (strict): {message}")
+        else:
+            review.warnings.append(f"gptq_saver: {message}")
+        return review

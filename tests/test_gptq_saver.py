@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Literal
 
 import pytest
 import torch
+from consumer_rules import optimum_quantized, vllm_linear_scheme
 from gptq_reader import GPTQExport, read_gptq_export, read_module, resolve_scheme
 from safetensors.torch import load_file
 
@@ -194,13 +195,17 @@ def test_minmax_export_matches_reference(case: str, tiny_llama: Path, tmp_path: 
         "checkpoint_format": checkpoint_format,
         "pack_dtype": "int32",
     }
-    assert {k: v for k, v in qc.items() if k not in ("dynamic", "meta")} == base
+    extra = ("dynamic", "meta", "modules_in_block_to_quantize")
+    assert {k: v for k, v in qc.items() if k not in extra} == base
     assert qc["meta"]["quantizer"] == [f"msquant:{msquant.__version__}"]
-    assert ("dynamic" in qc) == bool(exclude)
+    assert ("dynamic" in qc) == ("modules_in_block_to_quantize" in qc) == bool(exclude)
     for name in linears + fused_names(2):
         members = fused_members(name) if name.endswith(("qkv_proj", "gate_up_proj")) else [name]
         want = scheme if members[0] in quantized else None
         assert resolve_scheme(qc, name) == want, name
+        assert vllm_linear_scheme(qc, name) == want, name  # with modules_in_block_to_quantize
+    for name in linears:
+        assert optimum_quantized(qc, name) == (name in quantized), name
 
     # the rest of config.json and the tokenizer are the model's
     source = json.loads((tiny_llama / "config.json").read_text())
@@ -358,7 +363,7 @@ def test_asymmetric_export_warns_and_names_the_alternative(
     caplog.set_level(logging.WARNING, SAVER_LOGGER)
     run(tiny_llama, tmp_path / "out", make_config(W4_G32_ASYM, checkpoint_format=checkpoint_format))
     messages = saver_warnings(caplog)
-    vllm = [m for m in messages if "vLLM 0.33" in m]
+    vllm = [m for m in messages if "serve GPTQ checkpoints only" in m]
     assert len(vllm) == 1
     assert "int4 group 32 asym" in vllm[0] and "model.layers.0.self_attn.q_proj" in vllm[0]
     assert "type: compressed_tensors" in vllm[0]
@@ -389,16 +394,26 @@ def test_marlin_sized_sym_int4_exports_without_warning_even_strict(
     assert tuple(export.tensors["model.layers.0.mlp.down_proj.qweight"].shape) == (32, 128)
 
 
-def test_skipped_layers_warn_about_transformers_and_marlin_once(
+def test_skipped_layers_warn_about_marlin_only(
+    tiny_llama: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Float layers need no transformers warning: modules_in_block_to_quantize names the
+    quantized ones for optimum, which ignores the `-:` rules."""
+    caplog.set_level(logging.WARNING, SAVER_LOGGER)
+    run(tiny_llama, tmp_path / "out", make_config(W8_CHANNEL_SYM, ["*down_proj"]))
+    [marlin] = saver_warnings(caplog)
+    assert "Marlin" in marlin
+    assert "down_proj" not in marlin  # skipped layers are not loaded by Marlin
+
+
+def test_layers_quantized_differently_warn_that_transformers_ignores_dynamic(
     tiny_llama: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, SAVER_LOGGER)
-    run(tiny_llama, tmp_path / "out", make_config(W8_CHANNEL_SYM, ["*down_proj"]))
-    messages = saver_warnings(caplog)
-    assert len(messages) == 2
-    marlin = next(m for m in messages if "Marlin" in m)
-    assert "down_proj" not in marlin  # skipped layers are not loaded by Marlin
-    dynamic = next(m for m in messages if "`dynamic`" in m)
+    config = make_config(W8_CHANNEL_SYM)
+    config["spec"]["process"][0]["dynamic"] = {r".*\.1\..*mlp.*": {"bits": 4, "group_size": 32}}
+    run(tiny_llama, tmp_path / "out", config)
+    dynamic = next(m for m in saver_warnings(caplog) if "`dynamic`" in m)
     assert "transformers" in dynamic and "type: compressed_tensors" in dynamic
 
 

@@ -236,7 +236,7 @@ def test_a_rule_matching_the_head_without_the_flag_warns_and_keeps_it_float(
     head = {row.module: row for row in result.rows}["lm_head"]
     assert head.skipped and head.decided_by == "spec.process[0] lm_head: false"
     assert result.ok
-    assert result.warnings == [
+    assert [w for w in result.warnings if w.startswith("spec.process")] == [
         'spec.process[0]: dynamic["lm_head"] matches lm_head, but the output head is quantized '
         "only with lm_head: true (GPTQModel's rule), so lm_head stays in float; set lm_head: "
         "true to quantize it with this rule"
@@ -384,7 +384,7 @@ def test_msquant_verify_checks_the_head_in_every_export(
         assert (head.bits, head.group_size) == (8, None)
         assert head.relative_error is not None and head.relative_error < 0.031
     warnings = msquant.verify_export(head_export / "compressed_tensors").warnings
-    assert any("ParallelLMHead" in w and "lm_head" in w for w in warnings)
+    assert not any("ParallelLMHead" in w for w in warnings)  # named in its group: vLLM loads it
     result = run_cli("verify", head_export, "--model_path", tiny_llama)
     assert result.code == 0, result.err
     assert "lm_head" in result.out
@@ -400,7 +400,7 @@ def test_saver_warnings_name_the_head_consumers(
         msquant.quantize(tiny_llama, tmp_path / "out", config, progress=False, verify=False)
     messages = [r.getMessage() for r in caplog.records]
     assert any("lm_head is written W8A16, which msModelSlim never does" in m for m in messages)
-    assert any("vLLM cannot load this export" in m for m in messages)
+    assert not any("vLLM cannot load" in m for m in messages)  # vLLM loads a named CT head
 
 
 # --- runs without lm_head are unchanged ---------------------------------------------------------

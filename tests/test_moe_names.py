@@ -275,6 +275,9 @@ def test_gptq_and_compressed_tensors_metadata_name_disk_modules(
     attention = [f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("qkv_proj", "o_proj")]
     layer1 = {name for name in experts + attention if ".layers.1." in name}
     assert _rule_targets(rules, "-", experts + attention) == layer1 - set(attention)
+    # vLLM's FusedMoE looks the rules up by the experts module's name
+    modules = [f"model.layers.{i}.block_sparse_moe.experts" for i in (0, 1)]
+    assert _rule_targets(rules, "-", modules) == {modules[1]}
     assert _rule_targets(rules, "-", LAYER1_EXPERTS) == set(LAYER1_EXPERTS)  # GPTQModel's names
     assert _rule_targets(rules, "+", attention) == layer1 & set(attention)
     assert {value.get("bits") for rule, value in rules.items() if rule[0] == "+"} == {8}
@@ -286,7 +289,8 @@ def test_gptq_and_compressed_tensors_metadata_name_disk_modules(
         4: ["Linear"],
         8: [f"model.layers.1.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")],
     }
-    assert set(ct_config["ignore"]) == {*LAYER1_EXPERTS, "lm_head"}
+    routers = {f"model.layers.{i}.block_sparse_moe.gate" for i in (0, 1)}
+    assert set(ct_config["ignore"]) == {*LAYER1_EXPERTS, *routers, "lm_head"}
 
 
 def _float_logits(model_dir: Path, weights: dict[str, torch.Tensor]) -> torch.Tensor:

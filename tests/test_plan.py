@@ -9,7 +9,7 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import pytest
 import torch
@@ -478,3 +478,41 @@ def test_cli_refuses_a_config_quantizing_nothing_before_loading(
     assert result.code == 2
     assert "the config quantizes none of the model's 14 linear layer(s)" in result.err
     assert not (tmp_path / "out").exists()
+
+
+class _ReviewerConfig(msquant.ProcessorConfig):
+    type: Literal["plan_reviewer"] = "plan_reviewer"
+
+
+class _Reviewer(msquant.Processor):
+    """A saver that refuses plans quantizing down_proj and warns about every quantized layer."""
+
+    type_name: ClassVar[str] = "plan_reviewer"
+    config_class = _ReviewerConfig
+    stage = "save"
+
+    def review_plan(self, plan: msquant.ModelPlan, model: torch.nn.Module) -> msquant.PlanReview:
+        quantized = [row.module for row in plan.rows if not row.skipped]
+        return msquant.PlanReview(
+            errors=[f"plan_reviewer: {m} refused" for m in quantized if m.endswith("down_proj")],
+            warnings=[f"plan_reviewer: {len(quantized)} quantized, model {type(model).__name__}"],
+        )
+
+
+def test_savers_review_the_plan_before_weights_load(weightless_llama: Path, tmp_path: Path) -> None:
+    """A processor with ``review_plan`` sees the finished plan (every row) on the weightless
+    model; its warnings join the plan's, its errors refuse the run before weights load."""
+    registry = msquant.default_registry()
+    registry.register(_Reviewer)
+    cfg = {
+        "apiversion": "modelslim_v1",
+        "spec": {"process": [entry(INT8_CH)], "save": [{"type": "plan_reviewer"}]},
+    }
+    plan = msquant.build_plan(weightless_llama, cfg, registry=registry)
+    assert plan.warnings == ["plan_reviewer: 14 quantized, model LlamaForCausalLM"]
+    assert plan.errors == [f"plan_reviewer: model.layers.{i}.mlp.down_proj refused" for i in (0, 1)]
+    with pytest.raises(msquant.QuantizationError, match="down_proj refused"):
+        msquant.quantize(weightless_llama, tmp_path / "out", cfg, registry=registry, progress=False)
+    assert not (tmp_path / "out").exists()
+    cfg["spec"]["process"][0]["exclude"] = ["*down_proj"]
+    assert msquant.build_plan(weightless_llama, cfg, registry=registry).ok

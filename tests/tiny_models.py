@@ -55,16 +55,18 @@ def build_tiny_model(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     tie_word_embeddings: bool = False,
+    vocab_size: int = VOCAB_SIZE,
     **overrides: Any,
 ) -> Path:
-    """Write a random-weight causal LM of ``arch`` with a trained tokenizer into ``directory``."""
+    """Write a random-weight causal LM of ``arch`` with a trained tokenizer into ``directory``
+    (``vocab_size`` may exceed the tokenizer's, as real models' padded vocabularies do)."""
     directory.mkdir(parents=True, exist_ok=True)
     build_tokenizer(directory)
     params = dict(ARCHS[arch])
     model_type = params.pop("model_type")
     config = AutoConfig.for_model(
         model_type,
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,

@@ -62,8 +62,14 @@ TRANSFORMERS_ASYM = (
 )
 VLLM_BITS = "vLLM's CompressedTensorsWNA16 loads pack-quantized weights of 2 to 8 bits only"
 VLLM_HEAD = (
-    "vLLM gives compressed-tensors schemes to LinearBase layers only (its lm_head is a "
-    "ParallelLMHead): a packed output head does not load there (transformers loads it)"
+    "vLLM and SGLang give the output head (a ParallelLMHead) a compressed-tensors scheme only when "
+    "a target names it, and only the class target Linear matches it here: a packed head does not "
+    "load there (transformers loads it); name it in its group's targets"
+)
+SGLANG_BITS = "SGLang loads compressed-tensors weight-only layers of 4 or 8 bits only"
+DENSE_PACKING = (
+    "3/5/6/7-bit weights packed densely across int32 words need compressed-tensors >= 0.18 to "
+    "unpack (vLLM 0.33 pins 0.17.0; transformers with 0.17 fails to load them)"
 )
 HEAD_NAMES = ("lm_head",)
 
@@ -398,7 +404,11 @@ class CompressedTensorsReader(ExportReader):
             self.findings.note(TRANSFORMERS_ASYM, layer.name)
         if scheme.bits < 2:
             self.findings.note(VLLM_BITS, layer.name)
-        if layer.name.rpartition(".")[2] in HEAD_NAMES:
+        if scheme.bits not in (4, 8):
+            self.findings.note(SGLANG_BITS, layer.name)
+        if scheme.bits in (3, 5, 6, 7):
+            self.findings.note(DENSE_PACKING, layer.name)
+        if layer.name.rpartition(".")[2] in HEAD_NAMES and self.group_of(layer.name)[1] < 2:
             self.findings.note(VLLM_HEAD, layer.name)
 
     def schemes(self) -> tuple[dict[str, Hashable], dict[str, str]]:

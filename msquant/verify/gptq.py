@@ -11,7 +11,11 @@ Layout (``shared/reference/formats.md`` 3.1), per quantized linear ``P``:
 
 ``quantization_config`` must carry ``bits, group_size, desc_act, sym`` (vLLM raises without them);
 ``dynamic`` holds per-module overrides (``-:`` excludes a module, first match wins, ``re.match``
-on the full module name).
+on the full module name); vLLM matches it against fused names (``qkv_proj``) and, for MoE, against
+the experts module's name (``model.layers.N.mlp.experts``) only, so both must resolve as stored.
+``modules_in_block_to_quantize`` (optional, a list of lists of names) selects the quantized
+linears for transformers + optimum (a name ending with an entry) and vLLM (an entry inside the
+name).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any, NamedTuple, TypeGuard
 
 import torch
 
-from msquant.model.fused import fused_groups
+from msquant.model.fused import expert_groups, fused_groups, parse_expert_linear
 from msquant.verify.base import ExportReader, module_of, read_json
 from msquant.verify.layer import DecodedLayer, trivial_g_idx
 from msquant.verify.report import Findings, LayerReport
@@ -54,9 +58,27 @@ VLLM_DESC_ACT = (
 DESC_ACT_TRIVIAL = (
     "g_idx is trivial but desc_act is true: write desc_act false (vLLM 0.33 refuses desc_act=true)"
 )
-VLLM_MARLIN_SHAPES = (
-    "vLLM's Marlin GPTQ kernels (GPU) need out_features % 64 == 0, in_features % 128 == 0 and "
-    "group_size in {-1, 32, 64, 128}"
+MARLIN_GROUP_NOTE = (
+    "Marlin GPTQ kernels take group_size -1, 32, 64 or 128 only: vLLM 0.33 refuses these layers "
+    "and SGLang has no other CUDA GPTQ kernel"
+)
+MARLIN_SHAPE_NOTE = (
+    "not whole Marlin tiles (out_features % 64, in_features % 128): vLLM 0.33 zero-pads them and "
+    "loads them; SGLang 0.5.23 runs Marlin on them unchecked, so do not serve this with SGLang"
+)
+SGLANG_MOE = (
+    "SGLang's GPTQ MoE method ignores quantization_config.dynamic and builds every experts module "
+    "in the base scheme ({base}), skipping the tensors that do not fit: it cannot serve the "
+    "experts stored otherwise ({experts})"
+)
+TRANSFORMERS_RANDOM = (
+    "transformers + optimum load {what} of a GPTQ checkpoint without an error but randomly "
+    "initialised; GPTQModel.load and vLLM load {them}, transformers loads {them} from "
+    "compressed-tensors"
+)
+TRANSFORMERS_SKIPPED = (
+    "quantization_config.dynamic keeps some layers in float but modules_in_block_to_quantize is "
+    "missing: transformers + optimum build those layers quantized and fail at the first forward"
 )
 
 
@@ -178,11 +200,6 @@ class GPTQReader(ExportReader):
                 )
             seen_positive = seen_positive or not negative
             rules.append((pattern, negative, compiled, overrides))
-        if rules:
-            self.findings.warn(
-                "transformers + optimum ignore quantization_config.dynamic (GPTQModel, vLLM and "
-                "SGLang apply it): this checkpoint loads correctly only there"
-            )
         return rules
 
     def resolve(self, module: str) -> GPTQScheme | None:
@@ -393,12 +410,19 @@ class GPTQReader(ExportReader):
         if scheme.desc_act and scheme.group_size != -1:
             self.findings.note(VLLM_DESC_ACT, layer.name)
         out_features, in_features = layer.shape
-        if out_features % 64 or in_features % 128 or scheme.group_size not in MARLIN_GROUPS:
-            self.findings.note(VLLM_MARLIN_SHAPES, layer.name)
+        if parse_expert_linear(layer.name) is not None:
+            return  # vLLM picks MoE kernels per experts module (Marlin MoE or MoE WNA16)
+        if scheme.group_size not in MARLIN_GROUPS:
+            self.findings.note(MARLIN_GROUP_NOTE, layer.name)
+        elif out_features % 64 or in_features % 128:
+            self.findings.note(MARLIN_SHAPE_NOTE, layer.name)
 
     def finish(self) -> None:
         self._check_asym_v1_meta()
         self._check_fused_prefixes()
+        sglang_moe = self._check_experts_modules()
+        self._check_modules_in_block()
+        self._note_transformers(sglang_moe)
 
     def _check_asym_v1_meta(self) -> None:
         if self.v2 or not any(
@@ -431,8 +455,113 @@ class GPTQReader(ExportReader):
                     f"as {shard.describe()}"
                 )
 
+    def _stored(self, module: str) -> GPTQScheme | None:
+        """The scheme ``module`` is stored in: its resolved scheme when its GPTQ tensors are
+        stored, None (float) otherwise."""
+        return self.resolve(module) if module in self.modules else None
+
+    def _linear_names(self) -> list[str]:
+        """Every linear layer stored: the quantized modules and every 2-D float ``.weight``."""
+        if self.store is None:
+            return list(self.modules)
+        floats = [
+            name[: -len(".weight")]
+            for name in self.store.names()
+            if name.endswith(".weight") and len(self.store.infos[name].shape) == 2
+        ]
+        return sorted({*self.modules, *floats})
+
+    def _check_experts_modules(self) -> bool:
+        """vLLM looks ``dynamic`` up by the experts module's name: it must resolve as the experts
+        are stored. Returns whether SGLang (base scheme for every experts module) cannot serve
+        them, after noting it."""
+        if self.base is None:
+            return False
+        odd = []
+        for group in expert_groups(self._linear_names()):
+            stored = {self._stored(member) for member in group.members}
+            if len(stored) > 1:
+                continue  # experts differing among themselves: the FusedMoE rule is broken anyway
+            (scheme,) = stored
+            seen = self.resolve(group.fused_name)
+            if seen != scheme:
+                self.findings.error(
+                    f"{group.fused_name}: vLLM matches quantization_config.dynamic against the "
+                    f"experts module's name and resolves it {_describe(seen)}, but its "
+                    f"{len(group.members)} expert linear layers are stored {_describe(scheme)} "
+                    "(a rule matching the experts module name is missing)"
+                )
+            if scheme != self.base:
+                odd.append(f"{group.fused_name}: {_describe(scheme)}")
+        if odd:
+            self.findings.warn(
+                SGLANG_MOE.format(base=self.base.describe(), experts="; ".join(odd[:4]))
+            )
+        return bool(odd)
+
+    def _check_modules_in_block(self) -> None:
+        """``modules_in_block_to_quantize``: a list of lists of names; transformers + optimum keep
+        a decoder linear float unless its name ends with an entry, vLLM unless an entry is in it
+        (the head too, with ``lm_head: true``); MoE experts are matched by ``dynamic`` in vLLM."""
+        if "modules_in_block_to_quantize" not in self.qconfig:
+            if any(negative for _, negative, _, _ in self.dynamic):
+                self.findings.warn(TRANSFORMERS_SKIPPED)
+            return
+        value = self.qconfig["modules_in_block_to_quantize"]
+        if not isinstance(value, list) or not all(
+            isinstance(inner, list) and all(isinstance(n, str) for n in inner) for inner in value
+        ):
+            self.findings.error(
+                "quantization_config.modules_in_block_to_quantize must be a list of lists of "
+                f"module names (transformers + optimum concatenate the inner lists), got {value!r}"
+            )
+            return
+        entries = [name for inner in value for name in inner]
+        for module in self._linear_names():
+            if parse_expert_linear(module) is not None:
+                continue  # vLLM resolves experts by `dynamic`; transformers 5 experts are no Linear
+            listed = any(entry in module for entry in entries)
+            ends = any(module.endswith(entry) for entry in entries)
+            quantized = module in self.modules
+            if quantized and not listed:
+                self.findings.error(
+                    f"{module} is stored quantized but no modules_in_block_to_quantize entry "
+                    "names it: vLLM and transformers + optimum load it as a float layer"
+                )
+            elif quantized and not ends and module != "lm_head":
+                self.findings.error(
+                    f"{module} is stored quantized but no modules_in_block_to_quantize entry is "
+                    "a suffix of its name: transformers + optimum load it as a float layer"
+                )
+            elif not quantized and (listed or ends):
+                self.findings.error(
+                    f"{module} is stored in float but modules_in_block_to_quantize names it: "
+                    "vLLM and transformers + optimum expect its GPTQ tensors"
+                )
+
+    def _note_transformers(self, sglang_moe: bool) -> None:
+        """What transformers + optimum mis-load: ``dynamic`` scheme overrides (ignored), a
+        quantized head and MoE experts (random weights)."""
+        if any(not negative and overrides for _, negative, _, overrides in self.dynamic):
+            where = "GPTQModel and vLLM" if sglang_moe else "GPTQModel, vLLM and SGLang"
+            self.findings.warn(
+                "transformers + optimum ignore the bits / group_size / sym overrides of "
+                f"quantization_config.dynamic: this checkpoint loads correctly only in {where}"
+            )
+        experts = any(parse_expert_linear(m) for m in self.modules)
+        what = [name for name, found in (("the MoE experts", experts),) if found]
+        if "lm_head" in self.modules:
+            what.append("the quantized lm_head")
+        if what:
+            them = "them" if experts else "it"
+            self.findings.warn(TRANSFORMERS_RANDOM.format(what=" and ".join(what), them=them))
+
     def schemes(self) -> tuple[dict[str, Hashable], dict[str, str]]:
         return self.hf_schemes(self.modules, self.resolve)
+
+
+def _describe(scheme: GPTQScheme | None) -> str:
+    return "in float" if scheme is None else f"as {scheme.describe()}"
 
 
 def _is_int(value: object) -> TypeGuard[int]:
