@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models import build_consumer_model
+from consumer_models import build_consumer_model
 
 import msquant
 

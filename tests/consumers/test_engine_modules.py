@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from architectures import engine_modules
-from models import CONSUMER_ARCHS, NEEDS_MOE_TRANSFORMERS, build_consumer_model
+from consumer_models import CONSUMER_ARCHS, NEEDS_MOE_TRANSFORMERS, build_consumer_model
 from safetensors import safe_open
 
 
