@@ -75,11 +75,6 @@ def test_dense_gptq_export_loads_exactly(
     assert _relative_logit_difference(make_export(GPTQ_SERVED[name]), tmp_path) < 2e-3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13 §1 #3: an export whose only rules are `-:` needs modules_in_block_to_quantize "
-    "for transformers + optimum, which crash at the first forward without it",
-)
 def test_negative_rules_only_export_loads_exactly(
     make_export: ExportFactory, tmp_path: Path
 ) -> None:

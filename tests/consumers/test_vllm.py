@@ -47,11 +47,6 @@ def test_gptq_exports_load_in_vllm(case: ExportCase, make_export: ExportFactory)
         assert experts and all(r.method == "AutoGPTQMoEMethod" for r in experts)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13 §1 #1: `dynamic` rules are written per expert; vLLM resolves the whole "
-    "experts module by its own prefix and builds it in the base scheme",
-)
 @pytest.mark.parametrize("case", list(GPTQ_MOE_RULES.values()), ids=list(GPTQ_MOE_RULES))
 def test_gptq_moe_experts_with_rules_load_in_vllm(
     case: ExportCase, make_export: ExportFactory
@@ -79,19 +74,9 @@ def test_gptq_vllm_refuses_loudly_and_msquant_warns(
     assert export.warned("vLLM", "compressed_tensors")
 
 
-ROUTER_XFAIL = pytest.mark.xfail(
-    strict=True,
-    reason="issue 13 §1 #6: Qwen3-MoE routers are not in compressed-tensors `ignore`; vLLM builds "
-    "mlp.gate as a quantized GateLinear and finds only mlp.gate.weight",
-)
-
-
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(case, marks=ROUTER_XFAIL if case.arch == "qwen3_moe" else ())
-        for case in CT_SERVED.values()
-    ],
+    [case for case in CT_SERVED.values()],
     ids=list(CT_SERVED),
 )
 def test_compressed_tensors_exports_load_in_vllm(
@@ -109,7 +94,6 @@ def test_compressed_tensors_exports_load_in_vllm(
         )
 
 
-@ROUTER_XFAIL
 def test_qwen3_moe_router_is_ignored_for_vllm(make_export: ExportFactory) -> None:
     resolutions, problems = vllm_check(make_export(CT_SERVED["ct_moe_qwen3_moe"]))
     assert problems == []
@@ -117,11 +101,6 @@ def test_qwen3_moe_router_is_ignored_for_vllm(make_export: ExportFactory) -> Non
     assert gates and all(r.method == "UnquantizedLinearMethod" for r in gates)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13 §1 #7: a head sharing the base scheme sits under the `Linear` target, which "
-    "vLLM does not apply to its ParallelLMHead",
-)
 def test_compressed_tensors_head_in_base_scheme_loads_in_vllm(make_export: ExportFactory) -> None:
     resolutions, problems = vllm_check(make_export(CT_HEAD_SAME))
     assert problems == []
@@ -139,11 +118,6 @@ def test_compressed_tensors_int3_loads_in_vllm(make_export: ExportFactory) -> No
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13 §1 #9: 3/5/6/7-bit dense packing needs compressed-tensors >= 0.18 but vLLM "
-    "0.33 pins 0.17; msquant must say so when it writes such an export",
-)
 def test_compressed_tensors_int3_warns_about_vllms_pin(make_export: ExportFactory) -> None:
     pin = vllm_engine.load_vllm().requirement("compressed-tensors")
     assert pin is not None and "0.17" in pin, pin

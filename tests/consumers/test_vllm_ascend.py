@@ -39,12 +39,6 @@ def test_w8a16_per_channel_loads_in_vllm_ascend(name: str, make_export: ExportFa
     assert head.method == expected
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13 §1 #10: vLLM-Ascend passes weight_offset unchanged to "
-    "npu_weight_quant_batchmatmul ((q + offset) * scale in CANN's documentation) while the export "
-    "means (q - offset) * scale; an asymmetric Ascend export must warn at quant time",
-)
 def test_w8a16_asym_loads_and_msquant_warns_about_the_offset_sign(
     make_export: ExportFactory,
 ) -> None:
@@ -77,11 +71,6 @@ def test_w4a16_linear_is_refused_by_vllm_ascend_and_msquant_warns(
     assert export.warned("W4A16", "vLLM-Ascend")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13 §1 #11: vLLM-Ascend has no W8A16 MoE scheme (and Qwen2-MoE / Mixtral are "
-    "missing from its packed mapping); msquant must refuse or warn, naming the consumer",
-)
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_w8a16_moe_is_refused_by_vllm_ascend_and_msquant_warns(
     arch: str, make_export: ExportFactory
