@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from msquant.errors import QuantizationError
+
 __all__ = [
     "TEMPORARY_GLOB",
     "ShardedSafetensorsWriter",
@@ -269,6 +271,12 @@ class ShardedSafetensorsWriter:
             )
         dtype_name = safetensors_dtype(tensor.dtype)
         data = tensor.detach().to("cpu").contiguous()
+        if data.is_floating_point() and not bool(torch.isfinite(data).all()):
+            bad = int((~torch.isfinite(data)).sum())
+            raise QuantizationError(
+                f"tensor {name} {tuple(data.shape)} contains {bad} NaN/Inf value(s); an export "
+                "never holds them (the checkpoint, or a value computed from it, is broken)"
+            )
         self._names.add(name)
         size = data.numel() * data.element_size()
         limit = self.max_shard_bytes
