@@ -30,7 +30,7 @@ from msquant.config.spec import QuantConfig, RunnerType, validate_config
 from msquant.config.yaml_loader import load_yaml_file
 from msquant.context import RunContext
 from msquant.distributed import Distributed, from_environment
-from msquant.errors import ConfigError, ConfigIssue, QuantizationError
+from msquant.errors import ConfigError, ConfigIssue, OutputPathError, QuantizationError
 from msquant.evaluate import DEFAULT_SEQLEN, load_model_for_eval, prepare_evaluation
 from msquant.export.files import copied_model_files
 from msquant.export.marker import write_export_marker
@@ -210,6 +210,8 @@ def quantize(
     backend = get_backend(device)
     dist = from_environment(backend.spec.kind, backend.device)
     _log_runner(resolved.config.spec.runner, dist)
+    if dist.is_main:
+        _recover_early(Path(save_path).expanduser().absolute())
     target = check_save_path(save_path, overwrite, model_path)
     texts = _calibration_texts(resolved, calib_path, needs_calibration(processors))
     evaluation = (
@@ -500,6 +502,20 @@ def _log_runner(runner: RunnerType, dist: Distributed) -> None:
         logger.info("runner model_wise: every weight is loaded before the layer-wise run")
     else:
         logger.info("runner %s: decoder layers are streamed from disk one at a time", runner.value)
+
+
+def _recover_early(target: Path) -> None:
+    """Finish or undo what a killed run left beside the save path before it is checked, so that
+    the check sees the save path as the killed run should have left it (a previous export put
+    back, a finished export's stale checkpoint folder gone). Skipped while another run holds
+    the save path (the check refuses this run then anyway)."""
+    if not target.parent.is_dir():
+        return
+    try:
+        with SavePathLock(target):
+            recover_save_path(target)
+    except OutputPathError:
+        return
 
 
 @contextmanager

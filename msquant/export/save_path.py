@@ -124,7 +124,7 @@ def check_save_path(
         nearest existing ancestor is a file or not writable.
     """
     path = Path(save_path).expanduser().absolute()
-    problem = save_path_problem(path, overwrite) or _overlap_problem(path, model_path)
+    problem = _overlap_problem(path, model_path) or save_path_problem(path, overwrite)
     if problem is not None:
         raise OutputPathError(problem)
     ancestor = path.parent

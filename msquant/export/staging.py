@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -196,7 +197,9 @@ def _new_sibling(target: Path, infix: str) -> Path:
 
 
 def _free_sibling(target: Path, infix: str) -> Path:
-    """A unique name ``.NAME{infix}XXXXXXXX`` beside ``target`` that does not exist (yet)."""
-    path = _new_sibling(target, infix)
-    os.rmdir(path)
-    return path
+    """A name ``.NAME{infix}XXXXXXXX`` beside ``target`` that does not exist (nothing is created:
+    a kill leaves no empty folder behind)."""
+    while True:
+        path = sibling(target, infix + secrets.token_hex(4))
+        if not os.path.lexists(path):
+            return path
