@@ -70,7 +70,13 @@ from msquant.context import DecoderLayer, RunContext
 from msquant.distributed import SINGLE, Distributed, PeerLostError
 from msquant.errors import MsquantInputError, OutputPathError
 from msquant.export.marker import sha256_file
-from msquant.export.recovery import OWNER_FILE, make_owned_dir, owned_dir_problem
+from msquant.export.recovery import (
+    OWNER_FILE,
+    is_owned_dir,
+    make_owned_dir,
+    mark_owned,
+    owned_dir_problem,
+)
 from msquant.export.shards import WriterStateError, remove_temporaries
 from msquant.export.staging import CommitRefusedError
 from msquant.quant.quantized_linear import QuantizedLinear, replace_module
@@ -686,6 +692,8 @@ class RunCheckpoints:
             raise OutputPathError(problem)
         if not os.path.lexists(self.directory):
             make_owned_dir(self.directory, "checkpoints of a run (msquant --resume)")
+        elif not is_owned_dir(self.directory):  # empty: a kill came before it was marked
+            mark_owned(self.directory, "checkpoints of a run (msquant --resume)")
         elif self.progress is None:
             self._empty()
         else:

@@ -26,6 +26,7 @@ without it (a user's folder or a planted symbolic link with the same name) is ne
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -102,7 +103,8 @@ def is_owned_dir(path: Path) -> bool:
 
 def owned_dir_problem(path: Path, what: str) -> str | None:
     """Why msquant may not use or empty ``path`` (an existing entry named like one of its own
-    folders), or None when it may (it does not exist, or msquant created it)."""
+    folders), or None when it may: it does not exist, msquant created it, or it is an empty
+    folder (nothing to lose; a run killed between creating it and marking it leaves one)."""
     if not os.path.lexists(path):
         return None
     if path.is_symlink():
@@ -116,7 +118,7 @@ def owned_dir_problem(path: Path, what: str) -> str | None:
             f"{path} ({what}) exists and is a file, not a folder msquant created: remove or rename "
             "it, or choose another save path"
         )
-    if not is_owned_dir(path):
+    if not is_owned_dir(path) and any(path.iterdir()):
         return (
             f"{path} ({what}) exists but msquant did not create it (it has no {OWNER_FILE}); "
             "msquant will not empty a folder it did not create: move it away, or choose another "
@@ -278,7 +280,9 @@ def recover_save_path(target: Path) -> None:
         remove_journal(target)
     for infix in (STAGING_INFIX, SCRATCH_INFIX):
         for stale in sorted(target.parent.glob(f"{sibling(target, infix).name}*")):
-            if not is_owned_dir(stale):  # a name like ours is not enough
+            if not is_owned_dir(stale):  # a name like ours is not enough: only if empty
+                with contextlib.suppress(OSError):
+                    os.rmdir(stale)
                 continue
             if _remove_tree(stale):
                 logger.info("removed %s, left by a killed run", stale.name)

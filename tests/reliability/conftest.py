@@ -10,28 +10,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.append(str(Path(__file__).parent))  # after tests/: "conftest" stays the root one
 
-REPO = Path(__file__).resolve().parents[2]
-CALIB_TXT = REPO / "tests" / "data" / "calib.txt"
-
-MINMAX_YAML = """\
-apiversion: modelslim_v1
-spec:
-  process:
-    - type: linear_quant
-      qconfig:
-        weight: {dtype: int8, scope: per_channel, symmetric: true, method: minmax}
-"""
-
-GPTQ_YAML = """\
-apiversion: modelslim_v1
-spec:
-  process:
-    - type: linear_quant
-      qconfig:
-        weight: {dtype: int8, scope: per_channel, symmetric: true, method: gptq}
-"""
+from replay import CALIB_TXT, GPTQ_YAML, MINMAX_YAML  # noqa: E402
 
 
 @pytest.fixture
@@ -44,16 +25,6 @@ def case(tmp_path: Path, tiny_llama: Path) -> Path:
     (root / "w8.yaml").write_text(MINMAX_YAML, encoding="utf-8")
     (root / "gptq.yaml").write_text(GPTQ_YAML, encoding="utf-8")
     return root
-
-
-def quant_args(root: Path, *extra: object, config: str = "w8.yaml") -> list[object]:
-    """``quant`` on the case's model and config, saving to ``out`` (unless ``extra`` says)."""
-    args: list[object] = ["quant", "--model_path", root / "model", "--config_path", root / config]
-    if "--save_path" not in extra:
-        args += ["--save_path", root / "out"]
-    if config == "gptq.yaml":
-        args += ["--calib_path", CALIB_TXT, "--max_calib_tokens", "32"]
-    return [*args, "--no_progress", *extra]
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,38 @@ import pytest
 
 from msquant.cli import main
 
+REPO = Path(__file__).resolve().parents[2]
+CALIB_TXT = REPO / "tests" / "data" / "calib.txt"
+
+MINMAX_YAML = """\
+apiversion: modelslim_v1
+spec:
+  process:
+    - type: linear_quant
+      qconfig:
+        weight: {dtype: int8, scope: per_channel, symmetric: true, method: minmax}
+"""
+
+GPTQ_YAML = """\
+apiversion: modelslim_v1
+spec:
+  process:
+    - type: linear_quant
+      qconfig:
+        weight: {dtype: int8, scope: per_channel, symmetric: true, method: gptq}
+"""
+
+
+def quant_args(root: Path, *extra: object, config: str = "w8.yaml") -> list[object]:
+    """``quant`` on the case's model and config, saving to ``out`` (unless ``extra`` says)."""
+    args: list[object] = ["quant", "--model_path", root / "model", "--config_path", root / config]
+    if "--save_path" not in extra:
+        args += ["--save_path", root / "out"]
+    if config == "gptq.yaml":
+        args += ["--calib_path", CALIB_TXT, "--max_calib_tokens", "32"]
+    return [*args, "--no_progress", *extra]
+
+
 KILLED = -signal.SIGKILL  # the exit code os.waitstatus_to_exitcode gives a SIGKILLed child
 
 

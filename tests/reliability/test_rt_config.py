@@ -6,8 +6,7 @@ import json
 import time
 from pathlib import Path
 
-from conftest import quant_args
-from replay import Cli, replay
+from replay import Cli, quant_args, replay
 
 BASE = """\
 apiversion: modelslim_v1

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import GPTQ_YAML, quant_args
 from replay import (
+    GPTQ_YAML,
     KILLED,
     Cli,
     export_files,
@@ -21,6 +21,7 @@ from replay import (
     needs_fork,
     on_entry,
     pause_on_entry,
+    quant_args,
     replay,
     run_forked,
 )

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import quant_args
-from replay import Cli, replay
+from replay import Cli, quant_args, replay
 from safetensors.torch import load_file, save_file
 
 

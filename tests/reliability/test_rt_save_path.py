@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import quant_args
-from replay import Cli, replay
+from replay import Cli, quant_args, replay
 
 import msquant.api
 import msquant.export.staging
