@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,74 +242,78 @@ def quantize(
     streaming = streams(resolved.config.spec.runner)
     if max_memory is not None:
         _check_memory(meta_model, model_dir, streaming, samples, processors, dist, max_memory)
-    with _locked_save_path(target, overwrite, model_path, dist):
-        run_checkpoints = open_checkpoints(
+    fingerprint = _fingerprint(resolved.config, samples, model_dir, backend, meta_model)
+    with (
+        _locked_save_path(  # held until the export is in place
             target,
-            _fingerprint(resolved.config, samples, model_dir, backend, meta_model),
-            resume=resume,
-            overwrite=overwrite,
-            blocker=checkpoint_blocker(processors, checkpoints),
-            dist=dist,
+            overwrite,
+            model_path,
+            dist,
+            lambda: open_checkpoints(
+                target,
+                fingerprint,
+                resume=resume,
+                overwrite=overwrite,
+                blocker=checkpoint_blocker(processors, checkpoints),
+                dist=dist,
+            ),
+        ) as run_checkpoints,
+        nullcontext() if run_checkpoints is None else run_checkpoints.guard(),
+        load_for_run(
+            model_dir,
+            meta_model,
+            streaming=streaming,
+            scratch_parent=(
+                target.parent
+                if run_checkpoints is None
+                else run_checkpoints.directory  # a killed run's scratch goes with its work
+            ),
+            scratch_prefix=(
+                sibling(target, SCRATCH_INFIX).name if run_checkpoints is None else None
+            ),
+            # a checkpointed run's layer store is the reference of the released layers
+            keep_reference=verify and dist.is_main and run_checkpoints is None,
+            trust_remote_code=trust_remote_code,
+        ) as loaded,
+    ):
+        del meta_model
+        model, layers = loaded.model, loaded.layers
+        logger.info(
+            "%s: %d decoder layers found under %s (%s)",
+            type(model).__name__,
+            len(layers),
+            layer_list_name(layers),
+            "streamed from disk one at a time" if streaming else "all loaded in memory",
         )
-        with (
-            nullcontext() if run_checkpoints is None else run_checkpoints.guard(),
-            load_for_run(
-                model_dir,
-                meta_model,
-                streaming=streaming,
-                scratch_parent=(
-                    target.parent
-                    if run_checkpoints is None
-                    else run_checkpoints.directory  # a killed run's scratch goes with its work
-                ),
-                scratch_prefix=(
-                    sibling(target, SCRATCH_INFIX).name if run_checkpoints is None else None
-                ),
-                # a checkpointed run's layer store is the reference of the released layers
-                keep_reference=verify and dist.is_main and run_checkpoints is None,
-                trust_remote_code=trust_remote_code,
-            ) as loaded,
-        ):
-            del meta_model
-            model, layers = loaded.model, loaded.layers
-            logger.info(
-                "%s: %d decoder layers found under %s (%s)",
-                type(model).__name__,
-                len(layers),
-                layer_list_name(layers),
-                "streamed from disk one at a time" if streaming else "all loaded in memory",
+        with _output_folder(target, overwrite, dist, run_checkpoints) as staging:
+            config_text = resolved.text or yaml.safe_dump(
+                resolved.config.model_dump(mode="json"), sort_keys=False
             )
-            with _output_folder(target, overwrite, dist, run_checkpoints) as staging:
-                config_text = resolved.text or yaml.safe_dump(
-                    resolved.config.model_dump(mode="json"), sort_keys=False
+            ctx = RunContext(
+                model, model_dir, staging, backend, layers, config_text, progress and dist.is_main,
+                streamed=loaded.streamed, spill=loaded.spill, dist=dist, experts=loaded.experts,
+                checkpoint_names=loaded.checkpoint_names,
+            )  # fmt: skip
+            _start_report(ctx, resolved.config, samples, backend)
+            workers = processors if dist.is_main else [p for p in processors if p.stage != "save"]
+            run_layer_wise(
+                ctx,
+                workers,
+                samples,
+                progress=progress and dist.is_main,
+                checkpoints=run_checkpoints,
+            )
+            # process 0 alone verifies, evaluates and writes the report
+            if dist.is_main and verify:
+                stored = None if run_checkpoints is None else run_checkpoints.store
+                _verify_exports(ctx, processors, stored)
+            if dist.is_main and evaluation is not None and eval_ids is not None:
+                ctx.report.evaluation = evaluation.evaluate(
+                    _model_to_evaluate(ctx, processors, trust_remote_code), eval_ids, backend
                 )
-                ctx = RunContext(
-                    model, model_dir, staging, backend, layers, config_text, progress and dist.is_main,
-                    streamed=loaded.streamed, spill=loaded.spill, dist=dist, experts=loaded.experts,
-                    checkpoint_names=loaded.checkpoint_names,
-                )  # fmt: skip
-                _start_report(ctx, resolved.config, samples, backend)
-                workers = (
-                    processors if dist.is_main else [p for p in processors if p.stage != "save"]
-                )
-                run_layer_wise(
-                    ctx,
-                    workers,
-                    samples,
-                    progress=progress and dist.is_main,
-                    checkpoints=run_checkpoints,
-                )
-                # process 0 alone verifies, evaluates and writes the report
-                if dist.is_main and verify:
-                    stored = None if run_checkpoints is None else run_checkpoints.store
-                    _verify_exports(ctx, processors, stored)
-                if dist.is_main and evaluation is not None and eval_ids is not None:
-                    ctx.report.evaluation = evaluation.evaluate(
-                        _model_to_evaluate(ctx, processors, trust_remote_code), eval_ids, backend
-                    )
-                if dist.is_main:
-                    _write_report(ctx, started)
-                    _write_export_marker(ctx, processors)  # last: it lists every file
+            if dist.is_main:
+                _write_report(ctx, started)
+                _write_export_marker(ctx, processors)  # last: it lists every file
     quantized = tuple(n for n, m in model.named_modules() if isinstance(m, QuantizedLinear))
     return QuantizeResult(
         save_path=target,
@@ -520,11 +524,16 @@ def _recover_early(target: Path) -> None:
 
 @contextmanager
 def _locked_save_path(
-    target: Path, overwrite: bool, model_path: str | Path, dist: Distributed
-) -> Iterator[None]:
+    target: Path,
+    overwrite: bool,
+    model_path: str | Path,
+    dist: Distributed,
+    open_run_checkpoints: Callable[[], RunCheckpoints | None],
+) -> Iterator[RunCheckpoints | None]:
     """Hold the save path's lock for the rest of the run (process 0 of a ``dp_layer_wise``
     group; every process learns whether it got it): recover what a killed run left beside the
-    save path, then check the save path again (recovery may have put a previous export back)."""
+    save path, check the save path again (recovery may have put a previous export back), then
+    decide how the run uses its checkpoint folder (``open_run_checkpoints``), which it yields."""
     lock = SavePathLock(target) if dist.is_main else None
     error: Exception | None = None
     if lock is not None:
@@ -532,15 +541,15 @@ def _locked_save_path(
             lock.__enter__()
         except Exception as caught:
             error, lock = caught, None
-    if lock is not None:
-        try:
-            recover_save_path(target)
-            check_save_path(target, overwrite, model_path)
-        except Exception as caught:
-            error = caught
     try:
+        if lock is not None:
+            try:
+                recover_save_path(target)
+                check_save_path(target, overwrite, model_path)
+            except Exception as caught:
+                error = caught
         agree(dist, error)
-        yield
+        yield open_run_checkpoints()
     finally:
         if lock is not None:
             lock.__exit__(None, None, None)

@@ -27,6 +27,7 @@ without it (a user's folder or a planted symbolic link with the same name) is ne
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import logging
 import os
@@ -279,14 +280,14 @@ def recover_save_path(target: Path) -> None:
             _undo_swap(target, journal)
         remove_journal(target)
     for infix in (STAGING_INFIX, SCRATCH_INFIX):
-        for stale in sorted(target.parent.glob(f"{sibling(target, infix).name}*")):
+        for stale in sorted(target.parent.glob(glob.escape(sibling(target, infix).name) + "*")):
             if not is_owned_dir(stale):  # a name like ours is not enough: only if empty
                 with contextlib.suppress(OSError):
                     os.rmdir(stale)
                 continue
             if _remove_tree(stale):
                 logger.info("removed %s, left by a killed run", stale.name)
-    for old in sorted(target.parent.glob(f"{sibling(target, OLD_INFIX).name}*")):
+    for old in sorted(target.parent.glob(glob.escape(sibling(target, OLD_INFIX).name) + "*")):
         logger.warning(
             "%s holds an export an earlier run replaced but could not delete; delete it yourself",
             old,

@@ -82,9 +82,13 @@ def save_path_problem(path: Path, overwrite: bool) -> str | None:
         )
     if path.exists() and not path.is_dir():
         return f"save path {path} exists and is a file; pass a directory path"
-    if not path.is_dir() or not any(path.iterdir()):
-        return None
-    marker = read_export_marker(path)
+    try:
+        if not path.is_dir() or not any(path.iterdir()):
+            return None
+        marker = read_export_marker(path)
+        unrecorded = None if marker is None or marker.files is None else marker.unrecorded()
+    except OSError as error:
+        return f"cannot read the save path {path} ({error}); choose a folder you can read"
     if marker is None:
         return (
             f"save path {path} is a non-empty directory that does not hold a previous export "
@@ -98,7 +102,6 @@ def save_path_problem(path: Path, overwrite: bool) -> str | None:
             f"{EXPORT_MARKER}, so msquant cannot tell its files from yours; delete it yourself or "
             "choose another path"
         )
-    unrecorded = marker.unrecorded()
     if unrecorded:
         return (
             f"save path {path} holds a previous export and {len(unrecorded)} entr"

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from msquant.errors import QuantizationError
+from msquant.model.integrity import non_finite_count
 
 __all__ = [
     "TEMPORARY_GLOB",
@@ -271,8 +272,8 @@ class ShardedSafetensorsWriter:
             )
         dtype_name = safetensors_dtype(tensor.dtype)
         data = tensor.detach().to("cpu").contiguous()
-        if data.is_floating_point() and not bool(torch.isfinite(data).all()):
-            bad = int((~torch.isfinite(data)).sum())
+        bad = non_finite_count(data)
+        if bad:
             raise QuantizationError(
                 f"tensor {name} {tuple(data.shape)} contains {bad} NaN/Inf value(s); an export "
                 "never holds them (the checkpoint, or a value computed from it, is broken)"

@@ -88,9 +88,12 @@ def check_loading_info(info: Mapping[str, Any], path: Path, config: Any = None) 
 
 
 def non_finite_count(tensor: torch.Tensor) -> int:
-    """How many NaN/Inf values a floating-point tensor holds (0 for other dtypes)."""
+    """How many NaN/Inf values a floating-point tensor holds (0 for other dtypes). One-byte
+    floats (float8) are widened first: torch has no ``isfinite`` for them."""
     if not tensor.is_floating_point() or tensor.is_meta:
         return 0
+    if tensor.element_size() == 1:
+        tensor = tensor.to(torch.float16)
     return int((~torch.isfinite(tensor)).sum())
 
 

@@ -216,10 +216,10 @@ class AscendReader(ExportReader):
         present = {self.types[f"{m}.weight"] for m in self.modules} or {FLOAT}
         model_type = self.description.get("model_quant_type")
         if "model_quant_type" in self.description and model_type not in present:
-            self.findings.error(
+            self.findings.warn(
                 f"{name}: model_quant_type {model_type!r} is not among the types of its tensors "
-                f"{sorted(present)} (set by ext.json_append?); vLLM-Ascend and MindIE pick kernels "
-                "by model_quant_type and would mis-load the layers: set it to one of those types"
+                f"{sorted(present)} (set by ext.json_append?); consumers that pick kernels by "
+                "model_quant_type may mis-load the layers"
             )
         if (
             self.type_suffix

@@ -208,3 +208,17 @@ def test_s20_a_checkpointed_run_moves_its_export_in_with_resume(
     from replay import export_files
 
     assert export_files(case / "out") == export_files(exported())
+
+
+def test_recovery_touches_only_its_own_save_paths_folders(case: Path, run_cli: Cli) -> None:
+    """A save path named like a glob pattern (``out[1]``) must not take ``out1``'s folders for
+    stale ones of its own: those may belong to a run of ``out1`` going on right now."""
+    from msquant.export.recovery import make_owned_dir
+
+    other = case / ".out1.msquant-staging-abcd1234"
+    make_owned_dir(other, "staging folder of an export")
+    mine = case / ".out[1].msquant-staging-abcd1234"
+    make_owned_dir(mine, "staging folder of an export")
+    outcome = replay(run_cli, case, *quant_args(case, "--save_path", case / "out[1]"))
+    outcome.succeeded()
+    assert other.is_dir() and not mine.exists()
