@@ -7,11 +7,10 @@ on a weightless copy of the model. Output is staged and moved into place only on
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +30,16 @@ from msquant.config.spec import QuantConfig, RunnerType, validate_config
 from msquant.config.yaml_loader import load_yaml_file
 from msquant.context import RunContext
 from msquant.distributed import Distributed, from_environment
-from msquant.errors import ConfigError, ConfigIssue, QuantizationError
+from msquant.errors import ConfigError, ConfigIssue, OutputPathError, QuantizationError
 from msquant.evaluate import DEFAULT_SEQLEN, load_model_for_eval, prepare_evaluation
+from msquant.export.files import copied_model_files
+from msquant.export.marker import write_export_marker
+from msquant.export.recovery import (
+    SCRATCH_INFIX,
+    SavePathLock,
+    recover_save_path,
+    sibling,
+)
 from msquant.export.staging import StagedOutputDir, check_save_path
 from msquant.memory_estimate import check_memory, checkpoint_size, estimate_memory
 from msquant.model.layers import find_decoder_layers, layer_list_name
@@ -57,7 +64,13 @@ from msquant.report import (
     render_report,
     write_report,
 )
-from msquant.resume import RunCheckpoints, checkpoint_blocker, open_checkpoints, run_fingerprint
+from msquant.resume import (
+    RunCheckpoints,
+    agree,
+    checkpoint_blocker,
+    open_checkpoints,
+    run_fingerprint,
+)
 from msquant.runner import needs_calibration, run_layer_wise
 
 __all__ = [
@@ -197,7 +210,9 @@ def quantize(
     backend = get_backend(device)
     dist = from_environment(backend.spec.kind, backend.device)
     _log_runner(resolved.config.spec.runner, dist)
-    check_save_path(save_path, overwrite)
+    if dist.is_main:
+        _recover_early(Path(save_path).expanduser().absolute())
+    target = check_save_path(save_path, overwrite, model_path)
     texts = _calibration_texts(resolved, calib_path, needs_calibration(processors))
     evaluation = (
         None
@@ -206,6 +221,7 @@ def quantize(
     )
 
     model_dir = check_model_dir(model_path)
+    copied_model_files(model_dir)  # a link out of the model folder is refused before any work
     model_config = load_model_config(model_dir, trust_remote_code)
     if evaluation is not None:
         evaluation.check_model(model_config, model_dir)
@@ -220,29 +236,40 @@ def quantize(
     if texts is not None:
         samples = tokenize_samples(texts, tokenizer, max_calib_tokens)
         logger.info("calibration: %d sample(s)", len(samples))
+        _warn_long_samples(samples, model_config)
     if evaluation is not None:
         eval_ids = evaluation.tokens(tokenizer)
     streaming = streams(resolved.config.spec.runner)
     if max_memory is not None:
         _check_memory(meta_model, model_dir, streaming, samples, processors, dist, max_memory)
-    run_checkpoints = open_checkpoints(
-        save_path,
-        _fingerprint(resolved.config, samples, model_dir, backend, meta_model),
-        resume=resume,
-        overwrite=overwrite,
-        blocker=checkpoint_blocker(processors, checkpoints),
-        dist=dist,
-    )
+    fingerprint = _fingerprint(resolved.config, samples, model_dir, backend, meta_model)
     with (
+        _locked_save_path(  # held until the export is in place
+            target,
+            overwrite,
+            model_path,
+            dist,
+            lambda: open_checkpoints(
+                target,
+                fingerprint,
+                resume=resume,
+                overwrite=overwrite,
+                blocker=checkpoint_blocker(processors, checkpoints),
+                dist=dist,
+            ),
+        ) as run_checkpoints,
         nullcontext() if run_checkpoints is None else run_checkpoints.guard(),
         load_for_run(
             model_dir,
             meta_model,
             streaming=streaming,
             scratch_parent=(
-                Path(save_path).expanduser().absolute().parent
+                target.parent
                 if run_checkpoints is None
                 else run_checkpoints.directory  # a killed run's scratch goes with its work
+            ),
+            scratch_prefix=(
+                sibling(target, SCRATCH_INFIX).name if run_checkpoints is None else None
             ),
             # a checkpointed run's layer store is the reference of the released layers
             keep_reference=verify and dist.is_main and run_checkpoints is None,
@@ -258,7 +285,7 @@ def quantize(
             layer_list_name(layers),
             "streamed from disk one at a time" if streaming else "all loaded in memory",
         )
-        with _output_folder(save_path, overwrite, dist, run_checkpoints) as staging:
+        with _output_folder(target, overwrite, dist, run_checkpoints) as staging:
             config_text = resolved.text or yaml.safe_dump(
                 resolved.config.model_dump(mode="json"), sort_keys=False
             )
@@ -285,11 +312,11 @@ def quantize(
                     _model_to_evaluate(ctx, processors, trust_remote_code), eval_ids, backend
                 )
             if dist.is_main:
-                _write_export_marker(ctx, processors)
                 _write_report(ctx, started)
+                _write_export_marker(ctx, processors)  # last: it lists every file
     quantized = tuple(n for n, m in model.named_modules() if isinstance(m, QuantizedLinear))
     return QuantizeResult(
-        save_path=Path(save_path).expanduser().absolute(),
+        save_path=target,
         model_type=ctx.model_type,
         quantized_modules=quantized,
         calibration_samples=len(samples) if samples else 0,
@@ -410,14 +437,13 @@ def _model_to_evaluate(
     return model
 
 
-EXPORT_MARKER = "msquant_export.json"
-
-
 def _write_export_marker(ctx: RunContext, processors: list[Processor]) -> None:
-    """``msquant_export.json`` at the top of the save path: what wrote this folder and how.
+    """``msquant_export.json`` at the top of the save path: what wrote this folder and how, and
+    every file of it with its sha256 (:mod:`msquant.export.marker`).
 
     It marks the folder as an msquant export (so ``--overwrite`` may replace it, whatever its
-    format) and records where each saver's files are. Deterministic: no timestamps.
+    format, as long as it holds nothing else) and records where each saver's files are.
+    Deterministic: no timestamps.
     """
     from msquant import __version__
 
@@ -432,9 +458,7 @@ def _write_export_marker(ctx: RunContext, processors: list[Processor]) -> None:
         "model_type": ctx.model_type,
         "savers": savers,
     }
-    (ctx.output_dir / EXPORT_MARKER).write_text(
-        json.dumps(marker, indent=2) + "\n", encoding="utf-8"
-    )
+    write_export_marker(ctx.output_dir, marker)
 
 
 def _start_report(
@@ -459,7 +483,7 @@ def _start_report(
 
 def _write_report(ctx: RunContext, started: float) -> None:
     """``quant_report.json`` beside ``msquant_export.json`` (staged, moved with the export) and
-    the same as a table at INFO."""
+    the same as a table at INFO. Written before the marker, which lists it."""
     ctx.report.total_seconds = time.perf_counter() - started
     write_report(ctx.report, ctx.output_dir)
     logger.info("run report (%s):\n%s", REPORT_FILE, render_report(ctx.report))
@@ -485,9 +509,56 @@ def _log_runner(runner: RunnerType, dist: Distributed) -> None:
         logger.info("runner %s: decoder layers are streamed from disk one at a time", runner.value)
 
 
+def _recover_early(target: Path) -> None:
+    """Finish or undo what a killed run left beside the save path before it is checked, so that
+    the check sees the save path as the killed run should have left it (a previous export put
+    back, a finished export's stale checkpoint folder gone). Skipped while another run holds
+    the save path (the check refuses this run then anyway)."""
+    if not target.parent.is_dir():
+        return
+    try:
+        with SavePathLock(target):
+            recover_save_path(target)
+    except OutputPathError:
+        return
+
+
+@contextmanager
+def _locked_save_path(
+    target: Path,
+    overwrite: bool,
+    model_path: str | Path,
+    dist: Distributed,
+    open_run_checkpoints: Callable[[], RunCheckpoints | None],
+) -> Iterator[RunCheckpoints | None]:
+    """Hold the save path's lock for the rest of the run (process 0 of a ``dp_layer_wise``
+    group; every process learns whether it got it): recover what a killed run left beside the
+    save path, check the save path again (recovery may have put a previous export back), then
+    decide how the run uses its checkpoint folder (``open_run_checkpoints``), which it yields."""
+    lock = SavePathLock(target) if dist.is_main else None
+    error: Exception | None = None
+    if lock is not None:
+        try:
+            lock.__enter__()
+        except Exception as caught:
+            error, lock = caught, None
+    try:
+        if lock is not None:
+            try:
+                recover_save_path(target)
+                check_save_path(target, overwrite, model_path)
+            except Exception as caught:
+                error = caught
+        agree(dist, error)
+        yield open_run_checkpoints()
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)
+
+
 @contextmanager
 def _output_folder(
-    save_path: str | Path,
+    target: Path,
     overwrite: bool,
     dist: Distributed,
     checkpoints: RunCheckpoints | None = None,
@@ -496,10 +567,15 @@ def _output_folder(
     ``dp_layer_wise`` group run no saver and get an empty scratch folder. A checkpointed run
     stages in its checkpoint folder, kept when the run is killed (:mod:`msquant.resume`)."""
     if checkpoints is not None and dist.is_main:
-        with StagedOutputDir(save_path, overwrite, staging=checkpoints.export_dir) as staging:
+        with StagedOutputDir(
+            target,
+            overwrite,
+            staging=checkpoints.export_dir,
+            checkpoint_dir=checkpoints.directory,
+        ) as staging:
             yield staging
     elif dist.is_main:
-        with StagedOutputDir(save_path, overwrite) as staging:
+        with StagedOutputDir(target, overwrite) as staging:
             yield staging
     else:
         with tempfile.TemporaryDirectory(prefix=".msquant-worker-") as scratch:
@@ -538,6 +614,24 @@ def _calibration_texts(
         return None
     texts = read_calibration_texts(path)
     return texts if required else None
+
+
+def _warn_long_samples(samples: Sequence[torch.Tensor], model_config: Any) -> None:
+    """Warn about calibration samples longer than the context the model was trained for: its
+    activations there are not the ones it serves, and attention memory grows with the square of
+    the length."""
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit <= 0:
+        return
+    lengths = [int(s.shape[-1]) for s in samples]
+    longer = [n for n in lengths if n > limit]
+    if longer:
+        logger.warning(
+            "%d of %d calibration sample(s) are longer than the model's max_position_embeddings "
+            "(%d; the longest has %d tokens): pass --max_calib_tokens %d (Python: "
+            "max_calib_tokens=%d) to truncate them",
+            len(longer), len(lengths), limit, max(longer), limit, limit,
+        )  # fmt: skip
 
 
 def _check_model(processors: list[Processor], meta_model: Any) -> None:

@@ -2,19 +2,25 @@
 and ``report``.
 
 Flags of ``quant`` follow ``msmodelslim quant`` so vendor scripts can switch. Exit codes:
-0 success, 2 bad input (config, paths, model, data, device; one clear message, no traceback) or an
-export that fails verification (the offending tensors named), 1 internal failure, 130 interrupted.
+0 success, 2 bad input (config, paths, model, data, device; one clear message, no traceback), an
+export that fails verification (the offending tensors named) or a full disk, 1 internal failure,
+130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -54,7 +60,7 @@ from msquant.verify import (
 
 __all__ = ["main", "build_parser"]
 
-EXIT_OK, EXIT_INTERNAL, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_INTERNAL, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 DEFAULT_LAYER_ERROR_INCREASE = "1%"
 logger = logging.getLogger("msquant.cli")
 
@@ -693,12 +699,51 @@ COMMANDS = {
 }
 
 
+class Terminated(BaseException):
+    """SIGTERM (a scheduler preempting the job, ``kill``): unwinds like Ctrl-C, so that a
+    checkpointed run keeps its work for ``--resume`` and says so."""
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise Terminated
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """Turn SIGTERM into :class:`Terminated` while a command runs (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def disk_full(exc: BaseException) -> BaseException | None:
+    """The error in ``exc``'s chain that says the disk (or quota) is full, or None. Writers
+    report it as an :class:`OSError` (``ENOSPC``, ``EDQUOT``) or, from Rust, as text."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return current
+        text = str(current)
+        if "No space left on device" in text or "Disk quota exceeded" in text:
+            return current
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``msquant`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
     _configure_logging("DEBUG" if getattr(args, "debug", False) else args.log_level)
     try:
-        return COMMANDS[args.command](args)
+        with _sigterm_unwinds():
+            return COMMANDS[args.command](args)
     except MsquantInputError as exc:
         print(f"msquant: error: {exc}", file=sys.stderr)
         return EXIT_INPUT
@@ -708,10 +753,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("msquant: interrupted; nothing was written to the save path", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Terminated:
+        print(
+            "msquant: terminated (SIGTERM); nothing was written to the save path", file=sys.stderr
+        )
+        return EXIT_TERMINATED
     except PeerLostError as exc:
         print(_peer_lost(exc), file=sys.stderr)
         return EXIT_INTERNAL
-    except Exception:
+    except Exception as exc:
+        full = disk_full(exc)
+        if full is not None:
+            print(
+                f"msquant: error: the disk is full ({' '.join(str(full).split())}); free space, "
+                "or choose a --save_path on a disk with room for the export and its checkpoints; "
+                "nothing was written to the save path",
+                file=sys.stderr,
+            )
+            return EXIT_INPUT
         logger.exception(
             "internal error (please report it with the command line and this traceback)"
         )

@@ -3,7 +3,7 @@
 A checkpointed run keeps its work in a folder named after the save path,
 ``.{save_path name}.msquant-partial`` beside it::
 
-    lock                      held while a run uses the folder (a second run is refused)
+    .msquant-owner            says msquant created the folder (one without it is never used)
     export/                   the staging folder: moved to the save path once the run is complete
     layers/00000.safetensors  the quantized linears of each finished decoder layer
     layers/outside.safetensors  quantized linears outside the layers (the head), at the end
@@ -59,7 +59,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -68,8 +68,17 @@ from torch import nn
 
 from msquant.context import DecoderLayer, RunContext
 from msquant.distributed import SINGLE, Distributed, PeerLostError
-from msquant.errors import MsquantInputError
+from msquant.errors import MsquantInputError, OutputPathError
+from msquant.export.marker import sha256_file
+from msquant.export.recovery import (
+    OWNER_FILE,
+    is_owned_dir,
+    make_owned_dir,
+    mark_owned,
+    owned_dir_problem,
+)
 from msquant.export.shards import WriterStateError, remove_temporaries
+from msquant.export.staging import CommitRefusedError
 from msquant.quant.quantized_linear import QuantizedLinear, replace_module
 from msquant.quant.quantized_weight import QuantizedWeight
 
@@ -83,6 +92,7 @@ __all__ = [
     "LayerStore",
     "ResumeError",
     "RunCheckpoints",
+    "agree",
     "checkpoint_blocker",
     "fingerprint_differences",
     "open_checkpoints",
@@ -97,7 +107,6 @@ PROGRESS_FILE = "progress.json"
 PROGRESS_FORMAT = 2  # bumped when the checkpoint layout changes (2: per-process entries)
 EXPORT_DIR = "export"
 LAYERS_DIR = "layers"
-LOCK_FILE = "lock"
 HIDDEN_PREFIX = "hidden-"
 OUTSIDE_KEY = "outside"  # quantized modules outside the decoder layers (the output head)
 #: How :func:`msquant.model.placement.load_for_run` names a streamed run's scratch folder.
@@ -189,6 +198,10 @@ def _short(value: Any) -> str:
     return f"{value[:12]}..." if isinstance(value, str) and len(value) > 16 else str(value)
 
 
+# Shown whole in messages: two paths cut to 12 characters often look identical.
+_SHOWN_WHOLE = frozenset({"model_path"})
+
+
 def _files_difference(then: Mapping[str, Any], now: Mapping[str, Any]) -> str:
     parts = [f"{name} removed" for name in sorted(set(then) - set(now))]
     parts += [f"{name} added" for name in sorted(set(now) - set(then))]
@@ -211,6 +224,8 @@ def fingerprint_differences(recorded: Mapping[str, Any], current: Mapping[str, A
             lines.append(f"{label}: {_files_difference(then or {}, now or {})}")
         elif key == "world_size":
             lines.append(f"{label}: {then} then, {now} now; {_WORLD_SIZE_HINT}")
+        elif key in _SHOWN_WHOLE:
+            lines.append(f"{label}: {then} then, {now} now")
         else:
             lines.append(f"{label}: {_short(then)} then, {_short(now)} now")
     return lines
@@ -449,42 +464,13 @@ def _describe(directory: Path) -> str:
     return f"{done} of {total} decoder layers done"
 
 
-def _take_lock(directory: Path) -> IO[str] | None:
-    """An exclusive lock on ``directory`` (None where the platform has no ``fcntl``).
-
-    :raises ResumeError: when another run holds it.
-    """
-    try:
-        import fcntl
-    except ImportError:  # Windows: no advisory locks
-        return None
-    handle = open(directory / LOCK_FILE, "a+", encoding="utf-8")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.close()
-        raise ResumeError(
-            f"another msquant run is using {directory} (the same save path); wait for it to end"
-        ) from None
-    return handle
-
-
 def _discard(directory: Path) -> None:
-    """Remove an interrupted run's folder, unless a run uses it (process 0 of a
-    ``dp_layer_wise`` group alone gets here)."""
-    try:
-        handle = _take_lock(directory)
-    except (ResumeError, OSError):
-        logger.warning("%s is in use; leaving it in place", directory)
-        return
-    try:
-        shutil.rmtree(directory, ignore_errors=True)
-    finally:
-        if handle is not None:
-            handle.close()
+    """Remove an interrupted run's folder (its owner checked already; the caller holds the save
+    path's lock, so no run uses it; process 0 of a ``dp_layer_wise`` group alone gets here)."""
+    shutil.rmtree(directory, ignore_errors=True)
 
 
-def _agree(dist: Distributed, error: Exception | None) -> None:
+def agree(dist: Distributed, error: Exception | None) -> None:
     """Raise, in every process of the group, the error one of them hit (the first by rank), so
     that none goes on alone into the next collective; nothing when none did.
 
@@ -538,7 +524,7 @@ def open_checkpoints(
             decision = _decide(save_path, directory, fingerprint, resume, overwrite, blocker)
         except Exception as caught:  # every process must learn of it
             error = caught
-    _agree(dist, error)
+    agree(dist, error)
     decision = dist.broadcast_object(decision, 0)
     assert decision is not None
     checkpointed, progress = decision
@@ -556,6 +542,9 @@ def _decide(
     blocker: str | None,
 ) -> tuple[bool, dict[str, Any] | None]:
     """What :func:`open_checkpoints` does with the folder: (checkpointed, checkpoint to resume)."""
+    problem = owned_dir_problem(directory, "msquant's checkpoint folder of this save path")
+    if problem is not None:
+        raise OutputPathError(problem)
     interrupted = (directory / PROGRESS_FILE).is_file()
     if resume and blocker is not None:
         raise ResumeError(f"--resume: this run is not checkpointed: {blocker}")
@@ -656,28 +645,33 @@ class RunCheckpoints:
     @contextmanager
     def guard(self) -> Iterator[None]:
         """Hold the folder for the whole run (enter it before the model is loaded: a streamed
-        run's scratch folder goes in it): locked, emptied for a fresh run, rid of the scratch
+        run's scratch folder goes in it): created, emptied for a fresh run, rid of the scratch
         folders of killed runs when resuming; removed after success or an error, kept (with a
-        hint) when the run is interrupted after a checkpoint.
+        hint) when the run is interrupted after a checkpoint, when the checkpoint cannot be taken
+        up (:class:`ResumeError`: nothing is changed, ``--overwrite`` discards it) and when the
+        finished export could not be moved into place
+        (:class:`~msquant.export.staging.CommitRefusedError`: ``--resume`` moves it later).
 
+        The caller holds the save path's lock (:class:`~msquant.export.recovery.SavePathLock`).
         In a ``dp_layer_wise`` group process 0 does all of that; the others wait until the folder
         is ready (every process must enter), and leave it alone afterwards. Losing another
         process (:class:`~msquant.distributed.PeerLostError`) counts as an interruption."""
         main = self.dist.is_main
-        lock: IO[str] | None = None
         error: Exception | None = None
         if main:
             try:
-                lock = self._prepare()
+                self._prepare()
             except Exception as caught:  # the others wait for the folder: tell them
                 error = caught
-        _agree(self.dist, error)
+        agree(self.dist, error)
         try:
             yield
         except PeerLostError:
             if main:
                 self._keep_or_remove()  # another process was killed: as if this one were
             raise
+        except (ResumeError, CommitRefusedError):
+            raise  # the folder is kept, as the message says
         except Exception:
             if main:
                 self._remove()  # a failed run leaves nothing behind, checkpointed or not
@@ -689,21 +683,22 @@ class RunCheckpoints:
         else:
             if main:
                 self._remove()
-        finally:
-            if lock is not None:
-                lock.close()
 
-    def _prepare(self) -> IO[str] | None:
-        """Create and lock the folder; empty it for a fresh run, or drop the scratch folders a
-        killed run left (of every process) when resuming. Returns the lock."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        lock = _take_lock(self.directory)
-        if self.progress is None:
+    def _prepare(self) -> None:
+        """Create the folder (marked as msquant's); empty it for a fresh run, or drop the scratch
+        folders a killed run left (of every process) when resuming."""
+        problem = owned_dir_problem(self.directory, "msquant's checkpoint folder of this save path")
+        if problem is not None:
+            raise OutputPathError(problem)
+        if not os.path.lexists(self.directory):
+            make_owned_dir(self.directory, "checkpoints of a run (msquant --resume)")
+        elif not is_owned_dir(self.directory):  # empty: a kill came before it was marked
+            mark_owned(self.directory, "checkpoints of a run (msquant --resume)")
+        elif self.progress is None:
             self._empty()
         else:
             for stale in self.directory.glob(f"{SCRATCH_PREFIX}*"):
                 shutil.rmtree(stale, ignore_errors=True)
-        return lock
 
     def _keep_or_remove(self) -> None:
         """After an interruption (Ctrl-C, ``SystemExit``, a lost process), keep what has been
@@ -719,10 +714,11 @@ class RunCheckpoints:
         )
 
     def _empty(self) -> None:
+        """Remove everything but the owner file (the folder is msquant's: checked first)."""
         for child in self.directory.iterdir():
-            if child.name == LOCK_FILE:
+            if child.name == OWNER_FILE:
                 continue
-            if child.is_dir():
+            if child.is_dir() and not child.is_symlink():
                 shutil.rmtree(child)
             else:
                 child.unlink()
@@ -793,7 +789,12 @@ class RunCheckpoints:
         tensors = {_layer_key(i): h.detach().to("cpu").contiguous() for i, h in enumerate(hidden)}
         path = self.directory / name
         _save_tensors_atomically(tensors, path)
-        return {"file": name, "batches": len(tensors), "bytes": path.stat().st_size}
+        return {
+            "file": name,
+            "batches": len(tensors),
+            "bytes": path.stat().st_size,
+            "sha256": sha256_file(path),
+        }
 
     def _remove_hidden(self, keep: str | None) -> None:
         """Remove this process's hidden-state files (and temporaries) but ``keep``."""
@@ -823,7 +824,7 @@ class RunCheckpoints:
             done = self._restore(ctx, processors, activations)
         except ResumeError as caught:
             error = caught
-        _agree(self.dist, error)
+        agree(self.dist, error)
         logger.info(
             "resuming after layer %d of %d (checkpoint in %s)",
             done,
@@ -879,7 +880,7 @@ class RunCheckpoints:
                 self._restore_finished(ctx, self.progress)
             except ResumeError as caught:
                 error = caught
-        _agree(self.dist, error)
+        agree(self.dist, error)
         logger.info(
             "resuming after the export files were written (checkpoint in %s)", self.directory
         )
@@ -890,6 +891,11 @@ class RunCheckpoints:
                 f"--resume: the export files of the checkpoint in {self.directory} are missing; "
                 "start over with --overwrite (without --resume)"
             )
+        removed = remove_temporaries(
+            self.export_dir
+        )  # a kill may have come before commit_finished did
+        if removed:
+            logger.debug("checkpoint: %d temporary file(s) of the writers removed", removed)
         self._rebuild(ctx, len(ctx.layers))
         self.store.rebuild(ctx.model, OUTSIDE_KEY, weightless=False)
         ctx.report.restore_layer_records(progress["report"])
@@ -919,6 +925,7 @@ class RunCheckpoints:
             or path is None
             or not path.is_file()
             or path.stat().st_size != info["bytes"]
+            or sha256_file(path) != info.get("sha256")
         ):
             raise ResumeError(
                 f"--resume: the hidden states{whose} of the checkpoint in {self.directory} are "

@@ -307,4 +307,6 @@ def test_damaged_hidden_states_of_one_process_stop_every_process(
 
     err = capfd.readouterr().err
     assert err.count("the hidden states of process 1 of the checkpoint") == 2
-    assert list(tmp_path.iterdir()) == []  # unusable: removed like any failed run's work
+    # refused, nothing changed (--overwrite discards it, as the message says)
+    assert [p.name for p in tmp_path.iterdir()] == [".out.msquant-partial"]
+    assert hidden.is_file()

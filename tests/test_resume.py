@@ -30,6 +30,8 @@ from msquant import (
     ShardedSafetensorsWriter,
 )
 from msquant.cli import main
+from msquant.errors import OutputPathError
+from msquant.export.recovery import SavePathLock, make_owned_dir
 from msquant.export.shards import WriterStateError, remove_temporaries
 from msquant.report import LayerTiming, ModuleReport, RunReport, strip_timings
 from msquant.resume import PROGRESS_FILE, RunCheckpoints, partial_path
@@ -331,7 +333,8 @@ def test_process_killed_for_real_resumes_from_the_command_line(
     assert sorted(got) == sorted(expected)
     for name, data in expected.items():
         # the config copy holds the config file's text here, the mapping dumped as YAML there
-        if not name.endswith("best_practice.yaml"):
+        # (and the marker lists that file's checksum)
+        if not name.endswith(("best_practice.yaml", "msquant_export.json")):
             assert got[name] == data, name
     assert [p.name for p in sorted(tmp_path.iterdir())] == ["config.json", "out"]
 
@@ -405,6 +408,7 @@ def test_nothing_to_keep_before_the_first_checkpoint(
             _quantize(tiny_llama, save, config)
     assert list(tmp_path.iterdir()) == []
 
+    make_owned_dir(partial_path(save), "checkpoints")  # as the killed run created it
     stale = partial_path(save) / "export" / "ascendv1_saver"
     stale.mkdir(parents=True)
     (stale / "half_written.safetensors").write_bytes(b"junk")
@@ -427,9 +431,12 @@ def test_damaged_writer_files_are_a_clear_error(tiny_llama: Path, tmp_path: Path
     export = partial_path(save) / "export" / "gptq_saver"
     for data_file in export.glob(".*.data*.tmp"):
         data_file.write_bytes(b"")
+    before = _export(partial_path(save))
     with pytest.raises(ResumeError, match=r"gptq_saver cannot take up its checkpoint .* bytes"):
         _quantize(tiny_llama, save, _config("minmax"), resume=True)
-    assert not partial_path(save).exists()  # unusable: removed like any failed run's work
+    assert _export(partial_path(save)) == before  # refused, nothing changed: as the message says
+    _quantize(tiny_llama, save, _config("minmax"), overwrite=True)  # which discards it
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
 def test_a_failed_run_leaves_nothing_behind(tiny_llama: Path, tmp_path: Path) -> None:
@@ -493,15 +500,15 @@ def test_a_processor_that_is_not_resumable_turns_checkpoints_off(
     assert list(tmp_path.iterdir()) == []  # nothing checkpointed, nothing left
 
 
-def test_two_runs_cannot_share_a_checkpoint_folder(tmp_path: Path) -> None:
-    folder = partial_path(tmp_path / "out")
-    first = RunCheckpoints(folder, {}, None)
-    with first.guard():
-        with pytest.raises(ResumeError, match="another msquant run is using"):
-            with RunCheckpoints(folder, {}, None).guard():
-                pass
-        assert folder.is_dir()
-    assert not folder.exists()
+def test_two_runs_cannot_share_a_checkpoint_folder(tiny_llama: Path, tmp_path: Path) -> None:
+    """The save path's lock is held by every run, from before its checkpoint folder is touched."""
+    save = tmp_path / "out"
+    _kill(tiny_llama, save, _config("minmax"), after=0)
+    before = _export(partial_path(save))
+    with SavePathLock(save):  # another run holds the save path
+        with pytest.raises(OutputPathError, match="another msquant run is writing to"):
+            _quantize(tiny_llama, save, _config("minmax"), resume=True)
+    assert _export(partial_path(save)) == before
 
 
 # -- the pieces ---------------------------------------------------------------------------------

@@ -88,9 +88,12 @@ def test_failed_run_keeps_previous_export(tiny_llama: Path, tmp_path: Path) -> N
 
 
 def test_successful_run_replaces_previous_export(tiny_llama: Path, tmp_path: Path) -> None:
+    """Every file of the previous export goes, those the new one does not write included."""
     save = tmp_path / "out"
-    msquant.quantize(tiny_llama, save, CONFIG, progress=False)
-    (save / "stale_extra_file.json").write_text("{}")
+    mindie = {**CONFIG, "spec": {**CONFIG["spec"], "save": [{"type": "mindie_format_saver"}]}}
+    msquant.quantize(tiny_llama, save, mindie, progress=False)
+    stale = save / "quant_model_weight_w8a16.safetensors"
+    assert stale.is_file()
     asym = {
         "spec": {
             "process": [
@@ -102,7 +105,7 @@ def test_successful_run_replaces_previous_export(tiny_llama: Path, tmp_path: Pat
         }
     }
     msquant.quantize(tiny_llama, save, asym, progress=False, overwrite=True)
-    assert not (save / "stale_extra_file.json").exists()
+    assert not stale.exists()
     offsets = load_file(str(save / "quant_model_weights-00001-of-00001.safetensors"))
     assert torch.count_nonzero(offsets["model.layers.0.mlp.up_proj.weight_offset"]) > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

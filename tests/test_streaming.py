@@ -73,16 +73,25 @@ def _quantize(model: Path, save: Path, config: dict[str, Any], **kwargs: Any) ->
 
 def _files(root: Path) -> dict[str, bytes]:
     """Every file of an export but the run report, with the runner's name taken out of the
-    config copies (the one thing that differs between the runs compared)."""
+    config copies (the one thing that differs between the runs compared) and their checksums out
+    of the marker."""
     files = {}
     for path in sorted(root.rglob("*")):
         if path.is_file() and path.name != "quant_report.json":
             data = path.read_bytes()
+            if path.name == "msquant_export.json":
+                data = _without_config_checksums(data)
             if path.suffix in (".yaml", ".json"):
                 for runner in (b"layer_wise", b"model_wise", b"auto"):
                     data = data.replace(b"runner: " + runner, b"runner: *")
             files[str(path.relative_to(root))] = data
     return files
+
+
+def _without_config_checksums(marker: bytes) -> bytes:
+    data = json.loads(marker)
+    data["files"] = {k: v for k, v in data["files"].items() if not k.endswith(".yaml")}
+    return json.dumps(data).encode()
 
 
 def _report_without_times(root: Path) -> Any:

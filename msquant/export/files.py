@@ -1,34 +1,91 @@
-"""Copy a model's configuration and tokenizer files next to its quantized weights."""
+"""Copy a model's configuration and tokenizer files next to its quantized weights.
+
+Exports are often published, so only what the model folder itself holds is copied: a symbolic
+link pointing outside it (``notes.txt -> ~/.ssh/id_rsa``) is refused instead of copying the
+contents of its target. Links inside the folder, and a Hugging Face cache snapshot's links into
+its ``blobs`` folder, are followed. Files named like an export's own (a stray
+``quant_model_description.json``, ``quantize_config.json``, ``msquant_export.json``,
+``quant_report.json``) are never copied: they would replace or contradict what the saver writes.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
 
-from msquant.errors import OutputPathError
+from msquant.errors import ModelLoadError, OutputPathError
 
-__all__ = ["COPIED_PATTERNS", "copy_model_files", "safe_file_stem", "strip_quantization_config"]
+__all__ = [
+    "COPIED_PATTERNS",
+    "copied_model_files",
+    "copy_model_files",
+    "safe_file_stem",
+    "strip_quantization_config",
+]
 
 _SAFE_STEM = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 # Config, generation config, tokenizer and chat-template files; never weights or weight indexes.
 COPIED_PATTERNS = ("*.json", "*.py", "*.txt", "*.jinja", "*.model", "*.tiktoken")
+# Files of an export itself (written by the savers and the run), never taken from the model folder.
+EXPORT_FILE_PATTERNS = (
+    "*index.json",
+    "quant_model_description*.json",
+    "quantize_config.json",
+    "msquant_export.json",
+    "quant_report.json",
+)
+
+
+def _allowed_roots(model_path: Path) -> list[Path]:
+    """Where the files of ``model_path`` may really lie: the folder, and for a Hugging Face cache
+    snapshot (``models--org--name/snapshots/<rev>``) the repository's cache folder."""
+    real = Path(os.path.realpath(model_path))
+    roots = [real]
+    if real.parent.name == "snapshots":
+        roots.append(real.parent.parent)
+    return roots
+
+
+def copied_model_files(model_path: Path) -> list[Path]:
+    """The files :func:`copy_model_files` copies (config, tokenizer, chat template; not indexes
+    nor the export's own files).
+
+    :raises ModelLoadError: for one that is a symbolic link to a file outside the model folder.
+    """
+    roots = _allowed_roots(model_path)
+    files = []
+    for pattern in COPIED_PATTERNS:
+        for source in sorted(model_path.glob(pattern)):
+            if any(source.match(excluded) for excluded in EXPORT_FILE_PATTERNS):
+                continue
+            if source.is_symlink():
+                real = Path(os.path.realpath(source))
+                if not any(root == real or root in real.parents for root in roots):
+                    raise ModelLoadError(
+                        f"{source} is a symbolic link to {real}, outside the model folder; msquant "
+                        "copies the model's config and tokenizer files into the export and will "
+                        "not copy a file from elsewhere into it: replace the link by a copy of "
+                        "the file, or remove it"
+                    )
+            if source.is_file():
+                files.append(source)
+    return files
 
 
 def copy_model_files(model_path: Path, output_dir: Path) -> list[str]:
     """Copy config/tokenizer files (not ``*index.json``) and drop ``quantization_config`` from config.json.
 
     :returns: the names of the copied files, sorted.
+    :raises ModelLoadError: for a symbolic link out of the model folder (nothing is copied).
     """
     copied = []
-    for pattern in COPIED_PATTERNS:
-        for source in model_path.glob(pattern):
-            if not source.is_file() or source.name.endswith("index.json"):
-                continue
-            shutil.copyfile(source, output_dir / source.name)
-            copied.append(source.name)
+    for source in copied_model_files(model_path):
+        shutil.copyfile(source, output_dir / source.name)
+        copied.append(source.name)
     config = output_dir / "config.json"
     if config.is_file():
         data = json.loads(config.read_text(encoding="utf-8"))

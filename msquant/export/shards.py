@@ -44,6 +44,9 @@ from typing import Any
 
 import torch
 
+from msquant.errors import QuantizationError
+from msquant.model.integrity import non_finite_count
+
 __all__ = [
     "TEMPORARY_GLOB",
     "ShardedSafetensorsWriter",
@@ -269,6 +272,12 @@ class ShardedSafetensorsWriter:
             )
         dtype_name = safetensors_dtype(tensor.dtype)
         data = tensor.detach().to("cpu").contiguous()
+        bad = non_finite_count(data)
+        if bad:
+            raise QuantizationError(
+                f"tensor {name} {tuple(data.shape)} contains {bad} NaN/Inf value(s); an export "
+                "never holds them (the checkpoint, or a value computed from it, is broken)"
+            )
         self._names.add(name)
         size = data.numel() * data.element_size()
         limit = self.max_shard_bytes

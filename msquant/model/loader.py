@@ -2,11 +2,17 @@
 
 Only safetensors weights are loaded (pickled ``.bin`` checkpoints are refused), ``trust_remote_code``
 is off unless asked for, and every failure becomes a :class:`ModelLoadError` that says what to fix.
+A weight index may only name files inside the folder, and the loaded model must be the checkpoint
+exactly (:mod:`msquant.model.integrity`): no tensor missing, none left over.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +20,7 @@ import torch
 from torch import nn
 
 from msquant.errors import ModelLoadError
+from msquant.model.integrity import check_loading_info
 
 __all__ = [
     "check_model_dir",
@@ -50,7 +57,36 @@ def check_model_dir(path: str | Path) -> Path:
         raise ModelLoadError(f"model path {directory} has no *.safetensors weights.{hint}")
     for file in sorted(directory.glob("*.safetensors")):
         _check_safetensors_header(file)
+    for index in sorted(directory.glob("*.safetensors.index.json")):
+        _check_weight_index(index)
     return directory
+
+
+def _check_weight_index(index: Path) -> None:
+    """Every file a weight index names must be a safetensors file of the folder itself: an entry
+    like ``../../elsewhere/x.safetensors`` would make transformers read weights from outside it."""
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ModelLoadError(
+            f"weight index {index} is not readable JSON ({_one_line(exc)})"
+        ) from exc
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ModelLoadError(f"weight index {index} has no weight_map object; re-create the index")
+    for tensor, file in weight_map.items():
+        inside = isinstance(file, str) and Path(file).name == file and file not in ("", ".", "..")
+        if not inside:
+            raise ModelLoadError(
+                f"weight index {index} maps {tensor} to {file!r}, which is not a file name inside "
+                "the model folder; msquant reads weights only from the model folder itself: fix "
+                "the index"
+            )
+        if not (index.parent / file).is_file():
+            raise ModelLoadError(
+                f"weight index {index} maps {tensor} to {file}, which is not in the model folder; "
+                "copy the missing shard there or re-create the index"
+            )
 
 
 def _check_safetensors_header(file: Path) -> None:
@@ -71,12 +107,39 @@ def load_model_config(path: Path, trust_remote_code: bool = False) -> Any:
     """The model's ``transformers`` config."""
     from transformers import AutoConfig
 
+    _check_dtype(path)
     try:
         return AutoConfig.from_pretrained(
             str(path), trust_remote_code=trust_remote_code, local_files_only=True
         )
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise ModelLoadError(f"cannot read the model config in {path}: {_one_line(exc)}") from exc
+
+
+def _check_dtype(path: Path) -> None:
+    """``dtype`` (or the older ``torch_dtype``) in config.json, and in its ``text_config``, must
+    name a torch dtype (transformers fails on others with an AttributeError deep inside)."""
+    try:
+        data = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return  # transformers reports an unreadable config.json
+    sections = [("", data)]
+    if isinstance(data, dict) and isinstance(data.get("text_config"), dict):
+        sections.append(("text_config.", data["text_config"]))
+    for prefix, section in sections:
+        if not isinstance(section, dict):
+            continue
+        for key in ("dtype", "torch_dtype"):
+            value = section.get(key)
+            if value is None or value == "auto":
+                continue
+            if not isinstance(value, str) or not isinstance(
+                getattr(torch, value, None), torch.dtype
+            ):
+                raise ModelLoadError(
+                    f"config.json in {path} says {prefix}{key} {value!r}, which is not a torch "
+                    "dtype; write the checkpoint's dtype there (float32, bfloat16 or float16)"
+                )
 
 
 def build_meta_model(config: Any, trust_remote_code: bool = False) -> nn.Module:
@@ -106,19 +169,52 @@ def load_causal_lm(path: Path, trust_remote_code: bool = False, **placement: Any
     """
     from transformers import AutoModelForCausalLM
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path),
-            dtype="auto",
-            use_safetensors=True,
-            trust_remote_code=trust_remote_code,
-            local_files_only=True,
-            **placement,
-        )
-    except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
-        raise ModelLoadError(f"cannot load the model in {path}: {_one_line(exc)}") from exc
+    with _captured_load_report() as report:
+        try:
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
+                str(path),
+                dtype="auto",
+                use_safetensors=True,
+                trust_remote_code=trust_remote_code,
+                local_files_only=True,
+                output_loading_info=True,
+                **placement,
+            )
+        except (OSError, ValueError, KeyError, RuntimeError, ImportError, AttributeError) as exc:
+            details = f"\n{report[0]}" if report else ""
+            raise ModelLoadError(
+                f"cannot load the model in {path}: {_one_line(exc)}{details}"
+            ) from exc
+    model, info = loaded
+    check_loading_info(info, path, getattr(model, "config", None))
     model.eval()
     return model
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@contextmanager
+def _captured_load_report() -> Iterator[list[str]]:
+    """Keep transformers' "LOAD REPORT" table off the terminal while loading: msquant reports
+    the same problems itself, as one error. The captured text is yielded, for the errors that
+    refer to it."""
+    captured: list[str] = []
+
+    class _Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            captured.append(_ANSI.sub("", record.getMessage()))
+
+    source = logging.getLogger("transformers.modeling_utils")
+    handler = _Capture(logging.WARNING)
+    propagate = source.propagate
+    source.addHandler(handler)
+    source.propagate = False
+    try:
+        yield captured
+    finally:
+        source.removeHandler(handler)
+        source.propagate = propagate
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:

@@ -19,6 +19,8 @@ from torch import nn
 
 from msquant.config.spec import RunnerType
 from msquant.context import DecoderLayer
+from msquant.export.recovery import mark_owned
+from msquant.model.integrity import check_finite
 from msquant.model.layers import find_decoder_layers
 from msquant.model.loader import load_causal_lm
 from msquant.model.moe import (
@@ -29,7 +31,7 @@ from msquant.model.moe import (
     unfuse_experts,
 )
 from msquant.model.streaming import StreamedWeights, load_causal_lm_streaming
-from msquant.resume import LayerStore
+from msquant.resume import SCRATCH_PREFIX, LayerStore
 
 __all__ = ["LoadedModel", "load_for_run", "streams"]
 
@@ -66,6 +68,7 @@ def load_for_run(
     scratch_parent: Path,
     keep_reference: bool,
     trust_remote_code: bool = False,
+    scratch_prefix: str | None = None,
 ) -> Iterator[LoadedModel]:
     """Load the model for a run; a streamed run gets a scratch folder, removed on exit.
 
@@ -73,9 +76,13 @@ def load_for_run(
     :param scratch_parent: where the scratch folder goes (beside the save path, so that it is on
         the same disk as the export).
     :param keep_reference: keep each released layer's quantized weights (for the read-back check).
+    :param scratch_prefix: the scratch folder's name prefix (default ``.msquant-scratch-``); beside
+        a save path, ``.NAME.msquant-scratch-``, so that the next run of that save path can tell
+        a killed run's folder (:mod:`msquant.export.recovery`).
     """
     if not streaming:
         model = load_causal_lm(model_dir, trust_remote_code)
+        check_finite(model.state_dict().items())
         experts = unfuse_experts(model)
         renamed = _renamed(checkpoint_names(model))
         yield LoadedModel(
@@ -83,7 +90,8 @@ def load_for_run(
         )
         return
     scratch_parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=".msquant-scratch-", dir=scratch_parent))
+    scratch = Path(tempfile.mkdtemp(prefix=scratch_prefix or SCRATCH_PREFIX, dir=scratch_parent))
+    mark_owned(scratch, "scratch folder of a streamed run")
     try:
         offload = scratch / "offload"
         offload.mkdir()
@@ -91,6 +99,7 @@ def load_for_run(
         model, streamed = load_causal_lm_streaming(
             model_dir, meta_model, layer_names, offload, trust_remote_code
         )
+        check_finite(model.state_dict().items())  # what is loaded now; layers as they stream
         experts = unfuse_experts(model)  # the layers are on the meta device: nothing is copied
         names = checkpoint_names(model)
         if experts:

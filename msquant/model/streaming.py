@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from msquant.errors import ModelLoadError
+from msquant.model.integrity import check_finite
 
 __all__ = [
     "StreamedWeights",
@@ -57,7 +58,8 @@ class StreamedWeights:
     def materialize(self, module: nn.Module, prefix: str) -> None:
         """Read every meta parameter and buffer of ``module`` (full name ``prefix``) from disk.
 
-        :raises ModelLoadError: for a meta tensor that has no source on disk.
+        :raises ModelLoadError: for a meta tensor that has no source on disk, or a tensor holding
+            NaN/Inf.
         """
         for name, tensor in _tensors(module):
             if not tensor.is_meta:
@@ -75,6 +77,7 @@ class StreamedWeights:
                     f"{full}: the checkpoint holds shape {tuple(value.shape)}, the model expects "
                     f"{tuple(tensor.shape)}"
                 )
+            check_finite([(full, value)])
             _set_tensor(module, name, value.to(tensor.dtype))
             self.loaded_bytes += value.numel() * value.element_size()
 

@@ -90,7 +90,10 @@ class GPTQExt(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     percdamp: float = Field(
-        0.01, gt=0, description="Damping as a fraction of the mean Hessian diagonal."
+        0.01,
+        gt=0,
+        allow_inf_nan=False,
+        description="Damping as a fraction of the mean Hessian diagonal.",
     )
     block_size: StrictInt = Field(
         128,
@@ -108,7 +111,10 @@ class GPTQExt(BaseModel):
         description="Fix group scales from the original weight before the sweep (forced with desc_act).",
     )
     damp_auto_increment: float = Field(
-        0.01, ge=0, description="Added to percdamp after each failed Cholesky factorisation."
+        0.01,
+        ge=0,
+        allow_inf_nan=False,
+        description="Added to percdamp after each failed Cholesky factorisation.",
     )
     max_damp_retries: StrictInt = Field(
         10, ge=0, description="How many damping increases are tried before giving up."

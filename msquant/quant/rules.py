@@ -46,6 +46,7 @@ from pydantic import (
 
 from msquant.errors import ConfigIssue, validation_message
 from msquant.model.fused import FusedGroup
+from msquant.quant.regex_safety import pattern_risk
 
 __all__ = [
     "NEGATIVE_PREFIX",
@@ -260,6 +261,10 @@ def parse_dynamic(
             issues.append(
                 ConfigIssue(rule_source(key), f"invalid regular expression {pattern!r}: {error}")
             )
+            continue
+        risk = pattern_risk(pattern)
+        if risk is not None:
+            issues.append(ConfigIssue(rule_source(key), f"regular expression {pattern!r}: {risk}"))
             continue
         if negative:
             if overrides:

@@ -1,9 +1,11 @@
 """``verify_export`` and ``check_export``: read an export back and check it layer by layer.
 
-Layers are decoded one at a time (only one layer's tensors are in memory), each by the reader of
-its format, then checked the same way whatever the format: parameter values, the consumer rules
-of the format, the in-memory reference (codes bit for bit), the original weights (relative
-error), and the fused-shard rule (q/k/v and gate/up must share a scheme).
+Every file is first compared with the sha256 msquant recorded when it wrote the export
+(:mod:`msquant.verify.checksums`). Layers are then decoded one at a time (only one layer's tensors
+are in memory), each by the reader of its format, and checked the same way whatever the format:
+parameter values, the consumer rules of the format, the in-memory reference (codes bit for bit),
+the original weights (relative error), and the fused-shard rule (q/k/v and gate/up must share a
+scheme).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from msquant.model.fused import fused_group_problems
 from msquant.quant.quantized_weight import QuantizedWeight
 from msquant.verify.base import ExportReader, ties_word_embeddings
+from msquant.verify.checksums import check_checksums
 from msquant.verify.compare import (
     compare_float_tensor,
     compare_original,
@@ -59,6 +62,7 @@ def verify_export(
     original = open_original(model_path) if model_path is not None else None
     report = VerifyReport(reader.format_name, path)
     try:
+        check_checksums(path, findings)
         modules = reader.quantized_modules()
         if not modules and reader.store is not None:
             findings.warn("no quantized layer found: every weight is stored in float")
