@@ -5,7 +5,10 @@ Real (from the wheel, unchanged): the GPTQ config (``auto_gptq.py``: ``from_conf
 ``create_weights``), its rule matching (``utils/gptq_utils.py``), the Marlin support checks
 (``utils/marlin_utils.py``), the compressed-tensors config, target matching and schemes
 (``compressed_tensors/compressed_tensors.py``, ``utils.py``, ``schemes/compressed_tensors_wNa16.py``,
-``compressed_tensors_moe/*.py``), ``parameter.py``, ``scalar_type.py``, ``envs.py``.
+``compressed_tensors_moe/*.py``), the Marlin linear kernel's support check
+(``kernels/linear/mixed_precision/marlin.py``, ``MPLinearKernel.py``), ``parameter.py``,
+``scalar_type.py``, ``envs.py``; ``vocab_parallel_embedding.py`` is executed under a private name
+by :mod:`vllm_head` (here it is a stub, see below).
 
 Stubbed (see :data:`STUBS`): the layer classes (``LinearBase`` and its subclasses,
 ``ParallelLMHead``, ``RoutedExperts``: the harness builds them, the quantization code only calls
@@ -13,7 +16,10 @@ Stubbed (see :data:`STUBS`): the layer classes (``LinearBase`` and its subclasse
 ``create_weights`` (float ``weight`` ``[out, in]`` / experts ``w13_weight [E, 2I, H]`` and
 ``w2_weight [E, H, I]``, as ``linear.py`` / ``unquantized_fused_moe_method.py`` create them),
 kernel selection (``choose_mp_linear_kernel``, the MoE kernel oracle), custom ops, tensor-parallel
-state (rank 0 of 1), the current platform (an SM 9.0 CUDA GPU), the logger and the vLLM config.
+state (rank 0 of 1), the current platform (an SM 9.0 CUDA GPU), the logger and the vLLM config,
+and what the real ``vocab_parallel_embedding.py`` imports besides (``PluggableLayer``, which only
+names the class for out-of-tree replacement; the unquantized GEMM dispatch and ``is_fp8``, used
+only in ``forward``).
 """
 
 from __future__ import annotations
