@@ -14,6 +14,8 @@ MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 #: Layer 1's MLP in int8 (its down_proj too), layer 0's down_proj in float.
 MIXED_RULES = {r"model\.layers\.1\.mlp\..*": {"bits": 8}}
 LAYER0_DOWN = ("model.layers.0.mlp.down_proj",)
+#: Layer 0's q/k/v in float (a fused layer in `ignore`).
+LAYER0_QKV = tuple(f"model.layers.0.self_attn.{p}_proj" for p in "qkv")
 HEAD_8BIT = {"lm_head": {"bits": 8, "group_size": -1}}
 
 
@@ -75,6 +77,7 @@ CT_SERVED = {
         _ct("ct_int4_g128"),
         _ct("ct_int8_channel", weight=gptq_weight(8, None)),
         _ct("ct_mixed", exclude=LAYER0_DOWN, dynamic=MIXED_RULES),
+        _ct("ct_float_qkv", exclude=LAYER0_QKV),
         _ct("ct_asym", weight=gptq_weight(group=64, sym=False)),
         _ct("ct_head_other_scheme", lm_head=True, dynamic=HEAD_8BIT),
         *(_ct(f"ct_moe_{arch}", arch, weight=gptq_weight(group=64)) for arch in MOE_ARCHS),

@@ -201,7 +201,8 @@ def test_sglang_builds_mixtrals_head_without_the_quantization_config(
 CT_LOADING = [
     name
     for name in CT_SERVED
-    if name not in ("ct_mixed", "ct_moe_float_experts_mixtral") and "deepseek" not in name
+    if name not in ("ct_mixed", "ct_float_qkv", "ct_moe_float_experts_mixtral")
+    and "deepseek" not in name
 ]
 
 
@@ -281,6 +282,19 @@ def test_compressed_tensors_fused_layers_in_their_own_group_take_sglangs_linear_
     assert gate_up.params["weight_packed"].shape == (2 * 256, 128 // 8)  # 4-bit
     assert methods["model.layers.1.mlp.down_proj"].params["weight_packed"].shape == (128, 256 // 4)
     assert problems and all("model.layers.1.mlp.gate_up_proj" in p for p in problems), problems
+
+
+def test_compressed_tensors_fused_layers_in_ignore_are_built_quantized_by_sglang(
+    make_export: ExportFactory,
+) -> None:
+    """The same lookup for ``ignore``: layer 0's float q/k/v are listed by name, SGLang's Llama
+    asks about ``qkv_proj``, finds no entry and builds it quantized; the float weights are not
+    read."""
+    resolutions, problems = sglang_check(make_export(CT_SERVED["ct_float_qkv"]))
+    qkv = _by_prefix(resolutions)["model.layers.0.self_attn.qkv_proj"]
+    assert qkv.method == "CompressedTensorsLinearMethod"
+    assert problems and all(p.startswith(qkv.module.prefix) for p in problems), problems
+    assert any("lacks" in p and "q_proj.weight_packed" in p for p in problems)
 
 
 def test_compressed_tensors_mixtral_float_experts_are_not_seen_by_sglang(
@@ -406,7 +420,10 @@ def test_msquant_warns_that_sglang_does_not_see_float_mixtral_experts(
 
 
 @pytest.mark.xfail(strict=True, reason=f"{SAYS_NOTHING}: fused layers outside the Linear group")
+@pytest.mark.parametrize(
+    ("name", "fused"), [("ct_mixed", "gate_up_proj"), ("ct_float_qkv", "qkv_proj")]
+)
 def test_msquant_warns_that_sglang_gives_fused_layers_the_linear_scheme(
-    make_export: ExportFactory,
+    name: str, fused: str, make_export: ExportFactory
 ) -> None:
-    assert make_export(CT_SERVED["ct_mixed"]).warned("SGLang", "gate_up_proj")
+    assert make_export(CT_SERVED[name]).warned("SGLang", fused)
