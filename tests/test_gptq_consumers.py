@@ -346,3 +346,19 @@ def test_marlin_warning_says_what_vllm_and_sglang_each_do(
     assert "vLLM 0.33 refuses such layers" in groups and "group_size 16" in groups
     notes = msquant.verify_export(tmp_path / "tiles").warnings
     assert any("vLLM 0.33 zero-pads them" in w for w in notes)
+
+
+def test_marlin_shape_notes_count_fused_layers_whole(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """gate_proj and up_proj 160 wide each are one gate_up_proj of 320 (whole Marlin tiles) in
+    vLLM and SGLang; only down_proj, 160 inputs wide, is not a whole tile. The saver's warning
+    and ``msquant verify``'s note name the same layers."""
+    caplog.set_level(logging.WARNING, SAVER_LOGGER)
+    model = tiny_model_factory("llama", hidden_size=128, intermediate_size=160)
+    _export(model, tmp_path / "out", _config())
+    [warning] = [m for m in _warnings(caplog) if "Marlin" in m]
+    assert "model.layers.0.mlp.down_proj [out 128, in 160" in warning
+    assert "gate" not in warning and "up_proj" not in warning
+    [note] = [w for w in msquant.verify_export(tmp_path / "out").warnings if "Marlin" in w]
+    assert "(2 layers: model.layers.0.mlp.down_proj, model.layers.1.mlp.down_proj)" in note

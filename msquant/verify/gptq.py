@@ -63,8 +63,9 @@ MARLIN_GROUP_NOTE = (
     "and SGLang has no other CUDA GPTQ kernel"
 )
 MARLIN_SHAPE_NOTE = (
-    "not whole Marlin tiles (out_features % 64, in_features % 128): vLLM 0.33 zero-pads them and "
-    "loads them; SGLang 0.5.23 runs Marlin on them unchecked, so do not serve this with SGLang"
+    "not whole Marlin tiles (out_features % 64, in_features % 128, fused q/k/v and gate/up "
+    "counted whole, at tensor-parallel size 1): vLLM 0.33 zero-pads them and loads them; SGLang "
+    "0.5.23 runs Marlin on them unchecked, so do not serve this with SGLang"
 )
 SGLANG_MOE = (
     "SGLang's GPTQ MoE method ignores quantization_config.dynamic and builds every experts module "
@@ -414,8 +415,16 @@ class GPTQReader(ExportReader):
             return  # vLLM picks MoE kernels per experts module (Marlin MoE or MoE WNA16)
         if scheme.group_size not in MARLIN_GROUPS:
             self.findings.note(MARLIN_GROUP_NOTE, layer.name)
-        elif out_features % 64 or in_features % 128:
+        elif self._engine_out_features(layer.name, out_features) % 64 or in_features % 128:
             self.findings.note(MARLIN_SHAPE_NOTE, layer.name)
+
+    def _engine_out_features(self, name: str, out_features: int) -> int:
+        """The output width of the Marlin layer vLLM and SGLang build for ``name`` at
+        tensor-parallel size 1: the whole fused layer's for a q/k/v or gate/up shard."""
+        for group in fused_groups(self.modules):
+            if name in group.members and self.store is not None:
+                return sum(self.store.infos[f"{m}.qweight"].shape[1] for m in group.members)
+        return out_features
 
     def finish(self) -> None:
         self._check_asym_v1_meta()

@@ -8,10 +8,15 @@ one ``FusedMoE`` / ``RoutedExperts`` layer named ``...experts``, and the output 
 name, so this is the list a consumer check walks.
 
 The templates below were read in vLLM 0.33.0's ``model_executor/models/{llama,qwen2,qwen3,
-qwen3_moe,qwen2_moe,mixtral,deepseek_v2}.py`` and SGLang 0.5.23's model files (class of each
-layer, its ``prefix``, whether it receives the quantization config); the opt-in suite checks the
-fused names against each engine's own ``packed_modules_mapping``. Sizes come from the model's
-``config.json``; nothing here imports an engine, so the default test suite uses it too.
+qwen3_moe,qwen2_moe,mixtral,deepseek_v2}.py`` and SGLang 0.5.23's ``srt/models/`` files (class of
+each layer, its ``prefix``, whether it receives the quantization config); the opt-in suite checks
+the fused names against each engine's own ``packed_modules_mapping``. Where the engines differ
+(``engine="sglang"``): SGLang fuses DeepSeek's ``q_a_proj`` + ``kv_a_proj_with_mqa`` into a
+``ReplicatedLinear`` named ``fused_qkv_a_proj_with_mqa``, whose loader concatenates the two
+checkpoint tensors along dimension 0 (``deepseek_weight_loader.py``); it builds every router with
+``quant_config=None``; and Mixtral's ``lm_head`` without a quantization config. Sizes come from
+the model's ``config.json``; nothing here imports an engine, so the default test suite uses it
+too.
 """
 
 from __future__ import annotations
@@ -50,6 +55,20 @@ PACKED_MODULES: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 
+#: SGLang 0.5.23's ``packed_modules_mapping`` (the model class attribute its loader passes to the
+#: quantization config; DeepSeek adds its fused a-projection in ``__init__`` when
+#: ``q_lora_rank`` is set). Llama, Qwen2-MoE and Mixtral declare none.
+SGLANG_PACKED_MODULES: dict[str, dict[str, tuple[str, ...]]] = {
+    "llama": {},
+    "qwen3_moe": {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    },
+    "qwen2_moe": {},
+    "mixtral": {},
+    "deepseek_v3": {"fused_qkv_a_proj_with_mqa": ("q_a_proj", "kv_a_proj_with_mqa")},
+}
+
 #: The engine-side model class of each architecture (vLLM and SGLang name them alike).
 MODEL_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -79,6 +98,9 @@ class EngineModule:
         built with ``quant_config=None`` is always float, whatever the checkpoint says).
     :param num_experts: experts of an ``experts`` module (0 otherwise).
     :param expert_roles: the checkpoint's names of (gate, up, down) for experts modules.
+    :param concat_dim: the dimension along which the engine's loader concatenates the shards'
+        tensors whatever the parameter's layout (SGLang's DeepSeek a-projection: 0); None: along
+        each parameter's output dimension, as the fused linear layers' loaders do.
     """
 
     prefix: str
@@ -90,6 +112,7 @@ class EngineModule:
     quantizable: bool = True
     num_experts: int = 0
     expert_roles: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    concat_dim: int | None = None
 
     @property
     def output_size(self) -> int:
@@ -109,7 +132,7 @@ def load_hf_config(model_dir: Path) -> dict[str, Any]:
     return json.loads((model_dir / "config.json").read_text())
 
 
-def _dense_attention(prefix: str, config: dict[str, Any]) -> list[EngineModule]:
+def _dense_attention(prefix: str, config: dict[str, Any], engine: Engine) -> list[EngineModule]:
     hidden = config["hidden_size"]
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", heads)
@@ -135,7 +158,7 @@ def _dense_attention(prefix: str, config: dict[str, Any]) -> list[EngineModule]:
     ]
 
 
-def _mla_attention(prefix: str, config: dict[str, Any]) -> list[EngineModule]:
+def _mla_attention(prefix: str, config: dict[str, Any], engine: Engine) -> list[EngineModule]:
     """DeepSeek-V2/V3 multi-head latent attention with ``q_lora_rank`` set."""
     hidden = config["hidden_size"]
     heads = config["num_attention_heads"]
@@ -145,15 +168,19 @@ def _mla_attention(prefix: str, config: dict[str, Any]) -> list[EngineModule]:
     nope = config["qk_nope_head_dim"]
     v_dim = config["v_head_dim"]
     attention = f"{prefix}.self_attn"
+    shards = (f"{attention}.q_a_proj", f"{attention}.kv_a_proj_with_mqa")
+    if engine == "sglang":
+        fused = EngineModule(
+            f"{attention}.fused_qkv_a_proj_with_mqa", "ReplicatedLinear", "linear", shards,
+            hidden, (q_rank, kv_rank + rope), concat_dim=0,
+        )  # fmt: skip
+    else:
+        fused = EngineModule(
+            f"{attention}.fused_qkv_a_proj", "MergedColumnParallelLinear", "linear", shards,
+            hidden, (q_rank, kv_rank + rope),
+        )  # fmt: skip
     return [
-        EngineModule(
-            f"{attention}.fused_qkv_a_proj",
-            "MergedColumnParallelLinear",
-            "linear",
-            (f"{attention}.q_a_proj", f"{attention}.kv_a_proj_with_mqa"),
-            hidden,
-            (q_rank, kv_rank + rope),
-        ),
+        fused,
         EngineModule(
             f"{attention}.q_b_proj",
             "ColumnParallelLinear",
@@ -303,14 +330,29 @@ def engine_modules(model_dir: Path, engine: Engine = "vllm") -> list[EngineModul
     for index in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{index}"
         attention = _mla_attention if arch == "deepseek_v3" else _dense_attention
-        modules += attention(prefix, config)
+        modules += attention(prefix, config, engine)
         modules += _mlp(arch, prefix, config, engine)
     if not config.get("tie_word_embeddings", False):
         hidden, vocab = config["hidden_size"], config["vocab_size"]
+        # SGLang's MixtralForCausalLM builds its head without the quantization config
+        quantizable = not (engine == "sglang" and arch == "mixtral")
         modules.append(
-            EngineModule("lm_head", "ParallelLMHead", "lm_head", ("lm_head",), hidden, (vocab,))
+            EngineModule(
+                "lm_head",
+                "ParallelLMHead",
+                "lm_head",
+                ("lm_head",),
+                hidden,
+                (vocab,),
+                quantizable,
+            )  # fmt: skip
         )
     return modules
+
+
+def sglang_packed_modules(arch: str) -> dict[str, tuple[str, ...]]:
+    """The ``packed_modules_mapping`` SGLang's quantization configs receive for ``arch``."""
+    return dict(SGLANG_PACKED_MODULES[arch])
 
 
 def checkpoint_modules(modules: list[EngineModule]) -> Iterator[str]:

@@ -6,11 +6,14 @@ quantization method the engine's own code picked and the parameters that method 
 each parameter against the export's tensors the way the engines' weight loaders combine them:
 
 * a linear layer's parameter ``x`` is filled from ``<shard>.x`` of each shard, concatenated along
-  the parameter's output dimension (q/k/v, gate/up, ...);
+  the parameter's output dimension (q/k/v, gate/up, ...), or along the module's fixed
+  ``concat_dim`` where the engine's loader concatenates the tensors itself (SGLang's DeepSeek
+  a-projection);
 * an experts layer's ``w13_x`` from every expert's gate and up ``x`` (one dimension doubled),
-  ``w2_x`` from its down projection;
+  ``w2_x`` from its down projection (transposed first where the engine's loader transposes
+  them: SGLang's compressed-tensors WNA16 MoE);
 * integer parameters need integer tensors of the same dtype, float parameters any float tensor
-  (the loaders cast);
+  (the loaders cast), or any tensor for parameters the engine fills by casting integers;
 * an export tensor of the module that no parameter reads is a problem too (the loaders either fail
   on it or skip it, leaving a parameter uninitialised).
 
@@ -68,6 +71,10 @@ class Resolution:
     :param error: the engine's exception (type and message) when it refused the module.
     :param optional: parameter names the loader may leave at their initial value.
     :param ignored_leaves: checkpoint tensor leaves the engine drops on purpose (vLLM: ``g_idx``).
+    :param cast: float parameters the engine's loader fills from integer tensors by casting
+        (SGLang's Marlin MoE ``w13_qzeros`` / ``w2_qzeros``).
+    :param transposed: experts parameters the engine's loader fills with each checkpoint tensor
+        transposed (``.t()``; SGLang's compressed-tensors WNA16 MoE).
     """
 
     module: EngineModule
@@ -76,6 +83,8 @@ class Resolution:
     error: str | None = None
     optional: frozenset[str] = frozenset()
     ignored_leaves: frozenset[str] = frozenset()
+    cast: frozenset[str] = frozenset()
+    transposed: frozenset[str] = frozenset()
 
     @property
     def quantized(self) -> bool:
@@ -123,9 +132,14 @@ def _linear_problems(
         used.update(sources)
         infos = [table[s] for s in sources]
         for source, info in zip(sources, infos, strict=True):
-            problem = _dtype_problem(source, param, info)
+            problem = None if name in resolution.cast else _dtype_problem(source, param, info)
             if problem:
                 problems.append(problem)
+        if module.concat_dim is not None and len(sources) > 1:
+            problem = _concat_problem(f"{module.prefix}.{name}", param, infos, module.concat_dim)
+            if problem:
+                problems.append(problem)
+            continue
         dim = param.output_dim
         if dim is None or len(sources) == 1:
             # one shard, or metadata every shard fills alike (compressed-tensors' weight_shape)
@@ -145,6 +159,26 @@ def _linear_problems(
                 f"export {[list(i.shape) for i in infos]}"
             )
     return problems, used
+
+
+def _concat_problem(where: str, param: ParamInfo, infos: list[TensorInfo], dim: int) -> str | None:
+    """Whether the shards' tensors, concatenated along ``dim`` by the engine's loader, give the
+    parameter's shape (None) or not (the problem)."""
+    shapes = [list(info.shape) for info in infos]
+    rest = {tuple(s[:dim] + s[dim + 1 :]) for s in shapes}
+    if len(rest) != 1 or any(len(s) <= dim for s in shapes):
+        return (
+            f"{where}: the engine's loader concatenates {shapes} along dimension {dim}, which "
+            "their other dimensions do not allow"
+        )
+    joined = list(shapes[0])
+    joined[dim] = sum(s[dim] for s in shapes)
+    if tuple(joined) != param.shape:
+        return (
+            f"{where}: the engine's loader concatenates {shapes} along dimension {dim} into "
+            f"{joined}, the engine's parameter is {list(param.shape)}"
+        )
+    return None
 
 
 def _expert_problems(
@@ -172,10 +206,15 @@ def _expert_problems(
             used.update(sources)
             infos = [table[s] for s in sources]
             for source, info in zip(sources, infos, strict=True):
-                problem = _dtype_problem(source, param, info)
+                cast = name in resolution.cast
+                problem = None if cast else _dtype_problem(source, param, info)
                 if problem:
                     problems.append(problem)
-            if not _fits_expert_slot(per_expert, [i.shape for i in infos]):
+            shapes = [
+                i.shape[::-1] if name in resolution.transposed and len(i.shape) == 2 else i.shape
+                for i in infos
+            ]
+            if not _fits_expert_slot(per_expert, shapes):
                 problems.append(
                     f"{module.prefix}.{name}: engine slot {list(per_expert)} per expert, export "
                     f"{[list(i.shape) for i in infos]} for expert {expert}"

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from architectures import engine_modules
+from architectures import Engine, engine_modules
 from consumer_models import CONSUMER_ARCHS, NEEDS_MOE_TRANSFORMERS, build_consumer_model
 from safetensors import safe_open
 
@@ -42,15 +42,16 @@ def _weights(folder: Path) -> dict[str, tuple[int, ...]]:
 
 
 @NEEDS_MOE_TRANSFORMERS
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
 @pytest.mark.parametrize("arch", CONSUMER_ARCHS)
 def test_engine_modules_cover_the_checkpoint(
-    arch: str, consumer_model: Callable[[str], Path]
+    arch: str, engine: Engine, consumer_model: Callable[[str], Path]
 ) -> None:
     folder = consumer_model(arch)
     shapes = _weights(folder)
     linear = {name[: -len(".weight")] for name, shape in shapes.items()
               if name.endswith(".weight") and len(shape) == 2 and "embed_tokens" not in name}  # fmt: skip
-    modules = engine_modules(folder)
+    modules = engine_modules(folder, engine)
     read = [shard for module in modules for shard in module.shards]
     assert len(read) == len(set(read))
     assert set(read) == linear
@@ -77,6 +78,12 @@ def test_engine_modules_of_tied_heads_and_routers(consumer_model: Callable[[str]
     assert modules["model.layers.0.mlp.gate"].quantizable  # vLLM passes quant_config to it
     sglang = {m.prefix: m for m in engine_modules(consumer_model("qwen3_moe"), "sglang")}
     assert not sglang["model.layers.0.mlp.gate"].quantizable
+    assert not {m.prefix: m for m in engine_modules(consumer_model("mixtral"), "sglang")}[
+        "lm_head"
+    ].quantizable  # SGLang's Mixtral builds its head without the quantization config
+    deepseek = {m.prefix: m for m in engine_modules(consumer_model("deepseek_v3"), "sglang")}
+    fused = deepseek["model.layers.0.self_attn.fused_qkv_a_proj_with_mqa"]
+    assert fused.cls == "ReplicatedLinear" and fused.concat_dim == 0
     mixtral = {m.prefix: m for m in engine_modules(consumer_model("mixtral"))}
     experts = mixtral["model.layers.1.block_sparse_moe.experts"]
     assert experts.expert_shard(3, 0) == "model.layers.1.block_sparse_moe.experts.3.w1"

@@ -13,7 +13,15 @@ import ast
 import pytest
 import vllm_engine
 from architectures import MODEL_CLASSES, PACKED_MODULES, engine_modules
-from cases import CT_HEAD_SAME, CT_INT3, CT_SERVED, GPTQ_MOE_RULES, GPTQ_SERVED, GPTQ_UNSERVABLE
+from cases import (
+    CT_HEAD_SAME,
+    CT_INT3,
+    CT_SERVED,
+    GPTQ_MOE_RULES,
+    GPTQ_SERVED,
+    GPTQ_UNSERVABLE,
+    HEAD_MIXTRAL,
+)
 from exports import Export, ExportCase, ExportFactory
 from loading import Resolution, loading_problems, read_tensor_table
 
@@ -156,3 +164,12 @@ def _class_packed_mapping(tree: ast.Module, class_name: str) -> dict[str, list[s
                 ):
                     return dict(ast.literal_eval(statement.value))
     raise AssertionError(f"{class_name}.packed_modules_mapping not found")
+
+
+@pytest.mark.parametrize("fmt", sorted(HEAD_MIXTRAL))
+def test_quantized_mixtral_head_loads_in_vllm(fmt: str, make_export: ExportFactory) -> None:
+    """vLLM's MixtralForCausalLM passes the quantization config to its head (SGLang's does not,
+    see test_sglang.py)."""
+    resolutions, problems = vllm_check(make_export(HEAD_MIXTRAL[fmt]))
+    assert problems == []
+    assert _by_prefix(resolutions)["lm_head"].quantized

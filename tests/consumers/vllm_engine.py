@@ -5,7 +5,10 @@ Real (from the wheel, unchanged): the GPTQ config (``auto_gptq.py``: ``from_conf
 ``create_weights``), its rule matching (``utils/gptq_utils.py``), the Marlin support checks
 (``utils/marlin_utils.py``), the compressed-tensors config, target matching and schemes
 (``compressed_tensors/compressed_tensors.py``, ``utils.py``, ``schemes/compressed_tensors_wNa16.py``,
-``compressed_tensors_moe/*.py``), ``parameter.py``, ``scalar_type.py``, ``envs.py``.
+``compressed_tensors_moe/*.py``), the Marlin linear kernel's support check
+(``kernels/linear/mixed_precision/marlin.py``, ``MPLinearKernel.py``), ``parameter.py``,
+``scalar_type.py``, ``envs.py``; ``vocab_parallel_embedding.py`` is executed under a private name
+by :mod:`vllm_head` (here it is a stub, see below).
 
 Stubbed (see :data:`STUBS`): the layer classes (``LinearBase`` and its subclasses,
 ``ParallelLMHead``, ``RoutedExperts``: the harness builds them, the quantization code only calls
@@ -13,7 +16,10 @@ Stubbed (see :data:`STUBS`): the layer classes (``LinearBase`` and its subclasse
 ``create_weights`` (float ``weight`` ``[out, in]`` / experts ``w13_weight [E, 2I, H]`` and
 ``w2_weight [E, H, I]``, as ``linear.py`` / ``unquantized_fused_moe_method.py`` create them),
 kernel selection (``choose_mp_linear_kernel``, the MoE kernel oracle), custom ops, tensor-parallel
-state (rank 0 of 1), the current platform (an SM 9.0 CUDA GPU), the logger and the vLLM config.
+state (rank 0 of 1), the current platform (an SM 9.0 CUDA GPU), the logger and the vLLM config,
+and what the real ``vocab_parallel_embedding.py`` imports besides (``PluggableLayer``, which only
+names the class for out-of-tree replacement; the unquantized GEMM dispatch and ``is_fp8``, used
+only in ``forward``).
 """
 
 from __future__ import annotations
@@ -66,6 +72,9 @@ REAL = (
     "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_wna16",
     "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_scheme",
     "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16",
+    # the Marlin linear kernel's own support check and tile padding (§1 #5 / #12)
+    "vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel",
+    "vllm.model_executor.kernels.linear.mixed_precision.marlin",
 )
 
 
@@ -285,6 +294,15 @@ def _noop(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+class PluggableLayer(torch.nn.Module):
+    """``custom_op.PluggableLayer``: a module whose class out-of-tree plugins may replace (none
+    here); ``register`` only names the class."""
+
+    @classmethod
+    def register(cls, name: str) -> Any:
+        return lambda layer_class: layer_class
+
+
 def _fill_linear(module: types.ModuleType) -> None:
     base, unquantized, _ = _unquantized_linear_methods()
     module.LinearBase = LinearBase
@@ -385,6 +403,9 @@ def _fill_platforms(module: types.ModuleType) -> None:
 def _tp_state(module: types.ModuleType) -> None:
     module.get_tensor_model_parallel_rank = lambda *a, **k: 0
     module.get_tensor_model_parallel_world_size = lambda *a, **k: 1
+    module.GroupCoordinator = placeholder_class("GroupCoordinator")
+    module.divide = lambda numerator, denominator: numerator // denominator
+    module.tensor_model_parallel_all_reduce = _noop
     group = types.SimpleNamespace(world_size=1, rank_in_group=0)
     module.get_tp_group = lambda *a, **k: group
     module.get_ep_group = lambda *a, **k: group
@@ -443,7 +464,13 @@ STUBS = {
         MPLinearKernel=_Kernel,
         MarlinLinearKernel=placeholder_class("MarlinLinearKernel", _Kernel),
     ),
-    "vllm.model_executor.determinism.batch_invariant": stub(matmul_batch_invariant=_noop),
+    "vllm.model_executor.determinism.batch_invariant": stub(
+        matmul_batch_invariant=_noop, linear_batch_invariant=_noop
+    ),
+    # what the real vocab_parallel_embedding.py imports (vllm_head.py executes it)
+    "vllm.model_executor.custom_op": stub(PluggableLayer=PluggableLayer),
+    "vllm.model_executor.layers.utils": stub(dispatch_unquantized_gemm=_noop),
+    "vllm.model_executor.layers.quantization.utils.fp8_utils": stub(is_fp8=lambda *a: False),
     "vllm.model_executor.layers.quantization": _quantization_package,
     "vllm.model_executor.layers.quantization.utils": stub(replace_parameter=_noop),
     "vllm.model_executor.layers.quantization.utils.int8_utils": stub(per_token_quant_int8=_noop),

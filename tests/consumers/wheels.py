@@ -110,7 +110,12 @@ class WheelSource:
                 ),
                 "",
             )
-        self.packages = {name.rpartition("/")[0] for name in self.files}
+        # every folder holding a module, and their parents (namespace folders without .py files)
+        self.packages = {
+            "/".join(parts[:end])
+            for parts in (name.split("/") for name in self.files)
+            for end in range(1, len(parts))
+        }
 
     def requirement(self, project: str) -> str | None:
         """The ``Requires-Dist`` line of the wheel for ``project`` (e.g. a version pin)."""
@@ -303,6 +308,8 @@ class CudaPlatformStub:
     device_type = "cuda"
     device_name = "cuda"
     capability = DeviceCapability(9, 0)
+    #: the ``torch.compile`` backend vLLM's small helpers are decorated with (never called here)
+    simple_compile_backend = "inductor"
 
     def is_cuda(self) -> bool:
         return True
