@@ -84,7 +84,9 @@ from torch import nn
 
 from msquant import (
     DecoderLayer,
+    ModelPlan,
     OutputHeadStage,
+    PlanReview,
     Processor,
     ProcessorConfig,
     QuantizationError,
@@ -99,6 +101,7 @@ from msquant import (
     unique_state_items,
     write_hf_config,
 )
+from msquant.processors.sglang_limits import sglang_plan_warnings
 
 __all__ = [
     "COMPRESSED_TENSORS_VERSION",
@@ -362,6 +365,12 @@ class CompressedTensorsSaver(Processor):
             {ctx.disk_name(name): scheme for name, scheme in self.schemes.items()}
         ):
             logger.warning("compressed_tensors: %s", message)
+
+    def review_plan(self, plan: ModelPlan, model: nn.Module) -> PlanReview:
+        """Before weights load: what SGLang's model classes cannot load from this export
+        (:mod:`msquant.processors.sglang_limits`)."""
+        warnings = sglang_plan_warnings(plan, model, compressed_tensors=True)
+        return PlanReview(warnings=[f"compressed_tensors: {message}" for message in warnings])
 
     def _check_fused(self, root: nn.Module, prefix: str) -> None:
         """Refuse shards of one vLLM-fused matrix that differ in scheme (or in being skipped)."""

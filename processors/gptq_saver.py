@@ -112,6 +112,7 @@ from msquant import (
     unique_state_items,
     write_hf_config,
 )
+from msquant.processors.sglang_limits import sglang_plan_warnings
 
 __all__ = [
     "GPTQSaverConfig",
@@ -984,8 +985,13 @@ class GPTQSaver(Processor):
 
     def review_plan(self, plan: ModelPlan, model: nn.Module) -> PlanReview:
         """Before weights load: a quantized head whose vocabulary vLLM / SGLang cannot load (an
-        error under ``strict``)."""
+        error under ``strict``), and what SGLang's model classes cannot load
+        (:mod:`msquant.processors.sglang_limits`)."""
         review = PlanReview()
+        review.warnings += [
+            f"gptq_saver: {message}"
+            for message in sglang_plan_warnings(plan, model, compressed_tensors=False)
+        ]
         found = find_output_head(model)
         if found is None:
             return review

@@ -387,14 +387,9 @@ def test_sglang_model_files_build_routers_and_heads_as_the_harness_does() -> Non
     assert re.search(r'get_name\(\) == "moe_wna16"\s*\):\s*cat_dim = 1', text)
 
 
-# -- what msquant does not say yet about these SGLang limits (strict expected failures) ---------
-# Each test below passes once the saver warns at quant time that SGLang 0.5.23 cannot serve the
-# export (the engine-side facts are asserted above); remove the marker with the fix.
-
-SAYS_NOTHING = "msquant does not warn yet that SGLang 0.5.23 cannot serve this export"
+# -- msquant warns about these SGLang limits (processors/sglang_limits.py) -----------------------
 
 
-@pytest.mark.xfail(strict=True, reason=f"{SAYS_NOTHING}: Mixtral's head is built float")
 @pytest.mark.parametrize("fmt", sorted(HEAD_MIXTRAL))
 def test_msquant_warns_that_sglang_builds_a_quantized_mixtral_head_float(
     fmt: str, make_export: ExportFactory
@@ -402,7 +397,6 @@ def test_msquant_warns_that_sglang_builds_a_quantized_mixtral_head_float(
     assert make_export(HEAD_MIXTRAL[fmt]).warned("SGLang", "Mixtral", "lm_head")
 
 
-@pytest.mark.xfail(strict=True, reason=f"{SAYS_NOTHING}: DeepSeek's a-projections joined on dim 0")
 @pytest.mark.parametrize("name", ["gptq_moe_deepseek_v3", "ct_moe_deepseek_v3"])
 def test_msquant_warns_that_sglang_cannot_load_quantized_deepseek_a_projections(
     name: str, make_export: ExportFactory
@@ -411,7 +405,6 @@ def test_msquant_warns_that_sglang_cannot_load_quantized_deepseek_a_projections(
     assert make_export(case).warned("SGLang", "kv_a_proj_with_mqa", "concatenat")
 
 
-@pytest.mark.xfail(strict=True, reason=f"{SAYS_NOTHING}: Mixtral experts in ignore are not seen")
 def test_msquant_warns_that_sglang_does_not_see_float_mixtral_experts(
     make_export: ExportFactory,
 ) -> None:
@@ -419,7 +412,6 @@ def test_msquant_warns_that_sglang_does_not_see_float_mixtral_experts(
     assert export.warned("SGLang", "experts", "w1")
 
 
-@pytest.mark.xfail(strict=True, reason=f"{SAYS_NOTHING}: fused layers outside the Linear group")
 @pytest.mark.parametrize(
     ("name", "fused"), [("ct_mixed", "gate_up_proj"), ("ct_float_qkv", "qkv_proj")]
 )
