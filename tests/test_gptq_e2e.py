@@ -212,3 +212,82 @@ def test_modules_reading_the_same_input_share_one_hessian() -> None:
     proc._accumulate("q", torch.randn(5, 8))
     with pytest.raises(RuntimeError, match="k: its input is no longer the input of q"):
         proc._accumulate("k", torch.randn(5, 8))
+
+
+def _true_sequential_inputs(
+    model_dir: Path, max_tokens: int, export: AscendExport
+) -> dict[str, list[torch.Tensor]]:
+    """Inputs of every decoder linear with float calibration inputs and ``true_sequential``: the
+    float model's forward, except that a layer's MLP linears read the output of that layer's
+    attention holding the export's dequantized weights (the earlier layers stay float)."""
+    floating = _layer_inputs(model_dir, max_tokens)
+    model = load_causal_lm(model_dir)
+    samples = tokenize_samples(
+        read_calibration_texts(CALIB_TXT), load_tokenizer(model_dir), max_tokens
+    )
+    inputs = {name: xs for name, xs in floating.items() if ".self_attn." in name}
+    for index, layer in enumerate(model.model.layers):
+        originals = {}
+        with torch.no_grad():
+            for sub, module in layer.self_attn.named_modules():
+                if isinstance(module, nn.Linear):
+                    originals[sub] = module.weight.detach().clone()
+                    module.weight.copy_(export.dequantized(f"model.layers.{index}.self_attn.{sub}"))
+        handles = []
+        for sub, module in layer.mlp.named_modules():
+            if isinstance(module, nn.Linear):
+                name = f"model.layers.{index}.mlp.{sub}"
+
+                def record(
+                    _: nn.Module, args: tuple[torch.Tensor, ...], __: object, name: str = name
+                ) -> None:
+                    inputs.setdefault(name, []).append(args[0].detach().clone())
+
+                handles.append(module.register_forward_hook(record))
+        with torch.no_grad():
+            for ids in batch_samples(samples):
+                model(input_ids=ids)
+            for sub, weight in originals.items():  # later layers see the float model again
+                layer.self_attn.get_submodule(sub).weight.copy_(weight)
+        for handle in handles:
+            handle.remove()
+    return inputs
+
+
+def test_true_sequential_calibrates_the_mlp_on_the_quantized_attention(
+    tiny_llama_128: Path, tmp_path: Path, run_cli: Callable[..., CliResult]
+) -> None:
+    """``true_sequential: true`` (here with msModelSlim's numerics otherwise): the attention's
+    linears equal GPTQ on the float model's inputs, the MLP's equal GPTQ on inputs computed
+    through the quantized attention of the same layer, and differ from the plain run's."""
+    config = yaml.safe_load((EXAMPLES / SEED_YAMLS[0]).read_text())
+    weight_cfg = config["spec"]["process"][0]["qconfig"]["weight"]
+    weight_cfg["ext"].update(numerics="msmodelslim", true_sequential=True)
+    path = tmp_path / "ts.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = run_cli(
+        "quant", "--model_path", tiny_llama_128, "--save_path", tmp_path / "out",
+        "--config_path", path, "--calib_path", CALIB_TXT, "--max_calib_tokens", "48",
+        "--no_progress",
+    )  # fmt: skip
+    assert result.code == 0, result.err
+    export = read_ascend_export(tmp_path / "out")
+    _, plain = _run_example(
+        SEED_YAMLS[0], "msmodelslim", tiny_llama_128, tmp_path / "plain", run_cli
+    )
+    original = load_causal_lm(tiny_llama_128).state_dict()
+    inputs = _true_sequential_inputs(tiny_llama_128, 48, export)
+    assert sorted(inputs) == sorted(export.quantized_modules())
+    for module, xs in inputs.items():
+        gptq = msquant.WeightPerChannelGPTQ(name=module, percdamp=0.01, block_size=128)
+        for x in xs:
+            gptq.add_batch(x)
+        direct = gptq.quantize(original[f"{module}.weight"]).quantized
+        codes = export.tensors[f"{module}.weight"]
+        mismatched = int((codes != direct.codes).sum())
+        assert mismatched <= max(2, codes.numel() // 5000), f"{module}: {mismatched} codes differ"
+        changed = int((codes != plain.tensors[f"{module}.weight"]).sum())
+        if ".mlp." in module:
+            assert changed > codes.numel() // 1000, (module, changed)
+        else:
+            assert changed == 0, module  # the attention is calibrated as in the plain run
