@@ -206,3 +206,24 @@ def test_compressed_tensors_records_act_order_as_weight(tiny_llama: Path, tmp_pa
         assert args.actorder == (ActivationOrdering.WEIGHT if found[name] else None)
         assert msquant.verify_export(save, model_path=tiny_llama).ok
     assert found == {"default": "weight", "msmodelslim": None, "minmax": None}
+
+
+def test_gptq_export_of_act_order_keeps_desc_act_false(tiny_llama: Path, tmp_path: Path) -> None:
+    """The default act-order runs with static groups: the GPTQ checkpoint's group index is
+    trivial, so it says ``desc_act: false`` (vLLM 0.33 refuses ``desc_act: true`` with groups)."""
+    import torch
+    from safetensors.torch import load_file
+
+    config = _config({})
+    config["spec"]["save"] = [{"type": "gptq_saver"}]
+    save = tmp_path / "gptq"
+    msquant.quantize(
+        tiny_llama, save, config, calib_path=CALIB_TXT, max_calib_tokens=32, progress=False
+    )
+    qconfig = json.loads((save / "config.json").read_text())["quantization_config"]
+    assert qconfig["desc_act"] is False and qconfig["group_size"] == 32
+    tensors = {}
+    for shard in save.glob("*.safetensors"):
+        tensors.update(load_file(str(shard)))
+    g_idx = tensors["model.layers.0.mlp.down_proj.g_idx"]
+    assert torch.equal(g_idx, torch.arange(g_idx.numel(), dtype=torch.int32) // 32)
