@@ -331,8 +331,10 @@ def run_w4(
             bench.measure(
                 section, f"round-to-nearest, {grid}", as_minmax(DEFAULT_W4, full_range), rtn=True
             )
-    bench.measure(section, "GPTQ, default YAML", DEFAULT_W4)
-    bench.measure(section, f"GPTQ, {W4_EXAMPLE.name}", yaml.safe_load(W4_EXAMPLE.read_text()))
+    if "default" not in skip:
+        bench.measure(section, "GPTQ, default YAML", DEFAULT_W4)
+        example = yaml.safe_load(W4_EXAMPLE.read_text())
+        bench.measure(section, f"GPTQ, {W4_EXAMPLE.name}", example)
     if "msmodelslim" not in skip:
         msmodelslim = with_ext(DEFAULT_W4, numerics="msmodelslim")
         bench.measure(section, "GPTQ, numerics: msmodelslim", msmodelslim)
@@ -359,6 +361,21 @@ def run_w8(bench: Bench, skip: set[str]) -> None:
         )
 
 
+def float_perplexities(args: argparse.Namespace, texts: Texts) -> dict[str, float]:
+    """The float model's perplexities, read from ``--float_cache`` when it holds them for the
+    same settings (the float model is deterministic), else measured (and cached there)."""
+    key = f"{args.model_dir.resolve()}|{args.calib_samples}|{args.eval_samples}|{args.seqlen}"
+    cache = args.float_cache
+    if cache is not None and cache.is_file():
+        stored = json.loads(cache.read_text())
+        if stored.get("key") == key:
+            return dict(stored["ppl"])
+    ppl = perplexities(args.model_dir, texts, args.seqlen)
+    if cache is not None:
+        cache.write_text(json.dumps({"key": key, "ppl": ppl}))
+    return ppl
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model_dir", type=Path, default=REPO / "models" / "SmolLM2-135M-Instruct")
@@ -366,7 +383,9 @@ def main() -> int:
     parser.add_argument("--eval_samples", type=int, default=40)
     parser.add_argument("--seqlen", type=int, default=512)
     parser.add_argument(
-        "--skip", default="", help="comma list of: w4, w8, llmcompressor, msmodelslim, rtn"
+        "--skip",
+        default="",
+        help="comma list of: w4, w8, default (the W4 default and example rows), llmcompressor, msmodelslim, rtn",
     )
     parser.add_argument("--only", default="", help="comma list of sections to run: w4, w8")
     parser.add_argument(
@@ -377,6 +396,9 @@ def main() -> int:
         default=LLMCOMPRESSOR_PYTHON if LLMCOMPRESSOR_PYTHON.exists() else None,
     )  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument(
+        "--float_cache", type=Path, help="keep the float model's perplexities here across runs"
+    )
     args = parser.parse_args()
     if not (args.model_dir / "config.json").is_file():
         print(
@@ -409,7 +431,7 @@ def main() -> int:
             "articles) and of news"
         )
         started = time.perf_counter()
-        float_ppl = perplexities(args.model_dir, texts, args.seqlen)
+        float_ppl = float_perplexities(args, texts)
         print(f"float model evaluated in {time.perf_counter() - started:.0f} s", flush=True)
         bench = Bench(args.model_dir, texts, args.seqlen, tmp, float_ppl)
         if "w4" in sections:
