@@ -227,3 +227,30 @@ def test_gptq_export_of_act_order_keeps_desc_act_false(tiny_llama: Path, tmp_pat
         tensors.update(load_file(str(shard)))
     g_idx = tensors["model.layers.0.mlp.down_proj.g_idx"]
     assert torch.equal(g_idx, torch.arange(g_idx.numel(), dtype=torch.int32) // 32)
+
+
+@pytest.mark.parametrize(("group", "bits"), [(16, 4), (None, 4), (32, 8)])
+def test_default_numerics_solve_matches_the_float64_reference(group: int | None, bits: int) -> None:
+    """What the default numerics give a module (act-order with static groups, ``full_range`` at
+    4 bits, msModelSlim's grid at 8) equals the float64 reference GPTQ with those options, and
+    ``numerics: msmodelslim`` equals the reference without them."""
+    import torch
+    from gptq_reference import reference_gptq
+    from test_gptq import assert_matches_oracle, hessian_of, make_layer
+
+    weight, x = make_layer(16, 64, rows=256, seed=5)
+    hessian = hessian_of(x)
+    for numerics in ("msquant", "msmodelslim"):
+        ext = GPTQExt(numerics=numerics)  # type: ignore[arg-type]
+        desc_act, full_range = ext.resolved_desc_act(), ext.resolved_full_range(bits)
+        assert (desc_act, full_range) == (
+            (True, bits <= 4) if numerics == "msquant" else (False, False)
+        )
+        ref = reference_gptq(
+            weight, hessian, bits, True, group, 0.01, 32, desc_act=desc_act, full_range=full_range
+        )
+        exact = msquant.gptq_quantize(
+            weight, hessian, bits=bits, symmetric=True, group_size=group, block_size=32,
+            desc_act=desc_act, full_range=full_range, solve_dtype=torch.float64,
+        )  # fmt: skip
+        assert_matches_oracle(exact, ref, exact=True)
