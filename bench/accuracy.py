@@ -152,7 +152,7 @@ def effective_options(config: dict[str, Any]) -> tuple[Any, ...]:
         ext.group_size if weight.get("scope") == "per_group" else None, ext.percdamp,
         ext.block_size, ext.resolved_desc_act(), ext.resolved_static_groups(),
         ext.resolved_full_range(bits), ext.resolved_calib_inputs(), ext.resolved_true_sequential(),
-        ext.mse,
+        ext.resolved_mse(bits),
     )  # fmt: skip
 
 
@@ -233,14 +233,15 @@ def run_llmcompressor(
 
 
 def render(rows: Sequence[Row], float_ppl: dict[str, float]) -> list[str]:
-    """The table: perplexities, increases, GPTQ's increase as a fraction of rounding's."""
+    """The table: perplexities, increases over float, and a quantized model's increase as a
+    fraction of round-to-nearest's: ``/RTN`` against rounding on the same grid, ``/RTNms``
+    against rounding on msModelSlim's grid (``method: minmax``'s default)."""
     names = list(float_ppl)
-    lines = [
-        f"{'model':<44} " + " ".join(f"{n + ' ppl':>10} {'incr':>8} {'/RTN':>6}" for n in names)
-        + f" {'time':>8}"
-    ]  # fmt: skip
+    head = " ".join(f"{n + ' ppl':>10} {'incr':>8} {'/RTN':>5} {'/RTNms':>6}" for n in names)
+    lines = [f"{'model':<44} {head} {'time':>8}"]
     lines.append(
-        f"{'float':<44} " + " ".join(f"{float_ppl[n]:>10.3f} {'':>8} {'':>6}" for n in names)
+        f"{'float':<44} "
+        + " ".join(f"{float_ppl[n]:>10.3f} {'':>8} {'':>5} {'':>6}" for n in names)
     )
     section = None
     for row in rows:
@@ -250,26 +251,38 @@ def render(rows: Sequence[Row], float_ppl: dict[str, float]) -> list[str]:
         if not row.ppl:
             lines.append(f"{row.name:<44} {row.note}")
             continue
-        rtn = next(
-            (r for r in rows if r.section == row.section and r.rtn and r.ppl
-             and r.grid_full_range == row.grid_full_range),
-            None,
-        )  # fmt: skip
+        rtns = [r for r in rows if r.section == row.section and r.rtn and r.ppl]
+        same = next((r for r in rtns if r.grid_full_range == row.grid_full_range), None)
+        restricted = next((r for r in rtns if not r.grid_full_range), None)
         cells = []
         for n in names:
             increase = row.ppl[n] / float_ppl[n] - 1
-            fraction = ""
-            if rtn is not None and not row.rtn:
-                fraction = f"{increase / (rtn.ppl[n] / float_ppl[n] - 1):.2f}"
-            cells.append(f"{row.ppl[n]:>10.3f} {increase:>+8.2%} {fraction:>6}")
+            fractions = []
+            for rtn, width in ((same, 5), (restricted, 6)):
+                text = ""
+                if rtn is not None and not row.rtn:
+                    text = f"{increase / (rtn.ppl[n] / float_ppl[n] - 1):.2f}"
+                fractions.append(f"{text:>{width}}")
+            cells.append(f"{row.ppl[n]:>10.3f} {increase:>+8.2%} " + " ".join(fractions))
         seconds = "" if row.seconds is None else f"{row.seconds:>7.1f}s"
-        lines.append(
-            f"{row.name:<44} "
-            + " ".join(cells)
-            + f" {seconds:>8}"
-            + (f"  {row.note}" if row.note else "")
-        )
+        note = f"  {row.note}" if row.note else ""
+        lines.append(f"{row.name:<44} " + " ".join(cells) + f" {seconds:>8}{note}")
     return lines
+
+
+def render_files(paths: Sequence[Path]) -> list[str]:
+    """One table from the ``--json`` files of several runs (same texts and settings)."""
+    rows: list[Row] = []
+    float_ppl: dict[str, float] = {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        float_ppl = float_ppl or data["float"]
+        if data["float"] != float_ppl:
+            raise SystemExit(f"{path}: measured on other texts or settings (float perplexity)")
+        rows += [Row(**row) for row in data["rows"]]
+    order = list(dict.fromkeys(row.section for row in rows))
+    rows.sort(key=lambda row: order.index(row.section))
+    return render(rows, float_ppl)
 
 
 def parse_variants(values: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
@@ -399,7 +412,13 @@ def main() -> int:
     parser.add_argument(
         "--float_cache", type=Path, help="keep the float model's perplexities here across runs"
     )
+    parser.add_argument(
+        "--render", type=Path, nargs="+", help="only print one table from these --json files"
+    )
     args = parser.parse_args()
+    if args.render:
+        print("\n".join(render_files(args.render)))
+        return 0
     if not (args.model_dir / "config.json").is_file():
         print(
             f"{args.model_dir} is not prepared: run scripts/prepare_smollm2.py first",

@@ -300,6 +300,14 @@ class LinearQuantProcessor(Processor):
             return None
         return self.ext.group_size
 
+    def _entry_mse(self) -> bool:
+        """The MSE scale search of this entry (GPTQ: set, or ``numerics``' default for the
+        qconfig's width; rules may still turn it on or off per module)."""
+        ext = self.ext
+        if isinstance(ext, GPTQExt):
+            return ext.resolved_mse(self.config.qconfig.weight.dtype.bits)
+        return ext.mse
+
     @cached_property
     def base_scheme(self) -> BaseScheme:
         """The scheme ``qconfig`` gives every selected module no rule overrides."""
@@ -309,7 +317,7 @@ class LinearQuantProcessor(Processor):
             bits=weight.dtype.bits,
             group_size=-1 if self.group_size is None else self.group_size,
             sym=weight.symmetric,
-            mse=ext.mse_norm if ext.mse else 0.0,
+            mse=ext.mse_norm if self._entry_mse() else 0.0,
             mse_norm=ext.mse_norm,
         )
         if isinstance(ext, GPTQExt):

@@ -52,12 +52,15 @@ def test_numerics_pick_the_defaults_and_explicit_keys_win() -> None:
         b <= limit for b in (2, 3, 4, 8)
     ]
     assert not default.resolved_full_range(8)  # int8 keeps msModelSlim's grid
+    mse_limit = GPTQ_NUMERICS["msquant"].mse_max_bits
+    assert [default.resolved_mse(b) for b in (4, 8)] == [4 <= mse_limit, 8 <= mse_limit]
+    assert default.mse_options(8) is None and GPTQExt(mse=False).mse_options(4) is None
 
     ms = GPTQExt(numerics="msmodelslim")
     assert (ms.resolved_desc_act(), ms.resolved_calib_inputs(), ms.resolved_true_sequential()) == (
         False, "float", False,
     )  # fmt: skip
-    assert not any(ms.resolved_full_range(b) for b in range(2, 9))
+    assert not any(ms.resolved_full_range(b) or ms.resolved_mse(b) for b in range(2, 9))
     assert not ms.resolved_static_groups()
 
     mixed = GPTQExt(
@@ -76,6 +79,7 @@ def test_processor_follows_the_resolved_options() -> None:
     proc = LinearQuantProcessor(LinearQuantConfig.model_validate(config["spec"]["process"][0]))
     assert proc.calibrate_on_quantized is (GPTQ_NUMERICS["msquant"].calib_inputs == "quantized")
     assert proc.base_scheme.desc_act is True
+    assert bool(proc.base_scheme.mse) is (GPTQ_NUMERICS["msquant"].mse_max_bits >= 4)
     int4 = msquant.resolve_module_scheme("model.layers.0.mlp.up_proj", proc.base_scheme, proc.rules)
     int8 = msquant.resolve_module_scheme(
         "model.layers.0.mlp.down_proj", proc.base_scheme, proc.rules
@@ -87,6 +91,7 @@ def test_processor_follows_the_resolved_options() -> None:
     ms = _config({"numerics": "msmodelslim"})
     proc = LinearQuantProcessor(LinearQuantConfig.model_validate(ms["spec"]["process"][0]))
     assert not proc.calibrate_on_quantized and proc.base_scheme.desc_act is False
+    assert proc.base_scheme.mse == 0.0
     assert proc._full_range(proc.base_scheme.resolved()) is False
 
 

@@ -23,9 +23,10 @@ MAX_TOKENS = 32
 
 
 def _config(method: str) -> dict[str, Any]:
-    # GPTQ calibrates every layer on the float model's activations here (the report's errors are
-    # measured on the activations a module was calibrated on, recomputed below from the float model)
-    gptq_ext = {"group_size": 32, "percdamp": 0.01, "calib_inputs": "float"}
+    # msModelSlim's GPTQ numerics: every layer calibrated on the float model's activations (the
+    # report's errors are measured on the activations a module was calibrated on, recomputed below
+    # from the float model) and plain min/max scales (as the round-to-nearest error below)
+    gptq_ext = {"group_size": 32, "percdamp": 0.01, "numerics": "msmodelslim"}
     ext = {"group_size": 32} if method == "minmax" else gptq_ext
     weight = {"dtype": "int4", "scope": "per_group", "symmetric": False, "method": method}
     return {

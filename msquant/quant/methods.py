@@ -107,12 +107,15 @@ class GPTQDefaults:
         quantized previous layers; ``float``: on the float model's activations.
     :param true_sequential: inside a layer, the linears of each submodule (attention, then MLP)
         are quantized before the next submodule's Hessians are gathered.
+    :param mse_max_bits: the MSE clipping search for scales when ``qconfig``'s dtype has at most
+        this many bits (0: never).
     """
 
     desc_act: bool
     full_range_max_bits: int
     calib_inputs: CalibInputs
     true_sequential: bool
+    mse_max_bits: int
 
 
 #: The defaults behind each ``ext.numerics`` value. ``msquant``'s were chosen by
@@ -122,10 +125,18 @@ class GPTQDefaults:
 GPTQ_NUMERICS: Mapping[str, GPTQDefaults] = MappingProxyType(
     {
         "msquant": GPTQDefaults(
-            desc_act=True, full_range_max_bits=4, calib_inputs="quantized", true_sequential=False
+            desc_act=True,
+            full_range_max_bits=4,
+            calib_inputs="quantized",
+            true_sequential=False,
+            mse_max_bits=4,
         ),
         "msmodelslim": GPTQDefaults(
-            desc_act=False, full_range_max_bits=0, calib_inputs="float", true_sequential=False
+            desc_act=False,
+            full_range_max_bits=0,
+            calib_inputs="float",
+            true_sequential=False,
+            mse_max_bits=0,
         ),
     }
 )
@@ -144,9 +155,9 @@ class GPTQExt(BaseModel):
     numerics: GPTQNumerics = Field(
         "msquant",
         description="Defaults of the options below that the config leaves unset. msquant: "
-        "act-order with static groups, the full_range grid at 4 bits and below, each layer "
-        "calibrated on the quantized previous layers' outputs (chosen by measurement, see "
-        "docs/accuracy.md). msmodelslim: msModelSlim's GPTQ numerics exactly (no act-order, "
+        "act-order with static groups, and at 4 bits and below the full_range grid and the MSE "
+        "scale search, each layer calibrated on the quantized previous layers' outputs (chosen "
+        "by measurement, see docs/accuracy.md). msmodelslim: msModelSlim's GPTQ numerics exactly (no act-order, "
         "group parameters computed during the sweep, codes -7..7 at int4, every layer calibrated "
         "on the float model's activations).",
     )
@@ -198,7 +209,12 @@ class GPTQExt(BaseModel):
     max_damp_retries: StrictInt = Field(
         10, ge=0, description="How many damping increases are tried before giving up."
     )
-    mse: MseFlag = False
+    mse: bool | None = Field(
+        None,
+        description="Search each row's (or group's) scale by shrinking its min/max range to "
+        "minimise sum |w - w_q|^mse_norm, instead of plain min/max. Default from numerics "
+        "(msquant: on when qconfig's dtype has 4 bits or fewer; msmodelslim: off).",
+    )
     mse_grid: MseGrid = 100
     mse_maxshrink: MseMaxShrink = 0.2
     mse_norm: MseNorm = 2.4
@@ -258,15 +274,21 @@ class GPTQExt(BaseModel):
         """What layers are calibrated on, set or from ``numerics``."""
         return self.defaults.calib_inputs if self.calib_inputs is None else self.calib_inputs
 
+    def resolved_mse(self, bits: int) -> bool:
+        """The MSE scale search for an entry whose ``qconfig`` dtype has ``bits`` bits."""
+        return bits <= self.defaults.mse_max_bits if self.mse is None else self.mse
+
     def resolved_true_sequential(self) -> bool:
         """True-sequential inside a layer, set or from ``numerics``."""
         if self.true_sequential is None:
             return self.defaults.true_sequential
         return self.true_sequential
 
-    def mse_options(self) -> MSEOptions | None:
-        """The MSE search options, or None when ``mse`` is off (plain min/max)."""
-        return MSEOptions.from_flags(self.mse, self.mse_grid, self.mse_maxshrink, self.mse_norm)
+    def mse_options(self, bits: int = 8) -> MSEOptions | None:
+        """The MSE search options for ``bits``-wide ``qconfig``, or None when the search is off."""
+        return MSEOptions.from_flags(
+            self.resolved_mse(bits), self.mse_grid, self.mse_maxshrink, self.mse_norm
+        )
 
 
 @dataclass(frozen=True)
