@@ -9,7 +9,8 @@ round-to-nearest's on the same grid, and each variant's run time.
 
 Texts (offline; :mod:`eval_texts`): calibration ``--calib_samples`` x ``--seqlen`` tokens (64 x 512)
 from Wikipedia articles at even positions of the shortened dump that gensim ships as test data,
-held-out ``--eval_samples`` x ``--seqlen`` tokens (40 x 512) from the articles at odd positions
+held-out ``--eval_samples`` x ``--seqlen`` tokens (20 x 512; the issue's 40 with ``--eval_samples 40``)
+from the articles at odd positions
 (no article on both sides) and from the Lee corpus of ABC news. Every export is written to disk
 and read back with ``msquant eval``'s reader (:func:`msquant.evaluate.load_model_for_eval`), so
 msquant's and llm-compressor's exports are scored by the same code on the same tokens.
@@ -21,8 +22,10 @@ environment's python (default ``/work/venvs/llmcompressor/bin/python`` when it e
     python -m venv /work/venvs/llmcompressor && cd /work/venvs/llmcompressor
     bin/pip install torch==2.13.0 && bin/pip install llmcompressor==0.14.0.1
 
-Usage (about 35 minutes on 2 CPU cores: each GPTQ run takes 2.5-3 minutes, each evaluation of
-the 80 held-out windows about 2 minutes; ``--skip`` leaves rows out)::
+Usage (on a 2-core CPU, alone: each GPTQ run takes 3-4 minutes, llm-compressor's about 3, each
+evaluation of 2 x 20 windows 1-2 minutes, so the default rows take about 30 minutes and each
+``--variant`` adds about 5; on a machine shared with other jobs, several times that. ``--skip``
+leaves rows out, ``--json`` keeps them, ``--render`` prints one table from several runs)::
 
     pip install --no-deps gensim==4.4.0         # the texts (only its data files are read)
     python scripts/prepare_smollm2.py models/SmolLM2-135M-Instruct   # once
@@ -393,7 +396,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model_dir", type=Path, default=REPO / "models" / "SmolLM2-135M-Instruct")
     parser.add_argument("--calib_samples", type=int, default=64)
-    parser.add_argument("--eval_samples", type=int, default=40)
+    parser.add_argument("--eval_samples", type=int, default=20)
     parser.add_argument("--seqlen", type=int, default=512)
     parser.add_argument(
         "--skip",
