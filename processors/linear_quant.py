@@ -47,12 +47,16 @@ Lifecycle:
   differently on fused names) come from :func:`msquant.check_plan` through :meth:`plan_modules`.
 * ``before_pass`` (``method: gptq``): a forward hook on each selected ``nn.Linear`` of the pass
   feeds its inputs to a :class:`~msquant.WeightPerChannelGPTQ` / :class:`~msquant.WeightPerGroupGPTQ`
-  Hessian while the runner pushes the calibration set through the layer (float weights, as
-  msModelSlim does, so every layer is calibrated on the float model's activations). There is one
-  pass per layer, or with ``ext.experts_per_pass: k`` one per slice of ``k`` MoE experts (the
-  first pass also holds every non-expert module): Hessian memory then holds ``k`` experts.
+  Hessian while the runner pushes the calibration set through the layer. The layer's inputs are
+  the outputs of the already quantized previous layers (``ext.calib_inputs: quantized``, the
+  default: the processor sets ``calibrate_on_quantized``) or of the float model
+  (``calib_inputs: float``, msModelSlim's schedule). There is one pass per layer, or with
+  ``ext.experts_per_pass: k`` one per slice of ``k`` MoE experts (the first pass also holds every
+  non-expert module): Hessian memory then holds ``k`` experts; with ``ext.true_sequential`` the
+  passes go submodule by submodule of the layer (attention, then MLP).
 * ``after_pass``: the hooks are removed and the pass's modules solved (their Hessians freed); the
-  results wait for ``after_layer``, so the layer stays float through every pass.
+  results wait for ``after_layer``, except with ``true_sequential``, where a submodule's linears
+  are replaced after its last pass, so the next submodule's pass runs through them.
 * ``after_layer``: each selected ``nn.Linear`` is quantized (round-to-nearest, or the GPTQ result
   of its pass) with its resolved scheme and replaced by a ``QuantizedLinear`` (whose state dict is
   the W8A16 layout savers write); modules skipped by a ``-:`` rule stay ``nn.Linear``.
