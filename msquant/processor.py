@@ -21,12 +21,19 @@ restore           once, when a killed run resumes, after ``setup`` (only when ``
 Processors that set ``requires_calibration`` make the runner capture decoder-layer inputs and run
 each layer forward over the calibration set between ``before_layer`` and ``after_layer``. A
 processor that cannot hold what it gathers from one pass for all of a layer's modules at once
-(GPTQ Hessians of hundreds of MoE experts) asks for more passes with
-:meth:`Processor.calibration_passes`: the runner then pushes the calibration set through the layer
-that many times (the most any processor asks for), calling ``before_pass`` / ``after_pass``
-around each; only the last pass's outputs feed the next layer, and the layer's weights must not
-change before ``after_layer``. Forward hooks registered in ``before_layer`` see every pass;
+(GPTQ Hessians of hundreds of MoE experts), or that quantizes a layer's modules in stages
+(true-sequential GPTQ: the attention's linears before the MLP's Hessians are gathered), asks for
+more passes with :meth:`Processor.calibration_passes`: the runner then pushes the calibration set
+through the layer that many times (the most any processor asks for), calling ``before_pass`` /
+``after_pass`` around each. A processor may replace modules of the layer in ``after_pass`` (the
+later passes then run through them). Forward hooks registered in ``before_layer`` see every pass;
 register them in ``before_pass`` and remove them in ``after_pass`` to see one.
+
+What the next layer is calibrated on: by default the outputs of the first pass, computed before
+any processor changed the layer (the float model's activations, as msModelSlim does). When a
+processor sets ``calibrate_on_quantized``, the runner instead runs the layer once more after every
+``after_layer`` and feeds those outputs (the already quantized layers' outputs, as the GPTQ
+authors, GPTQModel and llm-compressor do).
 
 Checkpoints (:mod:`msquant.resume`): a run whose processors are all ``resumable`` records, after
 every decoder layer, each processor's :meth:`Processor.resume_state` (JSON) beside the layers'
@@ -83,6 +90,10 @@ class Processor(ABC):
     #: replacing ``nn.Linear`` modules with :class:`msquant.QuantizedLinear` (a resumed run rebuilds
     #: finished layers from those alone). One processor without it turns checkpoints off.
     resumable: ClassVar[bool] = False
+    #: Class default; an instance may set its own value. When any processor of a run sets it,
+    #: each decoder layer's inputs are the previous layer's outputs after every ``after_layer``
+    #: (one more forward per layer), instead of the float outputs of its first calibration pass.
+    calibrate_on_quantized: bool = False
 
     #: Set by the run when several savers share one save path: this saver then writes into
     #: ``save_path/<output_subdir>`` (see :meth:`output_dir`).

@@ -331,6 +331,7 @@ class LayerStore(Mapping[str, QuantizedWeight]):
                 "symmetric": qweight.symmetric,
                 "group_size": qweight.group_size,
                 "method": module.method,
+                "act_order": module.act_order,
                 "shape": list(qweight.shape),
                 "bias": None if bias is None else str(bias.dtype).removeprefix("torch."),
             }
@@ -382,7 +383,11 @@ class LayerStore(Mapping[str, QuantizedWeight]):
             qweight, bias = (
                 self._weightless(entry) if weightless else (self[name], self._bias(name))
             )
-            replace_module(model, name, QuantizedLinear(qweight, bias, entry["method"]))
+            replace_module(
+                model,
+                name,
+                QuantizedLinear(qweight, bias, entry["method"], entry.get("act_order", False)),
+            )
 
     @staticmethod
     def _weightless(entry: Mapping[str, Any]) -> tuple[QuantizedWeight, torch.Tensor | None]:

@@ -1,10 +1,11 @@
 """The layer-wise runner: processors act on one decoder layer at a time.
 
 For each layer in order: move it to the device, call every processor's ``before_layer``, run the
-layer over the calibration activations (only when a processor needs calibration; the outputs become
-the next layer's inputs; as many passes as a processor's ``calibration_passes`` asks for, each
-between ``before_pass`` and ``after_pass``), call every ``after_layer``, and move the layer back
-to host memory.
+layer over the calibration activations (only when a processor needs calibration; as many passes
+as a processor's ``calibration_passes`` asks for, each between ``before_pass`` and ``after_pass``),
+call every ``after_layer``, and move the layer back to host memory. The next layer's inputs are
+the outputs of the first pass (the layer still float), or, when a processor sets
+``calibrate_on_quantized``, of one more forward after ``after_layer`` (the layer as processed).
 Device memory is therefore bounded by one layer plus its calibration activations.
 
 In a streamed run (``ctx.streamed``) the layers' weights are on disk: each layer is read just
@@ -38,7 +39,7 @@ from msquant.processor import Processor
 from msquant.report import LayerTiming
 from msquant.resume import RunCheckpoints
 
-__all__ = ["needs_calibration", "run_layer_wise"]
+__all__ = ["calibrates_on_quantized", "needs_calibration", "run_layer_wise"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,9 @@ def run_layer_wise(
             activations.token_count,
             ctx.report.capture_seconds,
         )
+    quantized = calibrates_on_quantized(processors)
+    if activations is not None and quantized:
+        logger.info("each decoder layer is calibrated on the quantized previous layers' outputs")
     start = 0
     if checkpoints is not None and checkpoints.resuming:
         start = checkpoints.restore(ctx, processors, activations)
@@ -104,10 +108,16 @@ def run_layer_wise(
         ctx.backend.to_device(layer.module)
         for processor in processors:
             processor.before_layer(ctx, layer)
+        outputs = None
         if activations is not None:
-            _calibrate(ctx, processors, layer, activations)
+            outputs = _calibrate(ctx, processors, layer, activations, quantized)
         for processor in processors:
             processor.after_layer(ctx, layer)
+        if activations is not None:
+            if outputs is None:  # calibrate_on_quantized: the processed layer's outputs
+                outputs = activations.run(layer, ctx.backend)
+            assert outputs is not None
+            activations.commit(layer, outputs)
         ctx.backend.offload(layer.module)
         if checkpoints is not None:
             checkpoints.keep_layer(layer)
@@ -127,23 +137,36 @@ def run_layer_wise(
         checkpoints.commit_finished(ctx)
 
 
+def calibrates_on_quantized(processors: Sequence[Processor]) -> bool:
+    """Whether a calibrating processor asks for layers calibrated on quantized outputs."""
+    return any(p.requires_calibration and p.calibrate_on_quantized for p in processors)
+
+
 def _calibrate(
     ctx: RunContext,
     processors: Sequence[Processor],
     layer: DecoderLayer,
     activations: CalibrationActivations,
-) -> None:
-    """Push the calibration set through ``layer`` as many times as a processor asks for; the
-    last pass's outputs become the next layer's inputs."""
+    quantized: bool,
+) -> list[torch.Tensor] | None:
+    """Push the calibration set through ``layer`` as many times as a processor asks for.
+
+    :param quantized: the next layer's inputs come from a forward after ``after_layer``; else
+        they are the outputs of the first pass (run before any ``after_pass`` could change the
+        layer), returned here.
+    """
     passes = max(processor.calibration_passes(layer) for processor in processors)
     if passes > 1:
         logger.debug("%s: %d calibration passes", layer.name, passes)
+    outputs = None
     for index in range(passes):
         for processor in processors:
             processor.before_pass(ctx, layer, index)
-        activations.advance(layer, ctx.backend, keep_outputs=index == passes - 1)
+        kept = activations.run(layer, ctx.backend, keep_outputs=index == 0 and not quantized)
+        outputs = kept if kept is not None else outputs
         for processor in processors:
             processor.after_pass(ctx, layer, index)
+    return outputs
 
 
 def _check_batches_for_processes(samples: Sequence[torch.Tensor], world_size: int) -> None:

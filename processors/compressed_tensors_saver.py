@@ -32,7 +32,8 @@ Dequantization: ``w = (unsigned_code - unsigned_zero) * scale`` (zero ``2^(b-1)`
 Other tensors keep their dtype; tied weights are stored once.
 
 ``quantization_config``: one ``config_groups`` entry per distinct scheme (bits, symmetry,
-channel/group, group size). The most common scheme targets the class ``Linear``; the others list
+channel/group, group size, and ``actorder: "weight"`` for modules GPTQ solved in act-order).
+The most common scheme targets the class ``Linear``; the others list
 their exact module names, which take precedence over class targets in compressed-tensors and vLLM.
 Every ``nn.Linear`` left unquantized (``lm_head`` included) and every MoE router is listed by name
 in ``ignore``: transformers 5's routers are not ``nn.Linear`` (``Qwen3MoeTopKRouter``), but vLLM
@@ -120,6 +121,9 @@ logger = logging.getLogger(__name__)
 #: ``version``; compressed-tensors itself is only a test dependency).
 COMPRESSED_TENSORS_VERSION = "0.20.1"
 FORMAT = "pack-quantized"
+#: compressed-tensors' ``actorder`` for GPTQ act-order with static groups (alias ``static``):
+#: accepted by compressed-tensors 0.20 and vLLM 0.33, which need no ``g_idx`` for it.
+ACTORDER_WEIGHT = "weight"
 MIN_BITS, MAX_BITS = 2, 8
 UNQUANTIZED = "unquantized"
 #: Widths SGLang's compressed-tensors WNA16 scheme loads.
@@ -154,16 +158,21 @@ class WeightScheme:
     :param num_bits: code width.
     :param symmetric: no zero point stored.
     :param group_size: group width over input columns, or ``None`` for per-channel.
+    :param actorder: ``"weight"`` when GPTQ quantized the modules in act-order with static
+        groups (compressed-tensors' and llm-compressor's name; the stored layout is unchanged,
+        there is no ``g_idx``), else None.
     """
 
     num_bits: int
     symmetric: bool
     group_size: int | None
+    actorder: str | None = None
 
     @classmethod
     def of(cls, module: QuantizedLinear) -> WeightScheme:
         """The scheme of a quantized linear."""
-        return cls(module.bits, module.symmetric, module.group_size)
+        actorder = ACTORDER_WEIGHT if getattr(module, "act_order", False) else None
+        return cls(module.bits, module.symmetric, module.group_size, actorder)
 
     @property
     def strategy(self) -> str:
@@ -181,11 +190,14 @@ class WeightScheme:
         if self.group_size is not None:
             args["group_size"] = self.group_size
         args["dynamic"] = False
+        if self.actorder is not None:
+            args["actorder"] = self.actorder
         return args
 
     def __str__(self) -> str:
         scope = "per_channel" if self.group_size is None else f"per_group({self.group_size})"
-        return f"int{self.num_bits} {scope} {'sym' if self.symmetric else 'asym'}"
+        order = f" actorder {self.actorder}" if self.actorder else ""
+        return f"int{self.num_bits} {scope} {'sym' if self.symmetric else 'asym'}{order}"
 
 
 def _checked_scale(name: str, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -47,12 +47,16 @@ Lifecycle:
   differently on fused names) come from :func:`msquant.check_plan` through :meth:`plan_modules`.
 * ``before_pass`` (``method: gptq``): a forward hook on each selected ``nn.Linear`` of the pass
   feeds its inputs to a :class:`~msquant.WeightPerChannelGPTQ` / :class:`~msquant.WeightPerGroupGPTQ`
-  Hessian while the runner pushes the calibration set through the layer (float weights, as
-  msModelSlim does, so every layer is calibrated on the float model's activations). There is one
-  pass per layer, or with ``ext.experts_per_pass: k`` one per slice of ``k`` MoE experts (the
-  first pass also holds every non-expert module): Hessian memory then holds ``k`` experts.
+  Hessian while the runner pushes the calibration set through the layer. The layer's inputs are
+  the outputs of the already quantized previous layers (``ext.calib_inputs: quantized``, the
+  default: the processor sets ``calibrate_on_quantized``) or of the float model
+  (``calib_inputs: float``, msModelSlim's schedule). There is one pass per layer, or with
+  ``ext.experts_per_pass: k`` one per slice of ``k`` MoE experts (the first pass also holds every
+  non-expert module): Hessian memory then holds ``k`` experts; with ``ext.true_sequential`` the
+  passes go submodule by submodule of the layer (attention, then MLP).
 * ``after_pass``: the hooks are removed and the pass's modules solved (their Hessians freed); the
-  results wait for ``after_layer``, so the layer stays float through every pass.
+  results wait for ``after_layer``, except with ``true_sequential``, where a submodule's linears
+  are replaced after its last pass, so the next submodule's pass runs through them.
 * ``after_layer``: each selected ``nn.Linear`` is quantized (round-to-nearest, or the GPTQ result
   of its pass) with its resolved scheme and replaced by a ``QuantizedLinear`` (whose state dict is
   the W8A16 layout savers write); modules skipped by a ``-:`` rule stay ``nn.Linear``.
@@ -196,6 +200,11 @@ class LinearQuantProcessor(Processor):
         super().__init__(config)
         self.method = self.config.qconfig.weight.method
         self.requires_calibration = self.method == "gptq"
+        self.calibrate_on_quantized = (
+            isinstance(self.ext, GPTQExt) and self.ext.resolved_calib_inputs() == "quantized"
+        )
+        self._pass_plan: dict[str, int] = {}  # this layer's module -> calibration pass
+        self._apply_after: dict[int, list[str]] = {}  # pass -> modules quantized after it
         self._gptq: dict[str, WeightPerChannelGPTQ | WeightPerGroupGPTQ] = {}
         self._hooks: list[RemovableHandle] = []
         self._last_input: tuple[torch.Tensor, str] | None = None
@@ -239,17 +248,44 @@ class LinearQuantProcessor(Processor):
                     f"method {method.name}; implemented (dtype, scope): {combos}",
                 )
             )
+        ext = None
         try:
-            method.ext_model.model_validate(weight.ext)
+            ext = method.ext_model.model_validate(weight.ext)
         except ValidationError as exc:
             for err in exc.errors(include_url=False):
-                loc = ".".join(str(p) for p in err["loc"])
-                message = validation_message(err)
+                loc = "".join(f".{p}" for p in err["loc"])
+                message = validation_message(err).removeprefix("Value error, ")
                 if err["type"] == "extra_forbidden":
                     message = f"unknown {method.name} option; valid: {', '.join(method.ext_model.model_fields)}"
-                issues.append(ConfigIssue(f"qconfig.weight.ext.{loc}", message))
+                issues.append(ConfigIssue(f"qconfig.weight.ext{loc}", message))
+        if isinstance(ext, GPTQExt):
+            issues += cls._act_order_rule_issues(config, ext)
         if "group_size" in weight.ext and weight.scope is QScope.PER_CHANNEL:
             logger.warning("qconfig.weight.ext.group_size is ignored with scope per_channel")
+        return issues
+
+    @staticmethod
+    def _act_order_rule_issues(config: LinearQuantConfig, ext: GPTQExt) -> list[ConfigIssue]:
+        """A positive rule setting ``static_groups: false`` for modules that run act-order (its
+        own ``desc_act: true``, or the entry's): refused, since act-order runs with static groups
+        only (a non-trivial group index, which vLLM refuses, would be needed)."""
+        rules, _ = parse_dynamic(config.dynamic, DYNAMIC_KEYS)
+        issues = []
+        for rule in rules:
+            overrides = rule.overrides
+            if rule.negative or overrides.get("static_groups") is not False:
+                continue
+            if not overrides.get("desc_act", ext.resolved_desc_act()):
+                continue
+            origin = "desc_act: true" if "desc_act" in overrides else "the entry's act-order"
+            issues.append(
+                ConfigIssue(
+                    f"{rule.source}.static_groups",
+                    f"static_groups: false cannot go with {origin}: act-order runs with static "
+                    "groups only (the group index stays trivial, as vLLM requires); drop "
+                    "static_groups from the rule, or add desc_act: false to it",
+                )
+            )
         return issues
 
     @staticmethod
@@ -274,6 +310,14 @@ class LinearQuantProcessor(Processor):
             return None
         return self.ext.group_size
 
+    def _entry_mse(self) -> bool:
+        """The MSE scale search of this entry (GPTQ: set, or ``numerics``' default for the
+        qconfig's width; rules may still turn it on or off per module)."""
+        ext = self.ext
+        if isinstance(ext, GPTQExt):
+            return ext.resolved_mse(self.config.qconfig.weight.dtype.bits)
+        return ext.mse
+
     @cached_property
     def base_scheme(self) -> BaseScheme:
         """The scheme ``qconfig`` gives every selected module no rule overrides."""
@@ -283,15 +327,15 @@ class LinearQuantProcessor(Processor):
             bits=weight.dtype.bits,
             group_size=-1 if self.group_size is None else self.group_size,
             sym=weight.symmetric,
-            mse=ext.mse_norm if ext.mse else 0.0,
+            mse=ext.mse_norm if self._entry_mse() else 0.0,
             mse_norm=ext.mse_norm,
         )
         if isinstance(ext, GPTQExt):
             scheme = replace(
                 scheme,
-                desc_act=ext.desc_act,
+                desc_act=ext.resolved_desc_act(),
                 percdamp=ext.percdamp,
-                static_groups=ext.static_groups,
+                static_groups=ext.resolved_static_groups(),
             )
         return scheme
 
@@ -527,7 +571,10 @@ class LinearQuantProcessor(Processor):
         self, name: str, in_features: int, scheme: ResolvedScheme
     ) -> WeightPerChannelGPTQ | WeightPerGroupGPTQ:
         """A GPTQ quantizer for one module: ``ext`` with the module's resolved overrides."""
+        assert isinstance(self.ext, GPTQExt)
         ext = self.ext.model_dump()
+        for key in ("numerics", "calib_inputs", "true_sequential"):  # the run's, not the solve's
+            ext.pop(key)
         ext.pop("expert_min_tokens")  # decided here, before the solve (see _expert_fallback)
         ext.pop("experts_per_pass")  # the runner's passes (see calibration_passes)
         ext.update(
@@ -537,6 +584,7 @@ class LinearQuantProcessor(Processor):
             mse=bool(scheme.mse),
             mse_norm=scheme.mse or ext["mse_norm"],
             group_size=scheme.group_size_or_none,
+            full_range=self._full_range(scheme),
         )
         if scheme.group_size_or_none is None:
             ext.pop("static_groups")  # meaningless without groups
@@ -544,21 +592,64 @@ class LinearQuantProcessor(Processor):
         return WeightPerGroupGPTQ.from_ext(scheme.bits, scheme.sym, ext, name)
 
     def calibration_passes(self, layer: DecoderLayer) -> int:
-        """One pass, or with ``ext.experts_per_pass`` one per slice of that many MoE experts."""
+        """One pass; one per slice of ``ext.experts_per_pass`` MoE experts; with
+        ``true_sequential``, that for each submodule (attention, MLP) of the layer in turn."""
         if self.method != "gptq":
             return 1
-        return 1 + max((self._pass_of(name) for name, _, _ in self.selected(layer)), default=0)
+        plan, _ = self._plan_passes(layer)
+        return 1 + max(plan.values(), default=0)
 
-    def _pass_of(self, name: str) -> int:
-        """The calibration pass gathering a module's Hessian: 0 for every module but the MoE
-        experts past the first ``ext.experts_per_pass`` (expert ``e`` goes to pass
-        ``e // experts_per_pass``)."""
+    def _expert_slice(self, name: str) -> int:
+        """0 for every module but the MoE experts past the first ``ext.experts_per_pass``
+        (expert ``e`` is in slice ``e // experts_per_pass``)."""
         per_pass = getattr(self.ext, "experts_per_pass", None)
         expert = parse_expert_linear(name)
         return 0 if per_pass is None or expert is None else expert[1] // per_pass
 
+    def _true_sequential(self) -> bool:
+        return isinstance(self.ext, GPTQExt) and self.ext.resolved_true_sequential()
+
+    def _plan_passes(self, layer: DecoderLayer) -> tuple[dict[str, int], dict[int, list[str]]]:
+        """The calibration pass gathering each selected module's Hessian, and with
+        ``true_sequential`` the modules quantized right after each pass.
+
+        Without ``true_sequential`` a layer has one stage; with it, one stage per direct submodule
+        of the layer holding selected linears (``self_attn``, ``mlp``, ...), in the layer's
+        registration order, which is the order of the forward for the decoder layers of
+        transformers. Each stage gets one pass per slice of MoE experts it holds; a stage's
+        modules are quantized after its last pass, so later stages calibrate through them.
+        """
+        selected = [name for name, _, _ in self.selected(layer)]
+        if not self._true_sequential():
+            return {name: self._expert_slice(name) for name in selected}, {}
+        order = {child: i for i, (child, _) in enumerate(layer.module.named_children())}
+        prefix = f"{layer.name}."
+
+        def stage(name: str) -> int:
+            child = name[len(prefix) :].split(".")[0] if name.startswith(prefix) else ""
+            return order.get(child, -1)
+
+        plan: dict[str, int] = {}
+        apply_after: dict[int, list[str]] = {}
+        first = 0
+        for key in sorted({stage(name) for name in selected}):
+            members = [name for name in selected if stage(name) == key]
+            for name in members:
+                plan[name] = first + self._expert_slice(name)
+            last = max(plan[name] for name in members)
+            apply_after[last] = members
+            first = last + 1
+        return plan, apply_after
+
     def before_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
         self._solved.clear()
+        self._pass_plan, self._apply_after = (
+            self._plan_passes(layer) if self.method == "gptq" else ({}, {})
+        )
+
+    def _pass_of(self, name: str) -> int:
+        """The calibration pass gathering a module's Hessian in the current layer."""
+        return self._pass_plan[name]
 
     def before_pass(self, ctx: RunContext, layer: DecoderLayer, index: int) -> None:
         """Hook the modules whose Hessians this pass gathers."""
@@ -585,6 +676,9 @@ class LinearQuantProcessor(Processor):
         modules = [m for m in self.selected(layer) if self._pass_of(m[0]) == index]
         if modules:
             self._solved.update(self._solve_gptq(ctx, layer, modules))
+        done = set(self._apply_after.get(index, ()))
+        if done:  # true_sequential: later passes calibrate through these quantized modules
+            self._apply(ctx, [m for m in self.selected(layer) if m[0] in done])
 
     def _unhook(self) -> None:
         for handle in self._hooks:
@@ -620,7 +714,13 @@ class LinearQuantProcessor(Processor):
 
     def after_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
         self._unhook()
-        modules = self.selected(layer)
+        self._apply(ctx, self.selected(layer))
+
+    def _apply(
+        self, ctx: RunContext, modules: Sequence[tuple[str, nn.Linear, ResolvedScheme]]
+    ) -> None:
+        """Quantize ``modules`` (round-to-nearest, or the GPTQ results of their pass) and replace
+        each with a ``QuantizedLinear``."""
         for name, module, scheme in modules:
             if self.method == "gptq":
                 qweight, report = self._solved.pop(name)
@@ -630,8 +730,11 @@ class LinearQuantProcessor(Processor):
             ctx.report.add_module(report)
             if scheme.decided_by != BASE_SOURCE:
                 logger.debug("%s: %s (%s)", name, scheme.describe(), scheme.decided_by)
+            act_order = self.method == "gptq" and scheme.desc_act and not report.fallback
             replace_module(
-                ctx.model, name, QuantizedLinear.from_linear(module, qweight, self.method)
+                ctx.model,
+                name,
+                QuantizedLinear.from_linear(module, qweight, self.method, act_order),
             )
 
     def _solve_gptq(
@@ -717,8 +820,15 @@ class LinearQuantProcessor(Processor):
         """Round-to-nearest weight of ``module`` with its resolved scheme (``minmax``)."""
         return quantize_weight_minmax(
             module.weight, scheme.bits, scheme.sym, scheme.group_size_or_none, name=name,
-            mse=self._mse(scheme), full_range=self.ext.full_range,
+            mse=self._mse(scheme), full_range=self._full_range(scheme),
         )  # fmt: skip
+
+    def _full_range(self, scheme: ResolvedScheme) -> bool:
+        """The grid of a module: ``ext.full_range``, or for GPTQ left unset, ``ext.numerics``'
+        default for the module's width."""
+        if isinstance(self.ext, GPTQExt):
+            return self.ext.resolved_full_range(scheme.bits)
+        return self.ext.full_range
 
     def _quantize_gptq(
         self, ctx: RunContext, name: str, module: nn.Linear, scheme: ResolvedScheme

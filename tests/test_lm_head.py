@@ -102,7 +102,9 @@ def test_gptq_head_equals_direct_gptq_on_the_float_head_inputs(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
     save = tmp_path / "out"
-    config = _config(_entry(_weight(4, 32, "gptq"), lm_head=True))
+    weight = _weight(4, 32, "gptq")
+    weight["ext"]["numerics"] = "msmodelslim"  # float head inputs, msModelSlim's GPTQ numerics
+    config = _config(_entry(weight, lm_head=True))
     result = msquant.quantize(
         tiny_llama, save, config, calib_path=CALIB_TXT, max_calib_tokens=CALIB_TOKENS,
         progress=False,

@@ -27,13 +27,16 @@ pytestmark = NEEDS_MOE_TRANSFORMERS
 MAX_TOKENS = 24
 
 
-def _config(runner: str, ratio: float) -> dict[str, Any]:
+def _config(runner: str, ratio: float, calib_inputs: str | None = None) -> dict[str, Any]:
+    ext: dict[str, Any] = {"group_size": 32, "expert_min_tokens": ratio}
+    if calib_inputs is not None:
+        ext["calib_inputs"] = calib_inputs
     weight = {
         "scope": "per_group",
         "dtype": "int8",
         "symmetric": True,
         "method": "gptq",
-        "ext": {"group_size": 32, "expert_min_tokens": ratio},
+        "ext": ext,
     }
     return {
         "apiversion": "modelslim_v1",
@@ -51,11 +54,18 @@ def _quantize(model: Path, save: Path, config: dict[str, Any]) -> Any:
     )
 
 
-def _expert_tokens(model_dir: Path) -> dict[str, int]:
-    """Tokens routed to every expert linear in a plain forward of the float model (the runner
-    calibrates each layer on the float model's activations, so the routing is the same)."""
+def _expert_tokens(model_dir: Path, export: Path | None = None) -> dict[str, int]:
+    """Tokens routed to every expert linear in a plain forward of the float model (what a run
+    with ``calib_inputs: float`` calibrates on), or with the dequantized weights of ``export``'s
+    layer 0 (what layer 1 of a run with quantized calibration inputs sees)."""
     model = load_causal_lm(model_dir)
     unfuse_experts(model)
+    if export is not None:
+        stored = read_ascend_export(export)
+        with torch.no_grad():
+            for name in stored.quantized_modules():
+                if name.startswith("model.layers.0."):
+                    model.get_submodule(name).weight.copy_(stored.dequantized(name))
     samples = tokenize_samples(
         read_calibration_texts(CALIB_TXT), load_tokenizer(model_dir), MAX_TOKENS
     )
@@ -77,7 +87,7 @@ def test_experts_are_solved_or_rounded_by_their_token_counts(
     # a ratio that puts half of the experts' gate/up (in_features 64) below the threshold
     gate = sorted(n for name, n in counts.items() if name.endswith("gate_proj"))
     ratio = (gate[len(gate) // 2] + 0.5) / 64
-    result = _quantize(qwen3_moe, tmp_path / "out", _config("layer_wise", ratio))
+    result = _quantize(qwen3_moe, tmp_path / "out", _config("layer_wise", ratio, "float"))
     modules = {m.name: m for m in result.report.modules}
     experts = [name for name in modules if ".experts." in name]
     assert len(experts) == 2 * 8 * 3  # every expert's gate/up/down in both layers
@@ -95,6 +105,22 @@ def test_experts_are_solved_or_rounded_by_their_token_counts(
     assert 0 < len(fallbacks) < len(experts)
     report = json.loads((tmp_path / "out" / "quant_report.json").read_text())
     assert {m["name"] for m in report["modules"] if m["fallback"]} == fallbacks
+
+
+def test_quantized_calibration_inputs_route_layer_1_through_the_quantized_layer_0(
+    qwen3_moe: Path, tmp_path: Path
+) -> None:
+    """With the default ``calib_inputs: quantized`` the tokens each expert of layer 1 is
+    calibrated on are those the router sends it when layer 0 is quantized: the token counts in
+    the report equal a forward of the model holding the export's layer 0, and differ from the
+    float model's for some expert."""
+    result = _quantize(qwen3_moe, tmp_path / "out", _config("layer_wise", 0.0))
+    tokens = {m.name: m.tokens for m in result.report.modules if ".experts." in m.name}
+    sequential = _expert_tokens(qwen3_moe, tmp_path / "out")
+    floating = _expert_tokens(qwen3_moe)
+    layer_1 = [name for name in tokens if name.startswith("model.layers.1.")]
+    assert layer_1 and all(tokens[name] == sequential[name] for name in layer_1)
+    assert any(tokens[name] != floating[name] for name in layer_1)
 
 
 def test_export_uses_the_checkpoints_per_expert_names(qwen3_moe: Path, tmp_path: Path) -> None:

@@ -320,7 +320,9 @@ def float_inputs(model_dir: Path, names: list[str]) -> dict[str, list[torch.Tens
 
 def test_gptq_method_takes_per_module_overrides(tiny_llama: Path, tmp_path: Path) -> None:
     """GPTQ with layer 1 at int8 per-channel asymmetric, act-order and other damping: its codes
-    equal GPTQ run directly with those settings (and not with the base ones)."""
+    equal GPTQ run directly with those settings (and not with the base ones). The base runs
+    msModelSlim's numerics (no act-order, float inputs), so only the rule's modules are
+    recorded with ``actorder: "weight"`` in the compressed-tensors export."""
     dynamic = {
         r".*\.1\..*": {
             "bits": 8,
@@ -331,6 +333,7 @@ def test_gptq_method_takes_per_module_overrides(tiny_llama: Path, tmp_path: Path
         }
     }
     cfg = config(dynamic, "ascendv1_saver", "compressed_tensors", method="gptq")
+    cfg["spec"]["process"][0]["qconfig"]["weight"]["ext"]["numerics"] = "msmodelslim"
     save = tmp_path / "out"
     msquant.quantize(
         tiny_llama, save, cfg, progress=False, calib_path=CALIB_TXT, max_calib_tokens=48
@@ -344,6 +347,10 @@ def test_gptq_method_takes_per_module_overrides(tiny_llama: Path, tmp_path: Path
     }
     layer_1 = [f"model.layers.1.{part}" for part in PARTS]
     assert groups == {(8, None, False): layer_1, (4, 32, True): ["Linear"]}
+    actorders = {
+        tuple(g["targets"]): g["weights"].get("actorder") for g in qconfig["config_groups"].values()
+    }
+    assert actorders == {tuple(layer_1): "weight", ("Linear",): None}
 
     export = read_ascend_export(save / "ascendv1_saver")
     assert export.description["model.layers.0.mlp.up_proj.weight"] == "W4A16"

@@ -23,7 +23,11 @@ MAX_TOKENS = 32
 
 
 def _config(method: str) -> dict[str, Any]:
-    ext = {"group_size": 32} if method == "minmax" else {"group_size": 32, "percdamp": 0.01}
+    # msModelSlim's GPTQ numerics: every layer calibrated on the float model's activations (the
+    # report's errors are measured on the activations a module was calibrated on, recomputed below
+    # from the float model) and plain min/max scales (as the round-to-nearest error below)
+    gptq_ext = {"group_size": 32, "percdamp": 0.01, "numerics": "msmodelslim"}
+    ext = {"group_size": 32} if method == "minmax" else gptq_ext
     weight = {"dtype": "int4", "scope": "per_group", "symmetric": False, "method": method}
     return {
         "apiversion": "modelslim_v1",

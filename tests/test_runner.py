@@ -217,8 +217,8 @@ class PassProbe(Probe):
 def test_layers_get_the_most_passes_any_processor_asks_for(
     tiny_model_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
-    """Extra passes repeat the same inputs through the layer; only the last one's outputs feed
-    the next layer, so the next layer's inputs are those of a single-pass run."""
+    """Extra passes repeat the same inputs through the layer; the first one's outputs feed the
+    next layer, so the next layer's inputs are those of a single-pass run."""
     model_dir = tiny_model_factory("llama", num_layers=3)
     model = load_causal_lm(model_dir)
     samples = tokenize_samples(read_calibration_texts(CALIB)[:2], load_tokenizer(model_dir))
@@ -244,3 +244,73 @@ def test_layers_get_the_most_passes_any_processor_asks_for(
             )
     for i, sample_states in enumerate(reference):  # layer 2 sees the float model's states
         torch.testing.assert_close(many.inputs[2][i], sample_states[2], rtol=1e-5, atol=1e-5)
+
+
+class ChangingProbe(Probe):
+    """Zeroes layer 1's ``down_proj`` after calibration pass 0 (``in_pass``) or in
+    ``after_layer``, and says whether the next layer is calibrated on the changed outputs."""
+
+    def __init__(self, on_quantized: bool, in_pass: bool) -> None:
+        super().__init__(ProbeConfig())
+        self.calibrate_on_quantized = on_quantized
+        self.in_pass = in_pass
+
+    def calibration_passes(self, layer: DecoderLayer) -> int:
+        return 2 if layer.index == 1 and self.in_pass else 1
+
+    def _zero(self, layer: DecoderLayer) -> None:
+        if layer.index == 1:
+            with torch.no_grad():
+                layer.module.mlp.down_proj.weight.zero_()
+
+    def after_pass(self, ctx: RunContext, layer: DecoderLayer, index: int) -> None:
+        if self.in_pass and index == 0:
+            self._zero(layer)
+
+    def after_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
+        super().after_layer(ctx, layer)
+        if not self.in_pass:
+            self._zero(layer)
+
+
+@pytest.mark.parametrize("in_pass", [False, True], ids=["after_layer", "after_pass"])
+@pytest.mark.parametrize("on_quantized", [False, True], ids=["float", "quantized"])
+def test_next_layer_inputs_are_float_or_processed_outputs(
+    on_quantized: bool,
+    in_pass: bool,
+    tiny_model_factory: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    """Layer 2 is calibrated on the float model's states (the first pass's outputs, taken before
+    any processor changed layer 1), or with ``calibrate_on_quantized`` on the outputs of layer 1
+    as the processors left it (one more forward after ``after_layer``)."""
+    model_dir = tiny_model_factory("llama", num_layers=3)
+    model = load_causal_lm(model_dir)
+    samples = tokenize_samples(read_calibration_texts(CALIB)[:2], load_tokenizer(model_dir))
+    with torch.no_grad():
+        floating = [model(input_ids=s, output_hidden_states=True).hidden_states for s in samples]
+    probe = ChangingProbe(on_quantized, in_pass)
+    ctx = RunContext(model, model_dir, tmp_path, get_backend("cpu"), find_decoder_layers(model))
+    run_layer_wise(ctx, [probe], samples, progress=False)
+    assert not bool(model.model.layers[1].mlp.down_proj.weight.any())  # the change happened
+    with torch.no_grad():
+        changed = [model(input_ids=s, output_hidden_states=True).hidden_states for s in samples]
+    expected, other = (changed, floating) if on_quantized else (floating, changed)
+    # the probe's hooks (removed in after_layer) saw each calibration pass over layer 1
+    assert len(probe.inputs[1]) == len(samples) * (2 if in_pass else 1)
+    for i, states in enumerate(expected):
+        torch.testing.assert_close(probe.inputs[2][i], states[2], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(probe.inputs[2][i], other[i][2], rtol=1e-3, atol=1e-3)
+
+
+def test_quantized_calibration_needs_a_calibrating_processor() -> None:
+    """``calibrate_on_quantized`` counts only for processors that calibrate."""
+    from msquant.runner import calibrates_on_quantized
+
+    asking = Probe(ProbeConfig())
+    asking.calibrate_on_quantized = True
+    idle = Probe(ProbeConfig())
+    idle.requires_calibration = False
+    idle.calibrate_on_quantized = True
+    assert calibrates_on_quantized([Probe(ProbeConfig()), asking])
+    assert not calibrates_on_quantized([Probe(ProbeConfig()), idle])

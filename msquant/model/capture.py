@@ -60,11 +60,17 @@ class CalibrationActivations:
         self.token_count = sum(int(h.shape[0] * h.shape[1]) for h in self.hidden)
 
     @torch.no_grad()
-    def advance(self, layer: DecoderLayer, backend: Backend, keep_outputs: bool = True) -> None:
-        """Run ``layer`` (already on the backend's device) over every batch; outputs become inputs.
+    def run(
+        self, layer: DecoderLayer, backend: Backend, keep_outputs: bool = True
+    ) -> list[torch.Tensor] | None:
+        """Run ``layer`` (already on the backend's device) over every batch of the current inputs.
 
-        :param keep_outputs: False for an extra calibration pass over the same layer (its
-            forward hooks see the batches again): the outputs are dropped, the inputs kept.
+        The inputs are left in place (a layer may get several calibration passes); the outputs,
+        when kept, go to :meth:`commit` to become the next layer's inputs.
+
+        :param keep_outputs: False for a pass whose outputs are not needed (only its forward
+            hooks matter): they are dropped batch by batch.
+        :returns: the outputs per batch (on the inputs' device), or None.
         """
         if layer.index != self.next_layer:
             raise RuntimeError(
@@ -82,10 +88,23 @@ class CalibrationActivations:
                 out = result[0] if isinstance(result, tuple) else result
                 outputs.append(out.to(hidden.device))
             del result
-        if not keep_outputs:
-            return
+        return outputs if keep_outputs else None
+
+    def commit(self, layer: DecoderLayer, outputs: list[torch.Tensor]) -> None:
+        """Make ``outputs`` (from :meth:`run` over ``layer``) the inputs of the next layer."""
+        if layer.index != self.next_layer or len(outputs) != len(self.hidden):
+            raise RuntimeError(
+                f"outputs of layer {layer.index} ({len(outputs)} batches) cannot follow the inputs "
+                f"of layer {self.next_layer} ({len(self.hidden)} batches)"
+            )
         self.hidden = outputs
         self.next_layer += 1
+
+    def advance(self, layer: DecoderLayer, backend: Backend) -> None:
+        """Run ``layer`` over every batch and make its outputs the next layer's inputs."""
+        outputs = self.run(layer, backend, keep_outputs=True)
+        assert outputs is not None
+        self.commit(layer, outputs)
 
 
 def _to_device(obj: Any, backend: Backend) -> Any:

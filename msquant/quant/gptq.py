@@ -19,7 +19,6 @@ from msquant.backends.base import Backend
 from msquant.errors import QuantizationError
 from msquant.quant.gptq_solver import GPTQResult, gptq_quantize
 from msquant.quant.hessian import HessianAccumulator
-from msquant.quant.methods import GPTQExt
 from msquant.quant.mse_clip import MSEOptions, mse_option_problems
 
 __all__ = [
@@ -31,9 +30,25 @@ __all__ = [
     "GPTQ_EXT_DEFAULTS",
 ]
 
-#: ``ext`` keys understood by the GPTQ classes and their defaults: those of the YAML schema's
-#: :class:`~msquant.quant.methods.GPTQExt` (msModelSlim's first three, then msquant's additions).
-GPTQ_EXT_DEFAULTS: Mapping[str, Any] = MappingProxyType(GPTQExt().model_dump())
+#: ``ext`` keys understood by the GPTQ classes and the classes' defaults (msModelSlim's numerics:
+#: the classes are the building blocks; ``linear_quant`` passes every option it resolved from the
+#: YAML's :class:`~msquant.quant.methods.GPTQExt`, whose defaults follow ``ext.numerics``).
+GPTQ_EXT_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {
+        "percdamp": 0.01,
+        "block_size": 128,
+        "group_size": 128,
+        "desc_act": False,
+        "static_groups": False,
+        "damp_auto_increment": 0.01,
+        "max_damp_retries": 10,
+        "mse": False,
+        "mse_grid": 100,
+        "mse_maxshrink": 0.2,
+        "mse_norm": 2.4,
+        "full_range": False,
+    }
+)
 
 #: ``ext`` keys that only make sense with groups (ignored or refused per-channel).
 _GROUP_ONLY_KEYS = ("group_size", "static_groups")

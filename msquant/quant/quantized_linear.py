@@ -23,13 +23,23 @@ class QuantizedLinear(nn.Module):
     weight_scale: torch.Tensor
     weight_offset: torch.Tensor
 
-    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None, method: str) -> None:
+    def __init__(
+        self,
+        qweight: QuantizedWeight,
+        bias: torch.Tensor | None,
+        method: str,
+        act_order: bool = False,
+    ) -> None:
+        """:param act_order: GPTQ quantized the input columns by descending Hessian diagonal
+        (static groups: the group of column ``i`` is still ``i // group_size``); exporters that
+        record it (compressed-tensors ``actorder: "weight"``) read it here."""
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.bits = qweight.bits
         self.symmetric = qweight.symmetric
         self.group_size = qweight.group_size
         self.method = method
+        self.act_order = bool(act_order)
         self.register_buffer("weight", qweight.codes)
         self.register_buffer("weight_scale", qweight.scale)
         self.register_buffer("weight_offset", qweight.offset)
@@ -39,14 +49,14 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, qweight: QuantizedWeight, method: str
+        cls, linear: nn.Linear, qweight: QuantizedWeight, method: str, act_order: bool = False
     ) -> QuantizedLinear:
         """Build from the float layer it replaces (keeps the bias in its dtype)."""
         if qweight.shape != tuple(linear.weight.shape):
             raise ValueError(
                 f"quantized weight {qweight.shape} does not fit linear {tuple(linear.weight.shape)}"
             )
-        return cls(qweight, linear.bias, method).to(linear.weight.device)
+        return cls(qweight, linear.bias, method, act_order).to(linear.weight.device)
 
     @property
     def qweight(self) -> QuantizedWeight:
@@ -72,7 +82,11 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         scope = "per_channel" if self.group_size is None else f"per_group({self.group_size})"
         kind = "sym" if self.symmetric else "asym"
-        return f"in={self.in_features}, out={self.out_features}, int{self.bits} {scope} {kind}, {self.method}"
+        order = ", act-order" if self.act_order else ""
+        return (
+            f"in={self.in_features}, out={self.out_features}, int{self.bits} {scope} {kind}, "
+            f"{self.method}{order}"
+        )
 
 
 def replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
