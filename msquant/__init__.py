@@ -5,7 +5,7 @@ validation, the processor contract and registry for plugins, the quantization nu
 typed exceptions. Nothing here prints; everything logs through ``logging`` under ``msquant``.
 """
 
-from msquant.api import ConfigLike, QuantizeResult, quantize
+from msquant.api import QuantizeResult, quantize
 from msquant.backends import Backend, DeviceSpec, get_backend, parse_device
 from msquant.config import (
     QuantConfig,
@@ -15,6 +15,7 @@ from msquant.config import (
     load_config_text,
     validate_config,
 )
+from msquant.config.resolve import ConfigLike
 from msquant.context import DecoderLayer, RunContext
 from msquant.distributed import SINGLE, Distributed, balanced_owners
 from msquant.errors import (
@@ -140,8 +141,7 @@ from msquant.verify import (
     check_export,
     verify_export,
 )
-
-__version__ = "0.1.0"
+from msquant.version import __version__
 
 __all__ = [
     "__version__",

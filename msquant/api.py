@@ -26,8 +26,9 @@ from msquant.calibration import (
     resolve_dataset_path,
     tokenize_samples,
 )
-from msquant.config.spec import QuantConfig, RunnerType, validate_config
-from msquant.config.yaml_loader import load_yaml_file
+from msquant.config.processors import build_processors
+from msquant.config.resolve import ConfigLike, ResolvedConfig, resolve_config
+from msquant.config.spec import QuantConfig, RunnerType
 from msquant.context import RunContext
 from msquant.distributed import Distributed, from_environment
 from msquant.errors import ConfigError, ConfigIssue, OutputPathError, QuantizationError
@@ -72,22 +73,11 @@ from msquant.resume import (
     run_fingerprint,
 )
 from msquant.runner import needs_calibration, run_layer_wise
+from msquant.version import __version__
 
-__all__ = [
-    "DEFAULT_SAVER",
-    "ConfigLike",
-    "QuantizeResult",
-    "build_processors",
-    "resolve_config",
-    "quantize",
-]
+__all__ = ["QuantizeResult", "quantize"]
 
 logger = logging.getLogger(__name__)
-
-# The saver used when a config's ``spec.save`` is empty (msModelSlim's default format).
-DEFAULT_SAVER = "ascendv1_saver"
-
-ConfigLike = str | Path | Mapping[str, Any] | QuantConfig
 
 
 @dataclass(frozen=True)
@@ -100,55 +90,6 @@ class QuantizeResult:
     calibration_samples: int
     seconds: float
     report: RunReport
-
-
-@dataclass(frozen=True)
-class _ResolvedConfig:
-    config: QuantConfig
-    text: str | None
-    directory: Path | None
-
-
-def resolve_config(config: ConfigLike, registry: ProcessorRegistry) -> _ResolvedConfig:
-    """Validate a config given as a YAML path, a parsed mapping, or a :class:`QuantConfig`."""
-    if isinstance(config, QuantConfig):
-        return _ResolvedConfig(
-            validate_config(config.model_dump(mode="json"), registry), None, None
-        )
-    if isinstance(config, Mapping):
-        return _ResolvedConfig(validate_config(dict(config), registry, "<mapping>"), None, None)
-    path = Path(config)
-    data = load_yaml_file(path)  # reports a missing, unreadable or malformed file
-    text = path.read_text(encoding="utf-8")
-    return _ResolvedConfig(validate_config(data, registry, str(path)), text, path.parent)
-
-
-def build_processors(config: QuantConfig, registry: ProcessorRegistry) -> list[Processor]:
-    """Instantiate ``spec.process`` then ``spec.save``; an empty ``save`` means the default saver.
-
-    With several savers, each writes into its own subfolder of the save path named after its
-    ``type`` (``gptq_saver``, ``compressed_tensors``, ...; ``_2``, ``_3`` appended for repeats), so
-    one quantization run can produce every deployment format without files colliding.
-    """
-    entries = list(config.spec.process) + list(config.spec.save)
-    if not config.spec.save:
-        saver_cls = registry.get(DEFAULT_SAVER)
-        entries.append(saver_cls.config_class.model_validate({"type": DEFAULT_SAVER}))
-        logger.info("spec.save is empty: writing the default %s format", DEFAULT_SAVER)
-    processors = [registry.get(entry.type)(entry) for entry in entries]
-    savers = [p for p in processors if p.stage == "save"]
-    if len(savers) > 1:
-        used: dict[str, int] = {}
-        for saver in savers:
-            used[saver.type_name] = used.get(saver.type_name, 0) + 1
-            count = used[saver.type_name]
-            saver.output_subdir = saver.type_name if count == 1 else f"{saver.type_name}_{count}"
-        logger.info(
-            "%d savers: each writes into its own subfolder (%s)",
-            len(savers),
-            ", ".join(str(s.output_subdir) for s in savers),
-        )
-    return processors
 
 
 def quantize(
@@ -445,8 +386,6 @@ def _write_export_marker(ctx: RunContext, processors: list[Processor]) -> None:
     format, as long as it holds nothing else) and records where each saver's files are.
     Deterministic: no timestamps.
     """
-    from msquant import __version__
-
     savers = [
         {"type": p.type_name, "path": p.output_subdir or "."}
         for p in processors
@@ -468,8 +407,6 @@ def _start_report(
     backend: Backend,
 ) -> None:
     """Fill the run-wide fields of ``ctx.report`` (versions, hashes, model, device)."""
-    from msquant import __version__
-
     report = ctx.report
     report.msquant_version = __version__
     report.config_sha256 = config_sha256(config.model_dump(mode="json"))
@@ -600,7 +537,7 @@ def _fingerprint(
 
 
 def _calibration_texts(
-    resolved: _ResolvedConfig, calib_path: str | Path | None, required: bool
+    resolved: ResolvedConfig, calib_path: str | Path | None, required: bool
 ) -> list[str] | None:
     """Read the calibration file when one is given (always validated) or required."""
     if calib_path is not None:

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from msquant import __version__
 from msquant.api import quantize
 from msquant.backends import get_backend, parse_device
 from msquant.config.spec import config_json_schema, load_config
@@ -57,6 +56,7 @@ from msquant.verify import (
     render_table,
     verify_export,
 )
+from msquant.version import __version__
 
 __all__ = ["main", "build_parser"]
 

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from torch import nn
 
+from msquant.config.processors import build_processors
+from msquant.config.resolve import ConfigLike, resolve_config
 from msquant.context import DecoderLayer
 from msquant.errors import QuantizationError
 from msquant.model.fused import (
@@ -42,6 +44,8 @@ from msquant.model.fused import (
     fused_groups,
 )
 from msquant.model.head import find_output_head, head_is_tied, tied_head_message
+from msquant.model.layers import find_decoder_layers
+from msquant.model.loader import build_meta_model, check_model_dir, load_model_config
 from msquant.quant.rules import (
     BASE_SOURCE,
     DynamicRule,
@@ -49,11 +53,10 @@ from msquant.quant.rules import (
     ResolvedScheme,
     fused_name_mismatches,
 )
+from msquant.registry import ProcessorRegistry, default_registry
 
 if TYPE_CHECKING:
-    from msquant.api import ConfigLike
     from msquant.processor import Processor
-    from msquant.registry import ProcessorRegistry
 
 __all__ = [
     "ModuleDecision",
@@ -479,11 +482,6 @@ def build_plan(
 
     :raises msquant.MsquantInputError: for an invalid config or model folder.
     """
-    from msquant.api import build_processors, resolve_config
-    from msquant.model.layers import find_decoder_layers
-    from msquant.model.loader import build_meta_model, check_model_dir, load_model_config
-    from msquant.registry import default_registry
-
     registry = registry if registry is not None else default_registry()
     resolved = resolve_config(config, registry)
     processors = build_processors(resolved.config, registry)

@@ -81,6 +81,7 @@ from msquant.export.shards import WriterStateError, remove_temporaries
 from msquant.export.staging import CommitRefusedError
 from msquant.quant.quantized_linear import QuantizedLinear, replace_module
 from msquant.quant.quantized_weight import QuantizedWeight
+from msquant.version import __version__
 
 if TYPE_CHECKING:
     from msquant.model.capture import CalibrationActivations
@@ -179,8 +180,6 @@ def run_fingerprint(
     num_layers: int,
 ) -> dict[str, Any]:
     """What must not change between a run and its resumption (anything that changes a result)."""
-    from msquant import __version__
-
     return {
         "msquant_version": __version__,
         "torch_version": torch.__version__,

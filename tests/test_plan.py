@@ -17,7 +17,8 @@ import yaml
 from safetensors.torch import save_file
 
 import msquant
-from msquant.api import build_processors, resolve_config
+from msquant.config.processors import build_processors
+from msquant.config.resolve import resolve_config
 from msquant.model.layers import find_decoder_layers
 from msquant.model.loader import build_meta_model, load_model_config
 

@@ -1,0 +1,183 @@
+"""The import graph of msquant's own modules, read from the source with :mod:`ast` (nothing is imported).
+
+A test helper for ``test_architecture.py``: which of msquant's modules each module imports, at
+module level or inside a function, with ``if TYPE_CHECKING:`` blocks left out (they never run).
+The built-in processors (``processors/``) are part of the graph under their installed name,
+``msquant.processors``.
+
+An edge goes to the module a statement names: ``from msquant.run import steps`` names the
+module ``msquant.run.steps`` when that is a module, ``from msquant.run import quantize`` names
+the package ``msquant.run``. Python also runs the ``__init__`` of every package above an imported
+module first; those implicit imports are not edges (every module would otherwise depend on the
+root package, which re-exports the public API), and :func:`package_graph` is the check at that
+scale.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+
+__all__ = [
+    "ROOT_PACKAGE",
+    "cycles",
+    "import_graph",
+    "module_files",
+    "package_graph",
+    "subpackage",
+]
+
+ROOT_PACKAGE = "msquant"
+
+
+def module_files(repo: Path) -> dict[str, Path]:
+    """Every module of the engine and of the built-in processors, by dotted name."""
+    sources = {ROOT_PACKAGE: repo / "msquant", f"{ROOT_PACKAGE}.processors": repo / "processors"}
+    modules: dict[str, Path] = {}
+    for package, folder in sources.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join([package, *parts])] = path
+    return modules
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    """``TYPE_CHECKING`` or ``typing.TYPE_CHECKING``."""
+    if isinstance(test, ast.Name):
+        return test.id == "TYPE_CHECKING"
+    return isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+
+
+def _import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run: at module level, in functions and classes, but not
+    in the body of ``if TYPE_CHECKING:`` (its ``else`` branch runs, so it is kept)."""
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _package_of(module: str, path: Path) -> str:
+    """The package a relative import in ``module`` starts from."""
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _known(name: str, modules: Mapping[str, Path]) -> str | None:
+    """``name`` or its longest prefix that is one of ``modules``; None outside msquant."""
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _targets(
+    node: ast.Import | ast.ImportFrom, module: str, path: Path, modules: Mapping[str, Path]
+) -> Iterable[str]:
+    """The msquant modules one import statement names."""
+    if isinstance(node, ast.Import):
+        return [t for alias in node.names if (t := _known(alias.name, modules))]
+    base = node.module or ""
+    if node.level:
+        package = _package_of(module, path)
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        base = f"{package}.{base}" if base else package
+    found = []
+    for alias in node.names:
+        target = _known(f"{base}.{alias.name}", modules) if alias.name != "*" else None
+        if target != f"{base}.{alias.name}":  # a name defined in the module, not a submodule
+            target = _known(base, modules)
+        if target:
+            found.append(target)
+    return found
+
+
+def import_graph(repo: Path) -> dict[str, set[str]]:
+    """``module -> the msquant modules it imports`` for every module (self-imports dropped)."""
+    modules = module_files(repo)
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        targets = {t for node in _import_nodes(tree) for t in _targets(node, module, path, modules)}
+        graph[module] = targets - {module}
+    return graph
+
+
+def subpackage(module: str) -> str:
+    """The first-level part of msquant a module belongs to: ``msquant.run.steps`` ->
+    ``msquant.run``; a module directly under the root (``msquant.errors``) is its own part."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def package_graph(graph: Mapping[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph folded to first-level parts (:func:`subpackage`), without self-edges.
+
+    The root package ``msquant`` (the public API, which re-exports every part) is left out as a
+    source: it sits above everything by design.
+    """
+    folded: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        source = subpackage(module)
+        if source == ROOT_PACKAGE:
+            continue
+        folded.setdefault(source, set()).update(
+            subpackage(t) for t in targets if subpackage(t) != source
+        )
+    return folded
+
+
+def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one node (each an import cycle), each
+    sorted, in sorted order (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work: list[tuple[str, Iterator[str]]] = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return sorted(found)
