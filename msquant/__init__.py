@@ -16,7 +16,6 @@ from msquant.config import (
     validate_config,
 )
 from msquant.config.resolve import ConfigLike
-from msquant.context import DecoderLayer, RunContext
 from msquant.distributed import SINGLE, Distributed, balanced_owners
 from msquant.errors import (
     CalibrationDataError,
@@ -63,12 +62,12 @@ from msquant.model.fused import (
 )
 from msquant.model.head import (
     OutputHeadStage,
-    OutputHeadUser,
     find_final_norm,
     find_output_head,
     head_is_tied,
     tied_head_message,
 )
+from msquant.model.layers import DecoderLayer
 from msquant.model.matching import is_selected, unmatched_patterns
 from msquant.model.moe import MoEInfo, expert_fallback, moe_routers
 from msquant.planning import (
@@ -84,7 +83,9 @@ from msquant.planning import (
     plan,
     render_plan,
 )
-from msquant.processor import Processor, ProcessorConfig
+from msquant.plugin.context import RunContext
+from msquant.plugin.processor import OutputHeadUser, Processor, ProcessorConfig
+from msquant.plugin.registry import ENTRY_POINT_GROUP, ProcessorRegistry, default_registry
 from msquant.quant.gptq import WeightPerChannelGPTQ, WeightPerGroupGPTQ
 from msquant.quant.gptq_solver import GPTQResult, gptq_quantize, resolve_block_size
 from msquant.quant.hessian import HessianAccumulator
@@ -111,7 +112,6 @@ from msquant.quant.rules import (
     resolve_module_scheme,
     written_for_engine_name,
 )
-from msquant.registry import ENTRY_POINT_GROUP, ProcessorRegistry, default_registry
 from msquant.regression import (
     RegressionResult,
     check_ppl_baseline,

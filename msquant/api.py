@@ -29,7 +29,6 @@ from msquant.calibration import (
 from msquant.config.processors import build_processors
 from msquant.config.resolve import ConfigLike, ResolvedConfig, resolve_config
 from msquant.config.spec import QuantConfig, RunnerType
-from msquant.context import RunContext
 from msquant.distributed import Distributed, from_environment
 from msquant.errors import ConfigError, ConfigIssue, OutputPathError, QuantizationError
 from msquant.evaluate import DEFAULT_SEQLEN, load_model_for_eval, prepare_evaluation
@@ -52,11 +51,12 @@ from msquant.model.loader import (
 )
 from msquant.model.placement import load_for_run, streams
 from msquant.planning import check_plan
-from msquant.processor import Processor
+from msquant.plugin.context import RunContext
+from msquant.plugin.processor import Processor
+from msquant.plugin.registry import ProcessorRegistry, default_registry
 from msquant.quant.quantized_linear import QuantizedLinear
 from msquant.quant.quantized_weight import QuantizedWeight
 from msquant.quant.spill import MergedWeights
-from msquant.registry import ProcessorRegistry, default_registry
 from msquant.report import (
     REPORT_FILE,
     RunReport,

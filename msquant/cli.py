@@ -38,8 +38,8 @@ from msquant.evaluate import (
 )
 from msquant.memory_estimate import parse_memory
 from msquant.planning import build_plan, render_plan
+from msquant.plugin.registry import default_registry
 from msquant.presets import preset_config
-from msquant.registry import default_registry
 from msquant.regression import (
     EXIT_REGRESSION,
     check_ppl_baseline,

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from torch import nn
 
-from msquant.context import DecoderLayer
 from msquant.errors import MsquantInputError
 from msquant.model.fused import parse_expert_linear
+from msquant.model.layers import DecoderLayer
 
 __all__ = ["MemoryEstimate", "check_memory", "checkpoint_size", "estimate_memory", "parse_memory"]
 

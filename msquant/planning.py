@@ -33,7 +33,6 @@ from torch import nn
 
 from msquant.config.processors import build_processors
 from msquant.config.resolve import ConfigLike, resolve_config
-from msquant.context import DecoderLayer
 from msquant.errors import QuantizationError
 from msquant.model.fused import (
     FusedGroup,
@@ -44,8 +43,9 @@ from msquant.model.fused import (
     fused_groups,
 )
 from msquant.model.head import find_output_head, head_is_tied, tied_head_message
-from msquant.model.layers import find_decoder_layers
+from msquant.model.layers import DecoderLayer, find_decoder_layers
 from msquant.model.loader import build_meta_model, check_model_dir, load_model_config
+from msquant.plugin.registry import ProcessorRegistry, default_registry
 from msquant.quant.rules import (
     BASE_SOURCE,
     DynamicRule,
@@ -53,10 +53,9 @@ from msquant.quant.rules import (
     ResolvedScheme,
     fused_name_mismatches,
 )
-from msquant.registry import ProcessorRegistry, default_registry
 
 if TYPE_CHECKING:
-    from msquant.processor import Processor
+    from msquant.plugin.processor import Processor
 
 __all__ = [
     "ModuleDecision",

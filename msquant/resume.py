@@ -66,7 +66,6 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from msquant.context import DecoderLayer, RunContext
 from msquant.distributed import SINGLE, Distributed, PeerLostError
 from msquant.errors import MsquantInputError, OutputPathError
 from msquant.export.marker import sha256_file
@@ -79,13 +78,15 @@ from msquant.export.recovery import (
 )
 from msquant.export.shards import WriterStateError, remove_temporaries
 from msquant.export.staging import CommitRefusedError
+from msquant.model.layers import DecoderLayer
+from msquant.plugin.context import RunContext
 from msquant.quant.quantized_linear import QuantizedLinear, replace_module
 from msquant.quant.quantized_weight import QuantizedWeight
 from msquant.version import __version__
 
 if TYPE_CHECKING:
     from msquant.model.capture import CalibrationActivations
-    from msquant.processor import Processor
+    from msquant.plugin.processor import Processor
 
 __all__ = [
     "PARTIAL_SUFFIX",

@@ -26,7 +26,6 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from msquant.context import DecoderLayer, RunContext
 from msquant.errors import QuantizationError
 from msquant.model.capture import (
     DEFAULT_MAX_BATCH_TOKENS,
@@ -34,10 +33,12 @@ from msquant.model.capture import (
     batch_samples,
     capture_layer_inputs,
 )
-from msquant.model.head import run_output_head
-from msquant.processor import Processor
+from msquant.model.layers import DecoderLayer
+from msquant.plugin.context import RunContext
+from msquant.plugin.processor import Processor
 from msquant.report import LayerTiming
 from msquant.resume import RunCheckpoints
+from msquant.run.output_head import run_output_head
 
 __all__ = ["calibrates_on_quantized", "needs_calibration", "run_layer_wise"]
 

@@ -33,10 +33,10 @@ from msquant.model.head import (
     find_final_norm,
     find_output_head,
     output_head_stage,
-    run_head_calibration,
 )
 from msquant.model.layers import find_decoder_layers
 from msquant.model.loader import load_causal_lm, load_tokenizer
+from msquant.run.output_head import run_head_calibration
 
 VOCAB, HIDDEN = 384, 64
 IDS = torch.tensor([[1, 5, 17, 42, 99, 200, 301, 7, 64, 128, 3, 250]])

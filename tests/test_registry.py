@@ -633,14 +633,14 @@ def test_failing_plugin_leaves_no_output(tiny_llama: Path, tmp_path: Path) -> No
 
 
 def fake_entry_points(monkeypatch: pytest.MonkeyPatch, *specs: tuple[str, str]) -> list[str]:
-    """Make ``msquant.registry.entry_points`` return ``specs`` (name, value); returns the groups asked."""
+    """Make ``msquant.plugin.registry.entry_points`` return ``specs`` (name, value); returns the groups asked."""
     asked: list[str] = []
 
     def fake(*, group: str) -> list[EntryPoint]:
         asked.append(group)
         return [EntryPoint(name=name, value=value, group=group) for name, value in specs]
 
-    monkeypatch.setattr("msquant.registry.entry_points", fake)
+    monkeypatch.setattr("msquant.plugin.registry.entry_points", fake)
     return asked
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 
 from msquant.config.spec import QuantConfig
-from msquant.processor import Processor
-from msquant.registry import ProcessorRegistry
+from msquant.plugin.processor import Processor
+from msquant.plugin.registry import ProcessorRegistry
 
 __all__ = ["DEFAULT_SAVER", "build_processors"]
 

@@ -2,7 +2,7 @@
 
 Shape (``apiversion``, ``metadata``, ``spec{runner, prior, process[], save[], dataset}``) and field
 names follow msModelSlim v1. Processor entries are discriminated by ``type`` against the classes of a
-:class:`~msquant.registry.ProcessorRegistry`, so plugins extend the schema without engine changes.
+:class:`~msquant.plugin.registry.ProcessorRegistry`, so plugins extend the schema without engine changes.
 
 Validation has two layers, both reported together with YAML paths such as
 ``spec.process[0].qconfig.weight.ext.group_size``: the pydantic schema (unknown keys, types, enum
@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from msquant.config.yaml_loader import load_yaml_file, load_yaml_text
 from msquant.errors import ConfigError, ConfigIssue, validation_message
-from msquant.processor import ProcessorConfig, Stage
-from msquant.registry import ProcessorRegistry
+from msquant.plugin.processor import ProcessorConfig, Stage
+from msquant.plugin.registry import ProcessorRegistry
 
 __all__ = [
     "RunnerType",

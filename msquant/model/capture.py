@@ -22,8 +22,7 @@ import torch
 from torch import nn
 
 from msquant.backends.base import Backend
-from msquant.context import DecoderLayer
-from msquant.model.layers import layer_list_name, parent_module
+from msquant.model.layers import DecoderLayer, layer_list_name, parent_module
 
 __all__ = [
     "DEFAULT_MAX_BATCH_TOKENS",

@@ -7,12 +7,35 @@ while ignoring smaller lists such as MoE experts inside a layer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
-from msquant.context import DecoderLayer
 from msquant.errors import ModelLoadError
 
-__all__ = ["find_decoder_layers", "layer_list_name", "parent_module"]
+__all__ = ["DecoderLayer", "find_decoder_layers", "layer_list_name", "parent_module"]
+
+
+@dataclass(frozen=True)
+class DecoderLayer:
+    """One decoder layer of the model being quantized.
+
+    :param index: position in the model's layer list.
+    :param name: full module name, e.g. ``model.layers.3``.
+    :param module: the layer module itself.
+    """
+
+    index: int
+    name: str
+    module: nn.Module
+
+    def named_linears(self) -> list[tuple[str, nn.Linear]]:
+        """``(full module name, module)`` of every ``nn.Linear`` inside this layer, in order."""
+        return [
+            (f"{self.name}.{sub}", mod)
+            for sub, mod in self.module.named_modules()
+            if isinstance(mod, nn.Linear)
+        ]
 
 
 def _numel(module: nn.Module) -> int:

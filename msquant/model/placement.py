@@ -18,10 +18,9 @@ from pathlib import Path
 from torch import nn
 
 from msquant.config.spec import RunnerType
-from msquant.context import DecoderLayer
 from msquant.export.recovery import mark_owned
 from msquant.model.integrity import check_finite
-from msquant.model.layers import find_decoder_layers
+from msquant.model.layers import DecoderLayer, find_decoder_layers
 from msquant.model.loader import load_causal_lm
 from msquant.model.moe import (
     CheckpointNames,

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from abc import ABC
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 from torch import nn
@@ -55,9 +55,10 @@ from torch import nn
 from msquant.errors import ConfigIssue
 
 if TYPE_CHECKING:
-    from msquant.context import DecoderLayer, RunContext
+    from msquant.model.layers import DecoderLayer
+    from msquant.plugin.context import RunContext
 
-__all__ = ["Stage", "ProcessorConfig", "Processor"]
+__all__ = ["Stage", "ProcessorConfig", "Processor", "OutputHeadUser"]
 
 Stage = Literal["process", "save"]
 
@@ -153,3 +154,12 @@ class Processor(ABC):
     def restore(self, ctx: RunContext, state: dict[str, Any]) -> None:
         """Take up the state :meth:`resume_state` recorded (a resumed run calls this after
         ``setup``, before the first layer it runs)."""
+
+
+@runtime_checkable
+class OutputHeadUser(Protocol):
+    """A processor that may need the output head stage (e.g. ``linear_quant`` with ``lm_head``)."""
+
+    def uses_output_head(self, ctx: RunContext) -> bool:
+        """Whether the runner must run the head stage for this processor in this run."""
+        ...

@@ -13,7 +13,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Literal, get_args, get_origin
 
 from msquant.errors import RegistryError
-from msquant.processor import Processor, ProcessorConfig, Stage
+from msquant.plugin.processor import Processor, ProcessorConfig, Stage
 
 __all__ = ["ENTRY_POINT_GROUP", "ProcessorRegistry", "default_registry"]
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from torch import nn
 
 from msquant.distributed import SINGLE, Distributed
+from msquant.model.layers import DecoderLayer
 from msquant.model.moe import CheckpointNames, MoEInfo
 from msquant.report import RunReport
 
@@ -18,31 +19,9 @@ if TYPE_CHECKING:
     from msquant.model.streaming import StreamedWeights
     from msquant.resume import LayerStore
 
-__all__ = ["DecoderLayer", "DiskNamed", "RunContext", "disk_name"]
+__all__ = ["DiskNamed", "RunContext", "disk_name"]
 
 V = TypeVar("V")
-
-
-@dataclass(frozen=True)
-class DecoderLayer:
-    """One decoder layer of the model being quantized.
-
-    :param index: position in the model's layer list.
-    :param name: full module name, e.g. ``model.layers.3``.
-    :param module: the layer module itself.
-    """
-
-    index: int
-    name: str
-    module: nn.Module
-
-    def named_linears(self) -> list[tuple[str, nn.Linear]]:
-        """``(full module name, module)`` of every ``nn.Linear`` inside this layer, in order."""
-        return [
-            (f"{self.name}.{sub}", mod)
-            for sub, mod in self.module.named_modules()
-            if isinstance(mod, nn.Linear)
-        ]
 
 
 @dataclass
