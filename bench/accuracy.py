@@ -165,8 +165,8 @@ def prepare_texts(
     """Calibration windows (a .jsonl file, decoded windows) and the held-out token streams."""
     import torch
 
-    from msquant.calibration import read_calibration_texts, tokenize_samples
-    from msquant.model.loader import load_tokenizer
+    from msquant.load.calibration import read_calibration_texts, tokenize_samples
+    from msquant.load.model_folder import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     sources = eval_texts.find_sources()

@@ -27,7 +27,7 @@ def make_windows(model_dir: Path, samples: int, seqlen: int, out: Path) -> int:
     """Write ``samples`` windows of ``seqlen`` tokens as a .jsonl calibration file; returns tokens."""
     from transformers import AutoTokenizer
 
-    from msquant.calibration import default_dataset_path, read_calibration_texts
+    from msquant.load.calibration import default_dataset_path, read_calibration_texts
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     ids: list[int] = []

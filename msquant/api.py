@@ -20,12 +20,6 @@ import torch
 import yaml
 
 from msquant.backends import Backend, get_backend
-from msquant.calibration import (
-    default_dataset_path,
-    read_calibration_texts,
-    resolve_dataset_path,
-    tokenize_samples,
-)
 from msquant.config.processors import build_processors
 from msquant.config.resolve import ConfigLike, ResolvedConfig, resolve_config
 from msquant.config.spec import QuantConfig, RunnerType
@@ -41,14 +35,20 @@ from msquant.export.recovery import (
     sibling,
 )
 from msquant.export.staging import StagedOutputDir, check_save_path
-from msquant.memory_estimate import check_memory, checkpoint_size, estimate_memory
-from msquant.model.layers import find_decoder_layers, layer_list_name
-from msquant.model.loader import (
+from msquant.load.calibration import (
+    default_dataset_path,
+    read_calibration_texts,
+    resolve_dataset_path,
+    tokenize_samples,
+)
+from msquant.load.model_folder import (
     build_meta_model,
     check_model_dir,
     load_model_config,
     load_tokenizer,
 )
+from msquant.memory_estimate import check_memory, checkpoint_size, estimate_memory
+from msquant.model.layers import find_decoder_layers, layer_list_name
 from msquant.model.placement import load_for_run, streams
 from msquant.planning import check_plan
 from msquant.plugin.context import RunContext

@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from msquant.backends import Backend, get_backend
-from msquant.calibration import read_calibration_texts
 from msquant.errors import CalibrationDataError, ModelLoadError, MsquantInputError
-from msquant.model.loader import (
+from msquant.load.calibration import read_calibration_texts
+from msquant.load.model_folder import (
     check_model_dir,
     load_causal_lm,
     load_model_config,
@@ -322,7 +322,7 @@ def measure_perplexity(
 def read_eval_tokens(data_path: str | Path, tokenizer: Any) -> torch.Tensor:
     """The token ids (1-D int64) of a text file's samples joined with blank lines.
 
-    The file is read like a calibration file (:func:`msquant.calibration.read_calibration_texts`).
+    The file is read like a calibration file (:func:`msquant.load.calibration.read_calibration_texts`).
 
     :raises EvaluationError: when the file is missing, unreadable, malformed or yields no token.
     """

@@ -34,6 +34,7 @@ from torch import nn
 from msquant.config.processors import build_processors
 from msquant.config.resolve import ConfigLike, resolve_config
 from msquant.errors import QuantizationError
+from msquant.load.model_folder import build_meta_model, check_model_dir, load_model_config
 from msquant.model.fused import (
     FusedGroup,
     engine_names,
@@ -44,7 +45,6 @@ from msquant.model.fused import (
 )
 from msquant.model.head import find_output_head, head_is_tied, tied_head_message
 from msquant.model.layers import DecoderLayer, find_decoder_layers
-from msquant.model.loader import build_meta_model, check_model_dir, load_model_config
 from msquant.plugin.registry import ProcessorRegistry, default_registry
 from msquant.quant.rules import (
     BASE_SOURCE,

@@ -29,7 +29,7 @@ from msquant.evaluate import (
     sliding_window_perplexity,
     sliding_windows,
 )
-from msquant.model.loader import load_model_config
+from msquant.load.model_folder import load_model_config
 
 SEQLEN = 64
 TEXT_CHARS = 2500  # the start of calib.txt: about 1,000 tokens of the tiny tokenizer

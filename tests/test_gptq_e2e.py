@@ -24,9 +24,9 @@ from conftest import CALIB_TXT, EXAMPLES, CliResult
 from torch import nn
 
 import msquant
-from msquant.calibration import read_calibration_texts, tokenize_samples
+from msquant.load.calibration import read_calibration_texts, tokenize_samples
+from msquant.load.model_folder import load_causal_lm, load_tokenizer
 from msquant.model.capture import batch_samples
-from msquant.model.loader import load_causal_lm, load_tokenizer
 from msquant.quant.methods import GPTQExt
 
 SEED_YAMLS = ["w8a16_per_channel_gptq.yaml", "w8a16_per_group_gptq.yaml"]

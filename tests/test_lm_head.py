@@ -27,7 +27,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import msquant
-from msquant.calibration import read_calibration_texts, tokenize_samples
+from msquant.load.calibration import read_calibration_texts, tokenize_samples
+from msquant.load.model_folder import load_causal_lm, load_tokenizer
 from msquant.model.head import (
     OutputHeadStage,
     find_final_norm,
@@ -35,7 +36,6 @@ from msquant.model.head import (
     output_head_stage,
 )
 from msquant.model.layers import find_decoder_layers
-from msquant.model.loader import load_causal_lm, load_tokenizer
 from msquant.run.output_head import run_head_calibration
 
 VOCAB, HIDDEN = 384, 64

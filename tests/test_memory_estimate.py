@@ -10,9 +10,9 @@ from conftest import CALIB_TXT, NEEDS_MOE_TRANSFORMERS, CliResult
 from transformers import AutoConfig
 
 from msquant.errors import MsquantInputError
+from msquant.load.model_folder import build_meta_model, load_model_config
 from msquant.memory_estimate import GIB, MemoryEstimate, check_memory, estimate_memory, parse_memory
 from msquant.model.layers import find_decoder_layers
-from msquant.model.loader import build_meta_model, load_model_config
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,9 @@ from safetensors import safe_open
 from torch import nn
 
 from msquant.errors import ModelLoadError
+from msquant.load.model_folder import build_meta_model, load_causal_lm, load_model_config
+from msquant.load.streaming import StreamedWeights
 from msquant.model.layers import find_decoder_layers
-from msquant.model.loader import build_meta_model, load_causal_lm, load_model_config
 from msquant.model.moe import (
     DEFAULT_EXPERT_TOKEN_RATIO,
     ExpertTokenCounter,
@@ -29,7 +30,6 @@ from msquant.model.moe import (
     expert_fallback,
     unfuse_experts,
 )
-from msquant.model.streaming import StreamedWeights
 
 ARCHS = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3"]
 #: Mixtral's experts are ``intermediate_size`` wide; keep them as small as the others'.

@@ -17,9 +17,9 @@ from conftest import CALIB_TXT, NEEDS_MOE_TRANSFORMERS
 from safetensors import safe_open
 
 import msquant
-from msquant.calibration import read_calibration_texts, tokenize_samples
+from msquant.load.calibration import read_calibration_texts, tokenize_samples
+from msquant.load.model_folder import load_causal_lm, load_tokenizer
 from msquant.model.capture import batch_samples
-from msquant.model.loader import load_causal_lm, load_tokenizer
 from msquant.model.moe import ExpertTokenCounter, unfuse_experts
 
 pytestmark = NEEDS_MOE_TRANSFORMERS

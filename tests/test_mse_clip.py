@@ -35,7 +35,7 @@ from conftest import CALIB_TXT
 
 import msquant
 from msquant.errors import QuantizationError
-from msquant.model.loader import load_causal_lm
+from msquant.load.model_folder import load_causal_lm
 from msquant.quant.gptq import GPTQ_EXT_DEFAULTS, WeightPerChannelGPTQ, WeightPerGroupGPTQ
 from msquant.quant.int_quant import dequantize, minmax_qparams, qrange, quantize
 from msquant.quant.methods import GPTQExt, MinMaxExt

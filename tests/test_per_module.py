@@ -21,8 +21,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import msquant
-from msquant.calibration import read_calibration_texts, tokenize_samples
-from msquant.model.loader import load_causal_lm, load_tokenizer
+from msquant.load.calibration import read_calibration_texts, tokenize_samples
+from msquant.load.model_folder import load_causal_lm, load_tokenizer
 
 NUM_LAYERS = 22
 PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 import msquant
 from msquant.config.processors import build_processors
 from msquant.config.resolve import resolve_config
+from msquant.load.model_folder import build_meta_model, load_model_config
 from msquant.model.layers import find_decoder_layers
-from msquant.model.loader import build_meta_model, load_model_config
 
 INT4_G32 = {
     "dtype": "int4",

@@ -31,7 +31,7 @@ from msquant import (
     default_registry,
     load_config_text,
 )
-from msquant.calibration import read_calibration_texts
+from msquant.load.calibration import read_calibration_texts
 
 CALIB_TXT = Path(__file__).parent / "data" / "calib.txt"
 RunCli = Callable[..., Any]
@@ -507,8 +507,8 @@ def test_quantize_feeds_calibration_to_a_plugin(
 
 def _calib_ids(model_dir: Path, max_tokens: int) -> list[list[int]]:
     """The token ids msquant calibrates on for CALIB_TXT (truncated to ``max_tokens``)."""
-    from msquant.calibration import read_calibration_texts, tokenize_samples
-    from msquant.model.loader import load_tokenizer
+    from msquant.load.calibration import read_calibration_texts, tokenize_samples
+    from msquant.load.model_folder import load_tokenizer
 
     texts = read_calibration_texts(CALIB_TXT)
     return [s[0].tolist() for s in tokenize_samples(texts, load_tokenizer(model_dir), max_tokens)]
@@ -563,7 +563,7 @@ def test_calibration_plugin_without_data_uses_the_shipped_set(
     tiny_llama: Path, tmp_path: Path, registry: ProcessorRegistry
 ) -> None:
     """No spec.dataset and no calib_path: the shipped default set calibrates, one call per sample."""
-    from msquant.calibration import default_dataset_path, read_calibration_texts
+    from msquant.load.calibration import default_dataset_path, read_calibration_texts
 
     shipped = read_calibration_texts(default_dataset_path())
     assert len(shipped) >= 200
@@ -576,7 +576,7 @@ def test_calibration_plugin_without_data_uses_the_shipped_set(
 
 
 def test_msmodelslim_default_dataset_name_maps_to_the_shipped_set(tmp_path: Path) -> None:
-    from msquant.calibration import default_dataset_path, resolve_dataset_path
+    from msquant.load.calibration import default_dataset_path, resolve_dataset_path
 
     assert resolve_dataset_path("mix_calib.jsonl", tmp_path) == default_dataset_path()
     (tmp_path / "mix_calib.jsonl").write_text('{"text": "a file of the user wins"}\n')

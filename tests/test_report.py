@@ -16,8 +16,8 @@ from conftest import CALIB_TXT
 from torch import nn
 
 import msquant
-from msquant.calibration import read_calibration_texts, tokenize_samples
-from msquant.model.loader import load_causal_lm, load_tokenizer
+from msquant.load.calibration import read_calibration_texts, tokenize_samples
+from msquant.load.model_folder import load_causal_lm, load_tokenizer
 
 MAX_TOKENS = 32
 

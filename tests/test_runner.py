@@ -13,10 +13,10 @@ from torch import nn
 import msquant
 from msquant import DecoderLayer, Processor, ProcessorConfig, RunContext
 from msquant.backends import get_backend
-from msquant.calibration import read_calibration_texts, tokenize_samples
+from msquant.load.calibration import read_calibration_texts, tokenize_samples
+from msquant.load.model_folder import load_causal_lm, load_tokenizer
 from msquant.model.capture import batch_samples
 from msquant.model.layers import find_decoder_layers
-from msquant.model.loader import load_causal_lm, load_tokenizer
 from msquant.runner import run_layer_wise
 
 CALIB = Path(__file__).parent / "data" / "calib.txt"

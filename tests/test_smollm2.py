@@ -263,7 +263,7 @@ GPTQ_CALIB_TOKENS = "256"
 @pytest.fixture(scope="module")
 def gptq_calib(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The first samples of msquant's shipped calibration set (a quicker run than all 256)."""
-    from msquant.calibration import default_dataset_path
+    from msquant.load.calibration import default_dataset_path
 
     lines = default_dataset_path().read_text(encoding="utf-8").splitlines()[:GPTQ_CALIB_SAMPLES]
     path = tmp_path_factory.mktemp("calib") / "calib.jsonl"

@@ -24,9 +24,9 @@ from msquant import (
     RunContext,
     default_registry,
 )
+from msquant.load.model_folder import build_meta_model, load_causal_lm, load_model_config
+from msquant.load.streaming import StreamedWeights, streaming_device_map
 from msquant.model.layers import find_decoder_layers
-from msquant.model.loader import build_meta_model, load_causal_lm, load_model_config
-from msquant.model.streaming import StreamedWeights, streaming_device_map
 from msquant.quant.minmax import quantize_weight_minmax
 from msquant.quant.quantized_linear import QuantizedLinear
 from msquant.quant.spill import MergedWeights

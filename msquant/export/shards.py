@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from msquant.errors import QuantizationError
-from msquant.model.integrity import non_finite_count
+from msquant.quant.finite import non_finite_count
 
 __all__ = [
     "TEMPORARY_GLOB",

@@ -1,7 +1,7 @@
 """How a run holds the model: whole in memory (``model_wise``) or streamed layer by layer.
 
 ``layer_wise`` (and ``auto``, as in msModelSlim) stream: the decoder layers stay on disk and the
-runner loads one at a time (:mod:`msquant.model.streaming`), so memory does not grow with depth.
+runner loads one at a time (:mod:`msquant.load.streaming`), so memory does not grow with depth.
 ``model_wise`` loads every weight up front. Both give the same export, bit for bit.
 """
 
@@ -19,9 +19,10 @@ from torch import nn
 
 from msquant.config.spec import RunnerType
 from msquant.export.recovery import mark_owned
-from msquant.model.integrity import check_finite
+from msquant.load.integrity import check_finite
+from msquant.load.model_folder import load_causal_lm
+from msquant.load.streaming import StreamedWeights, load_causal_lm_streaming
 from msquant.model.layers import DecoderLayer, find_decoder_layers
-from msquant.model.loader import load_causal_lm
 from msquant.model.moe import (
     CheckpointNames,
     MoEInfo,
@@ -29,7 +30,6 @@ from msquant.model.moe import (
     checkpoint_sources,
     unfuse_experts,
 )
-from msquant.model.streaming import StreamedWeights, load_causal_lm_streaming
 from msquant.resume import SCRATCH_PREFIX, LayerStore
 
 __all__ = ["LoadedModel", "load_for_run", "streams"]

@@ -16,7 +16,7 @@ from msquant.report import RunReport
 
 if TYPE_CHECKING:
     from msquant.backends.base import Backend
-    from msquant.model.streaming import StreamedWeights
+    from msquant.load.streaming import StreamedWeights
     from msquant.resume import LayerStore
 
 __all__ = ["DiskNamed", "RunContext", "disk_name"]

@@ -30,7 +30,7 @@ from safetensors import SafetensorError
 import msquant.export.shards
 import msquant.resume
 from msquant.export.staging import StagedOutputDir
-from msquant.model.streaming import StreamedWeights
+from msquant.load.streaming import StreamedWeights
 from msquant.resume import RunCheckpoints
 
 pytestmark = needs_fork

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from msquant.errors import ModelLoadError
-from msquant.model.integrity import check_finite
+from msquant.load.integrity import check_finite
+from msquant.load.model_folder import load_causal_lm
 
 __all__ = [
     "StreamedWeights",
@@ -190,8 +191,6 @@ def load_causal_lm_streaming(
         checkpoint's dtype, eval mode) and the sources of its offloaded tensors.
     """
     from accelerate.hooks import remove_hook_from_module
-
-    from msquant.model.loader import load_causal_lm
 
     device_map = streaming_device_map(meta_model, streamed)
     model = load_causal_lm(

@@ -3,7 +3,7 @@
 Only safetensors weights are loaded (pickled ``.bin`` checkpoints are refused), ``trust_remote_code``
 is off unless asked for, and every failure becomes a :class:`ModelLoadError` that says what to fix.
 A weight index may only name files inside the folder, and the loaded model must be the checkpoint
-exactly (:mod:`msquant.model.integrity`): no tensor missing, none left over.
+exactly (:mod:`msquant.load.integrity`): no tensor missing, none left over.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from msquant.errors import ModelLoadError
-from msquant.model.integrity import check_loading_info
+from msquant.load.integrity import check_loading_info
+from msquant.model.moe import unfuse_experts
 
 __all__ = [
     "check_model_dir",
@@ -147,8 +148,6 @@ def build_meta_model(config: Any, trust_remote_code: bool = False) -> nn.Module:
     (fused MoE experts split into per-expert linear layers, :mod:`msquant.model.moe`)."""
     from transformers import AutoModelForCausalLM
 
-    from msquant.model.moe import unfuse_experts
-
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
@@ -165,7 +164,7 @@ def load_causal_lm(path: Path, trust_remote_code: bool = False, **placement: Any
     """Load the model on CPU in its checkpoint dtype, safetensors only, in eval mode.
 
     :param placement: ``device_map`` / ``offload_folder`` for ``from_pretrained`` (a streamed
-        run leaves the decoder layers on disk, :mod:`msquant.model.streaming`).
+        run leaves the decoder layers on disk, :mod:`msquant.load.streaming`).
     """
     from transformers import AutoModelForCausalLM
 

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from msquant.errors import ModelLoadError
+from msquant.quant.finite import non_finite_count
 
-__all__ = ["check_finite", "check_loading_info", "non_finite_count"]
+__all__ = ["check_finite", "check_loading_info"]
 
 _SHOWN = 6
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
@@ -85,16 +86,6 @@ def check_loading_info(info: Mapping[str, Any], path: Path, config: Any = None) 
         + ". Loading it anyway would quantize random or missing weights; fix config.json "
         "(model_type, num_hidden_layers, ...) or the checkpoint files"
     )
-
-
-def non_finite_count(tensor: torch.Tensor) -> int:
-    """How many NaN/Inf values a floating-point tensor holds (0 for other dtypes). One-byte
-    floats (float8) are widened first: torch has no ``isfinite`` for them."""
-    if not tensor.is_floating_point() or tensor.is_meta:
-        return 0
-    if tensor.element_size() == 1:
-        tensor = tensor.to(torch.float16)
-    return int((~torch.isfinite(tensor)).sum())
 
 
 def check_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
