@@ -112,26 +112,25 @@ from msquant.quant.rules import (
     resolve_module_scheme,
     written_for_engine_name,
 )
-from msquant.regression import (
+from msquant.report.document import load_report, report_from_dict, strip_timings
+from msquant.report.hashes import calibration_sha256, config_sha256
+from msquant.report.html.page import render_html, write_html
+from msquant.report.regression import (
     RegressionResult,
     check_ppl_baseline,
     compare_reports,
     load_baseline_report,
     parse_tolerance,
 )
-from msquant.report import (
+from msquant.report.run_report import (
     REPORT_FILE,
     EvaluationReport,
     LayerTiming,
     ModuleReport,
     RunReport,
-    calibration_sha256,
-    config_sha256,
-    render_report,
-    strip_timings,
     write_report,
 )
-from msquant.report_html import load_report, render_html, report_from_dict, write_html
+from msquant.report.table import render_report
 from msquant.resume import ResumeError
 from msquant.verify import (
     ExportReadError,

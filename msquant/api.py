@@ -57,14 +57,9 @@ from msquant.plugin.registry import ProcessorRegistry, default_registry
 from msquant.quant.quantized_linear import QuantizedLinear
 from msquant.quant.quantized_weight import QuantizedWeight
 from msquant.quant.spill import MergedWeights
-from msquant.report import (
-    REPORT_FILE,
-    RunReport,
-    calibration_sha256,
-    config_sha256,
-    render_report,
-    write_report,
-)
+from msquant.report.hashes import calibration_sha256, config_sha256
+from msquant.report.run_report import REPORT_FILE, RunReport, write_report
+from msquant.report.table import render_report
 from msquant.resume import (
     RunCheckpoints,
     agree,

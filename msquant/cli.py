@@ -40,15 +40,17 @@ from msquant.memory_estimate import parse_memory
 from msquant.planning import build_plan, render_plan
 from msquant.plugin.registry import default_registry
 from msquant.presets import preset_config
-from msquant.regression import (
+from msquant.report.document import load_report, report_from_dict
+from msquant.report.html.page import write_html
+from msquant.report.regression import (
     EXIT_REGRESSION,
     check_ppl_baseline,
     compare_reports,
     load_baseline_report,
     parse_tolerance,
 )
-from msquant.report import REPORT_FILE, render_report
-from msquant.report_html import load_report, report_from_dict, write_html
+from msquant.report.run_report import REPORT_FILE
+from msquant.report.table import render_report
 from msquant.verify import (
     ExportVerificationError,
     VerifyReport,

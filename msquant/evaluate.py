@@ -44,7 +44,7 @@ from msquant.load.model_folder import (
     load_tokenizer,
 )
 from msquant.model.moe import checkpoint_names, unfuse_experts
-from msquant.report import EvaluationReport
+from msquant.report.run_report import EvaluationReport
 from msquant.verify.ascend import description_files
 from msquant.verify.base import ExportReader
 from msquant.verify.detect import detect_format, export_folders, open_reader

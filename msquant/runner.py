@@ -36,7 +36,7 @@ from msquant.model.capture import (
 from msquant.model.layers import DecoderLayer
 from msquant.plugin.context import RunContext
 from msquant.plugin.processor import Processor
-from msquant.report import LayerTiming
+from msquant.report.run_report import LayerTiming
 from msquant.resume import RunCheckpoints
 from msquant.run.output_head import run_output_head
 

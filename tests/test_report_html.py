@@ -26,7 +26,8 @@ import pytest
 from conftest import CALIB_TXT, CliResult
 
 import msquant
-from msquant.report_html import load_report, render_html, report_from_dict, write_html
+from msquant.report.document import load_report, report_from_dict
+from msquant.report.html.page import render_html, write_html
 
 SEQLEN = 64
 HOSTILE_NAME = 'model.layers.0.mlp.<script>alert("x")</script>"><img src=x onerror=alert(1)>'

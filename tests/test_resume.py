@@ -33,7 +33,8 @@ from msquant.cli import main
 from msquant.errors import OutputPathError
 from msquant.export.recovery import SavePathLock, make_owned_dir
 from msquant.export.shards import WriterStateError, remove_temporaries
-from msquant.report import LayerTiming, ModuleReport, RunReport, strip_timings
+from msquant.report.document import strip_timings
+from msquant.report.run_report import LayerTiming, ModuleReport, RunReport
 from msquant.resume import PROGRESS_FILE, RunCheckpoints, partial_path
 
 SAVERS = [

@@ -12,7 +12,7 @@ from torch import nn
 from msquant.distributed import SINGLE, Distributed
 from msquant.model.layers import DecoderLayer
 from msquant.model.moe import CheckpointNames, MoEInfo
-from msquant.report import RunReport
+from msquant.report.run_report import RunReport
 
 if TYPE_CHECKING:
     from msquant.backends.base import Backend

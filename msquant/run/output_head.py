@@ -29,7 +29,7 @@ from msquant.backends.base import Backend
 from msquant.model.head import find_final_norm, output_head_stage
 from msquant.plugin.context import RunContext
 from msquant.plugin.processor import OutputHeadUser, Processor
-from msquant.report import LayerTiming
+from msquant.report.run_report import LayerTiming
 
 __all__ = ["LOGITS_PER_CHUNK", "head_requested", "run_head_calibration", "run_output_head"]
 

@@ -218,7 +218,7 @@ def export_files(root: Path) -> dict[str, Any]:
     differs between the runs compared)."""
     import json
 
-    from msquant.report import strip_timings
+    from msquant.report.document import strip_timings
 
     files: dict[str, Any] = {}
     for path in sorted(root.rglob("*")):

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from msquant.errors import MsquantInputError
-from msquant.report_html import load_report
+from msquant.report.document import load_report
 
 __all__ = [
     "EXIT_REGRESSION",

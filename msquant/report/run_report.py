@@ -6,18 +6,17 @@ decoder-layer times, and :func:`msquant.quantize` fills in the run-wide fields.
 
 Deterministic by design: two identical runs give identical reports apart from the fields whose
 names end in ``seconds`` (every timing lives in such a field), so scripts can diff reports across
-runs after dropping those keys (:func:`strip_timings`).
+runs after dropping those keys (:func:`msquant.strip_timings`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import platform
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
@@ -26,16 +25,14 @@ import torch
 
 __all__ = [
     "REPORT_FILE",
-    "EvaluationReport",
-    "LayerTiming",
+    "REPORT_FORMAT",
     "ModuleReport",
+    "LayerTiming",
+    "EvaluationReport",
     "RunReport",
-    "calibration_sha256",
-    "config_sha256",
-    "render_report",
-    "strip_timings",
     "write_report",
 ]
+
 
 REPORT_FILE = "quant_report.json"
 REPORT_FORMAT = 1  # bumped when a field changes meaning or disappears
@@ -195,85 +192,6 @@ def write_report(report: RunReport, directory: Path) -> Path:
     return path
 
 
-def config_sha256(config_json: Mapping[str, Any]) -> str:
-    """sha256 of a validated config as canonical JSON (``model_dump(mode="json")``, sorted keys)."""
-    text = json.dumps(config_json, sort_keys=True)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def calibration_sha256(samples: Sequence[torch.Tensor] | None) -> str | None:
-    """sha256 over the calibration token ids in order; None when no calibration was used.
-
-    Each sample contributes its token count then its ids, all as little-endian int64, so the
-    hash changes when ids move between samples as well as when they change.
-    """
-    if not samples:
-        return None
-    digest = hashlib.sha256()
-    for sample in samples:
-        ids = sample.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
-        digest.update(int(ids.numel()).to_bytes(8, "little"))
-        digest.update(_int64_le_bytes(ids))
-    return digest.hexdigest()
-
-
-def strip_timings(data: Any) -> Any:
-    """A copy of a report document without the keys ending in ``seconds`` (at any depth)."""
-    if isinstance(data, dict):
-        return {k: strip_timings(v) for k, v in data.items() if not k.endswith("seconds")}
-    if isinstance(data, list):
-        return [strip_timings(v) for v in data]
-    return data
-
-
-def render_report(report: RunReport) -> str:
-    """A human-readable table of the modules and the run totals (for the INFO log)."""
-    headers = ("module", "method", "bits", "group", "sym", "loss", "damp", "err", "rtn err", "s")
-    rows = [headers] + [_module_row(m) for m in report.modules]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(headers))]
-    lines = [
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    ]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    errors = [m.output_error for m in report.modules if m.output_error is not None]
-    rtn = [m.rtn_output_error for m in report.modules if m.rtn_output_error is not None]
-    summary = f"{len(report.modules)} module(s), {len(report.layers)} layer(s)"
-    if errors and rtn:
-        summary += (
-            f", mean output error {sum(errors) / len(errors):.4g} "
-            f"(round-to-nearest {sum(rtn) / len(rtn):.4g})"
-        )
-    summary += f", {report.total_seconds:.1f} s"
-    evaluation = report.evaluation
-    if evaluation is not None:
-        summary += (
-            f"\nperplexity {evaluation.ppl:.4f} on {evaluation.data} ({evaluation.tokens} tokens in "
-            f"{evaluation.windows} window(s) of {evaluation.seqlen}, stride {evaluation.stride})"
-        )
-    return "\n".join([*lines, summary])
-
-
-def _module_row(module: ModuleReport) -> tuple[str, ...]:
-    seconds = module.solve_seconds
-    return (
-        module.name,
-        module.method,
-        str(module.bits),
-        "channel" if module.group_size is None else str(module.group_size),
-        "yes" if module.symmetric else "no",
-        _fmt(module.gptq_loss),
-        _fmt(module.percdamp),
-        _fmt(module.output_error),
-        _fmt(module.rtn_output_error),
-        "-" if seconds is None else f"{seconds:.2f}",
-    )
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4g}"
-
-
 def _finite(data: Any) -> Any:
     if isinstance(data, dict):
         return {k: _finite(v) for k, v in data.items()}
@@ -307,11 +225,6 @@ def _from_json(kind: Any, value: Any) -> Any:
         hints = get_type_hints(kind)
         return kind(**{name: _from_json(hints[name], v) for name, v in value.items()})
     return value
-
-
-def _int64_le_bytes(ids: torch.Tensor) -> bytes:
-    data = ids.numpy()
-    return bytes(data.astype("<i8", copy=False).tobytes())
 
 
 def _version_of(package: str) -> str:
