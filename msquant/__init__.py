@@ -5,7 +5,6 @@ validation, the processor contract and registry for plugins, the quantization nu
 typed exceptions. Nothing here prints; everything logs through ``logging`` under ``msquant``.
 """
 
-from msquant.api import QuantizeResult, quantize
 from msquant.backends import Backend, DeviceSpec, get_backend, parse_device
 from msquant.config import (
     QuantConfig,
@@ -16,7 +15,6 @@ from msquant.config import (
     validate_config,
 )
 from msquant.config.resolve import ConfigLike
-from msquant.distributed import SINGLE, Distributed, balanced_owners
 from msquant.errors import (
     CalibrationDataError,
     ConfigError,
@@ -84,6 +82,7 @@ from msquant.planning import (
     render_plan,
 )
 from msquant.plugin.context import RunContext
+from msquant.plugin.distributed import SINGLE, Distributed, balanced_owners
 from msquant.plugin.processor import OutputHeadUser, Processor, ProcessorConfig
 from msquant.plugin.registry import ENTRY_POINT_GROUP, ProcessorRegistry, default_registry
 from msquant.quant.gptq import WeightPerChannelGPTQ, WeightPerGroupGPTQ
@@ -131,7 +130,8 @@ from msquant.report.run_report import (
     write_report,
 )
 from msquant.report.table import render_report
-from msquant.resume import ResumeError
+from msquant.run.checkpoint.layout import ResumeError
+from msquant.run.quantize import QuantizeResult, quantize
 from msquant.verify import (
     ExportReadError,
     ExportVerificationError,

@@ -25,10 +25,8 @@ from typing import Any
 
 import torch
 
-from msquant.api import quantize
 from msquant.backends import get_backend, parse_device
 from msquant.config.spec import config_json_schema, load_config
-from msquant.distributed import PeerLostError
 from msquant.errors import MsquantInputError
 from msquant.evaluate import (
     DEFAULT_SEQLEN,
@@ -36,8 +34,8 @@ from msquant.evaluate import (
     evaluate_perplexity,
     prepare_evaluation,
 )
-from msquant.memory_estimate import parse_memory
 from msquant.planning import build_plan, render_plan
+from msquant.plugin.distributed import PeerLostError
 from msquant.plugin.registry import default_registry
 from msquant.presets import preset_config
 from msquant.report.document import load_report, report_from_dict
@@ -51,6 +49,8 @@ from msquant.report.regression import (
 )
 from msquant.report.run_report import REPORT_FILE
 from msquant.report.table import render_report
+from msquant.run.memory_estimate import parse_memory
+from msquant.run.quantize import quantize
 from msquant.verify import (
     ExportVerificationError,
     VerifyReport,
@@ -491,7 +491,7 @@ def _spawn_quant(
     """Run ``quant`` as a ``dp_layer_wise`` group of one process per device; process 0 writes."""
     from torch.multiprocessing import ProcessExitedException
 
-    from msquant.distributed import spawn
+    from msquant.run.launch import spawn
 
     for device in dict.fromkeys(devices):  # a missing device fails here, before any process starts
         get_backend(device)

@@ -96,7 +96,7 @@ def test_the_offset_warning_comes_before_weights_load_and_in_msquant_plan(
     run_cli: Callable[..., Any],
 ) -> None:
     config = _config(_weight(8, sym=False))
-    monkeypatch.setattr("msquant.api.load_for_run", _refuse_loading)
+    monkeypatch.setattr("msquant.run.steps.load_for_run", _refuse_loading)
     with caplog.at_level(logging.WARNING), pytest.raises(_WeightsLoaded):
         msquant.quantize(weightless, tmp_path / "out", config, progress=False)
     assert _vllm_ascend([r.getMessage() for r in caplog.records])

@@ -28,7 +28,8 @@ from test_resume import _assert_same_export, _export
 import msquant
 from msquant import ResumeError, RunContext
 from msquant.cli import main
-from msquant.resume import PROGRESS_FILE, RunCheckpoints, partial_path
+from msquant.run.checkpoint.folder import RunCheckpoints
+from msquant.run.checkpoint.layout import PROGRESS_FILE, partial_path
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 

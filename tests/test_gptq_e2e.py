@@ -26,8 +26,8 @@ from torch import nn
 import msquant
 from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
-from msquant.model.capture import batch_samples
 from msquant.quant.methods import GPTQExt
+from msquant.run.capture import batch_samples
 
 SEED_YAMLS = ["w8a16_per_channel_gptq.yaml", "w8a16_per_group_gptq.yaml"]
 GPTQ_YAMLS = [*SEED_YAMLS, "w8a16_per_group64_gptq_asym.yaml"]

@@ -11,8 +11,14 @@ from transformers import AutoConfig
 
 from msquant.errors import MsquantInputError
 from msquant.load.model_folder import build_meta_model, load_model_config
-from msquant.memory_estimate import GIB, MemoryEstimate, check_memory, estimate_memory, parse_memory
 from msquant.model.layers import find_decoder_layers
+from msquant.run.memory_estimate import (
+    GIB,
+    MemoryEstimate,
+    check_memory,
+    estimate_memory,
+    parse_memory,
+)
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,8 @@ from msquant import (
     QuantizedWeight,
     RunContext,
 )
-from msquant.resume import PROGRESS_FILE, RunCheckpoints, partial_path
+from msquant.run.checkpoint.folder import RunCheckpoints
+from msquant.run.checkpoint.layout import PROGRESS_FILE, partial_path
 from msquant.verify import verify_export
 
 pytestmark = NEEDS_MOE_TRANSFORMERS

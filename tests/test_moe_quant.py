@@ -19,8 +19,8 @@ from safetensors import safe_open
 import msquant
 from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
-from msquant.model.capture import batch_samples
 from msquant.model.moe import ExpertTokenCounter, unfuse_experts
+from msquant.run.capture import batch_samples
 
 pytestmark = NEEDS_MOE_TRANSFORMERS
 

@@ -35,7 +35,8 @@ from msquant.export.recovery import SavePathLock, make_owned_dir
 from msquant.export.shards import WriterStateError, remove_temporaries
 from msquant.report.document import strip_timings
 from msquant.report.run_report import LayerTiming, ModuleReport, RunReport
-from msquant.resume import PROGRESS_FILE, RunCheckpoints, partial_path
+from msquant.run.checkpoint.folder import RunCheckpoints
+from msquant.run.checkpoint.layout import PROGRESS_FILE, partial_path
 
 SAVERS = [
     {"type": "ascendv1_saver"},

@@ -15,9 +15,9 @@ from msquant import DecoderLayer, Processor, ProcessorConfig, RunContext
 from msquant.backends import get_backend
 from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
-from msquant.model.capture import batch_samples
 from msquant.model.layers import find_decoder_layers
-from msquant.runner import run_layer_wise
+from msquant.run.capture import batch_samples
+from msquant.run.runner import run_layer_wise
 
 CALIB = Path(__file__).parent / "data" / "calib.txt"
 
@@ -305,7 +305,7 @@ def test_next_layer_inputs_are_float_or_processed_outputs(
 
 def test_quantized_calibration_needs_a_calibrating_processor() -> None:
     """``calibrate_on_quantized`` counts only for processors that calibrate."""
-    from msquant.runner import calibrates_on_quantized
+    from msquant.run.runner import calibrates_on_quantized
 
     asking = Probe(ProbeConfig())
     asking.calibrate_on_quantized = True

@@ -30,7 +30,7 @@ from msquant.model.layers import find_decoder_layers
 from msquant.quant.minmax import quantize_weight_minmax
 from msquant.quant.quantized_linear import QuantizedLinear
 from msquant.quant.spill import MergedWeights
-from msquant.resume import LayerStore
+from msquant.run.checkpoint.store import LayerStore
 
 SAVERS = [
     {"type": "ascendv1_saver"},

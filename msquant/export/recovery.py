@@ -8,7 +8,7 @@ Beside a save path ``NAME`` msquant may create, and only while it holds ``NAME``
 ``.NAME.msquant-staging-*``        holds ``export/``, the export being written by a run without
                                    checkpoints
 ``.NAME.msquant-scratch-*``        a streamed run's scratch folder (without checkpoints)
-``.NAME.msquant-partial``          a checkpointed run's folder (:mod:`msquant.resume`)
+``.NAME.msquant-partial``          a checkpointed run's folder (:mod:`msquant.run.checkpoint`)
 ``.NAME.msquant-old-*``            the previous export, moved aside during the final swap
 ``.NAME.msquant-commit.json``      the swap's journal: written before the first rename, removed
                                    after the last clean-up step

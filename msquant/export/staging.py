@@ -1,7 +1,7 @@
 """Atomic output directories: write everything into a staging folder, then swap it into place.
 
 A failed or interrupted run removes its staging folder and leaves the save path exactly as it was.
-A resumable run (:mod:`msquant.resume`) stages into a folder it owns and keeps across runs
+A resumable run (:mod:`msquant.run.checkpoint`) stages into a folder it owns and keeps across runs
 (``staging=``): that folder is then left in place on failure, for its owner to keep or remove.
 
 The final swap checks the save path again (:func:`~msquant.export.save_path.save_path_problem`):

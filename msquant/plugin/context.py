@@ -9,15 +9,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch import nn
 
-from msquant.distributed import SINGLE, Distributed
 from msquant.model.layers import DecoderLayer
 from msquant.model.moe import CheckpointNames, MoEInfo
+from msquant.plugin.distributed import SINGLE, Distributed
 from msquant.report.run_report import RunReport
 
 if TYPE_CHECKING:
     from msquant.backends.base import Backend
     from msquant.load.streaming import StreamedWeights
-    from msquant.resume import LayerStore
+    from msquant.run.checkpoint.store import LayerStore
 
 __all__ = ["DiskNamed", "RunContext", "disk_name"]
 

@@ -35,7 +35,7 @@ processor sets ``calibrate_on_quantized``, the runner instead runs the layer onc
 ``after_layer`` and feeds those outputs (the already quantized layers' outputs, as the GPTQ
 authors, GPTQModel and llm-compressor do).
 
-Checkpoints (:mod:`msquant.resume`): a run whose processors are all ``resumable`` records, after
+Checkpoints (:mod:`msquant.run.checkpoint`): a run whose processors are all ``resumable`` records, after
 every decoder layer, each processor's :meth:`Processor.resume_state` (JSON) beside the layers'
 quantized linears and the hidden states entering the next layer. ``msquant quant --resume`` then
 calls ``setup``, rebuilds the finished layers' :class:`msquant.QuantizedLinear` modules, calls

@@ -165,8 +165,8 @@ class HessianAccumulator:
         """Add up this accumulator and its peers in the other processes of a group, in place.
 
         :param reduce_sum: sums a tensor in place over the processes (e.g.
-            :meth:`msquant.distributed.Distributed.all_reduce_sum`); every process must call this,
-            also one that received no rows.
+            :meth:`msquant.Distributed.all_reduce_sum`); every process must call this, also one
+            that received no rows.
         """
         self.flush()
         self._mirror()

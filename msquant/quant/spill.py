@@ -1,7 +1,7 @@
 """Read several name -> quantized weight mappings as one.
 
 A streamed run returns each decoder layer to the meta device once its export is written; the
-quantized weights of released layers are then read back from disk (:class:`msquant.resume.LayerStore`,
+quantized weights of released layers are then read back from disk (:class:`msquant.run.checkpoint.store.LayerStore`,
 the run's checkpoint store or a scratch one), those still in memory (the head) from the model.
 :class:`MergedWeights` gives the read-back check of the exports one mapping over both.
 """

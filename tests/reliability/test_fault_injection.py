@@ -2,11 +2,11 @@
 code, and check that nothing is lost (issue 14's fault injection).
 
 Every function defined in :mod:`msquant.export.staging`, :mod:`msquant.export.recovery`,
-:mod:`msquant.export.marker` and :mod:`msquant.resume` (methods, properties and context managers
-included) is a kill point. For each, a forked ``msquant quant --overwrite`` over a previous
-export SIGKILLs itself the first time the function is entered, in three scenarios: a
-checkpointed run, a run with ``--no_checkpoints``, and a ``--resume`` of a run killed after its
-first layer. Then:
+:mod:`msquant.export.marker`, :mod:`msquant.run.agree` and :mod:`msquant.run.checkpoint` (methods,
+properties and context managers included) is a kill point. For each, a forked ``msquant quant
+--overwrite`` over a previous export SIGKILLs itself the first time the function is entered, in
+three scenarios: a checkpointed run, a run with ``--no_checkpoints``, and a ``--resume`` of a run
+killed after its first layer. Then:
 
 1. once the save path is recovered (:func:`~msquant.export.recovery.recover_save_path`, what any
    next run does first), it holds either the previous export or the new one, byte for byte;
@@ -49,9 +49,18 @@ from replay import (
 import msquant.export.marker
 import msquant.export.recovery
 import msquant.export.staging
-import msquant.resume
+import msquant.run.agree
+import msquant.run.checkpoint.durable
+import msquant.run.checkpoint.fingerprint
+import msquant.run.checkpoint.folder
+import msquant.run.checkpoint.layout
+import msquant.run.checkpoint.opening
+import msquant.run.checkpoint.progress
+import msquant.run.checkpoint.restore
+import msquant.run.checkpoint.store
 from msquant.export.recovery import recover_save_path
-from msquant.resume import RunCheckpoints, partial_path
+from msquant.run.checkpoint.folder import RunCheckpoints
+from msquant.run.checkpoint.layout import partial_path
 
 pytestmark = needs_fork
 
@@ -59,8 +68,19 @@ MODULES: tuple[ModuleType, ...] = (
     msquant.export.staging,
     msquant.export.recovery,
     msquant.export.marker,
-    msquant.resume,
+    msquant.run.agree,
+    msquant.run.checkpoint.layout,
+    msquant.run.checkpoint.fingerprint,
+    msquant.run.checkpoint.durable,
+    msquant.run.checkpoint.store,
+    msquant.run.checkpoint.progress,
+    msquant.run.checkpoint.opening,
+    msquant.run.checkpoint.folder,
+    msquant.run.checkpoint.restore,
 )
+#: The short names of the checkpoint folder's modules (kill points of resumed runs too).
+CHECKPOINT_MODULES = ("agree.", "layout.", "fingerprint.", "durable.", "store.", "progress.",
+                      "opening.", "folder.", "restore.")  # fmt: skip
 NEW_YAML = MINMAX_YAML.replace(
     "dtype: int8, scope: per_channel", "dtype: int4, scope: per_group, ext: {group_size: 32}"
 )
@@ -96,26 +116,26 @@ COMMIT_STEPS = frozenset(
     or name
     in {
         "marker.write_export_marker",
-        "resume._decide",
-        "resume._discard",
-        "resume._replace_durably",
-        "resume._save_tensors_atomically",
-        "resume._write_json_atomically",
-        "resume.open_checkpoints",
-        "resume.RunCheckpoints.guard",
-        "resume.RunCheckpoints._prepare",
-        "resume.RunCheckpoints._empty",
-        "resume.RunCheckpoints._remove",
-        "resume.RunCheckpoints._keep_or_remove",
-        "resume.RunCheckpoints.keep_layer",
-        "resume.RunCheckpoints.commit_layer",
-        "resume.RunCheckpoints.commit_finished",
-        "resume.RunCheckpoints._write_progress",
-        "resume.RunCheckpoints._save_hidden",
-        "resume.RunCheckpoints._remove_hidden",
-        "resume.RunCheckpoints.restore",
-        "resume.RunCheckpoints.restore_finished",
-        "resume.RunCheckpoints._restore_finished",
+        "opening._decide",
+        "opening._discard",
+        "durable._replace_durably",
+        "durable.save_tensors_atomically",
+        "durable.write_json_atomically",
+        "opening.open_checkpoints",
+        "folder.RunCheckpoints.guard",
+        "folder.RunCheckpoints._prepare",
+        "folder.RunCheckpoints._empty",
+        "folder.RunCheckpoints._remove",
+        "folder.RunCheckpoints._keep_or_remove",
+        "folder.RunCheckpoints.keep_layer",
+        "folder.RunCheckpoints.commit_layer",
+        "folder.RunCheckpoints.commit_finished",
+        "folder.RunCheckpoints._write_progress",
+        "folder.RunCheckpoints._save_hidden",
+        "folder.RunCheckpoints._remove_hidden",
+        "folder.RunCheckpoints.restore",
+        "folder.RunCheckpoints.restore_finished",
+        "restore.take_up_finished",
     }
 )
 
@@ -123,11 +143,13 @@ COMMIT_STEPS = frozenset(
 def _kill_points() -> list[Any]:
     """(point, scenario) pairs; those outside the default suite marked ``faults``. The default
     kills at the commit steps in checkpointed and unchecked runs, and at the checkpoint
-    folder's steps (the ``resume.`` ones, which restore) in resumed runs too."""
+    folder's steps (those of :data:`CHECKPOINT_MODULES`, which restore) in resumed runs too."""
     pairs = []
     for name in sorted(FUNCTIONS):
         for scenario in SCENARIOS:
-            default = name in COMMIT_STEPS and (scenario != "resumed" or name.startswith("resume."))
+            default = name in COMMIT_STEPS and (
+                scenario != "resumed" or name.startswith(CHECKPOINT_MODULES)
+            )
             marks = () if default else (pytest.mark.faults,)
             pairs.append(pytest.param(name, scenario, marks=marks, id=f"{name}-{scenario}"))
     return pairs
@@ -139,7 +161,7 @@ def test_the_kill_points_cover_the_commit_steps() -> None:
         assert f"staging.StagedOutputDir.{step}" in FUNCTIONS
     for step in ("write_journal", "remove_journal", "recover_save_path", "SavePathLock.__exit__"):
         assert f"recovery.{step}" in FUNCTIONS
-    assert "resume.RunCheckpoints.commit_layer" in FUNCTIONS
+    assert "folder.RunCheckpoints.commit_layer" in FUNCTIONS
     assert len(FUNCTIONS) > 60
     assert COMMIT_STEPS <= set(FUNCTIONS)
 
@@ -219,9 +241,9 @@ def test_the_scenarios_enter_the_commit_steps(entered: dict[str, set[str]]) -> N
         for step in ("_commit", "_move_aside", "_move_into_place", "_clean_up"):
             assert f"staging.StagedOutputDir.{step}" in entered[scenario], scenario
         assert "recovery.recover_save_path" in entered[scenario]
-    assert "resume.RunCheckpoints.commit_layer" in entered["checkpointed"]
-    assert "resume.RunCheckpoints.restore" in entered["resumed"]
-    assert "resume.RunCheckpoints.commit_layer" not in entered["no_checkpoints"]
+    assert "folder.RunCheckpoints.commit_layer" in entered["checkpointed"]
+    assert "folder.RunCheckpoints.restore" in entered["resumed"]
+    assert "folder.RunCheckpoints.commit_layer" not in entered["no_checkpoints"]
 
 
 @pytest.mark.parametrize(("point", "scenario"), _kill_points())

@@ -28,10 +28,11 @@ from replay import (
 from safetensors import SafetensorError
 
 import msquant.export.shards
-import msquant.resume
+import msquant.run.checkpoint.durable
+import msquant.run.checkpoint.opening
 from msquant.export.staging import StagedOutputDir
 from msquant.load.streaming import StreamedWeights
-from msquant.resume import RunCheckpoints
+from msquant.run.checkpoint.folder import RunCheckpoints
 
 pytestmark = needs_fork
 # What a killed run leaves and the next run removes: its lock file, its scratch folders.
@@ -257,7 +258,7 @@ def test_f22_a_full_disk_is_one_message(
                 "Error while serializing: I/O error: No space left on device (os error 28)"
             )
 
-        monkeypatch.setattr(msquant.resume, "save_file", full_rust)
+        monkeypatch.setattr(msquant.run.checkpoint.durable, "save_file", full_rust)
     replay(run_cli, case, *quant_args(case)).refused(
         r"the disk is full \(.*No space left on device.*\); free space, or choose a --save_path"
     )
@@ -274,7 +275,7 @@ def test_f23_f24_two_runs_on_one_save_path(
     codes: list[int] = []
 
     def first_run() -> None:  # paused with the save path locked, until the second run is done
-        pause = lambda: pause_on_entry(msquant.resume.open_checkpoints, ready, go)  # noqa: E731
+        pause = lambda: pause_on_entry(msquant.run.checkpoint.opening.open_checkpoints, ready, go)  # noqa: E731
         codes.append(run_forked(first, log, pause))
 
     thread = threading.Thread(target=first_run)

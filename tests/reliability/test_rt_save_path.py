@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from replay import Cli, quant_args, replay
 
-import msquant.api
 import msquant.export.staging
+import msquant.run.steps
 
 
 def _export(case: Path, run_cli: Cli, *extra: object) -> None:
@@ -158,7 +158,7 @@ def test_s19_the_current_directory_is_refused(
 
 def _drop_files_during_the_run(monkeypatch: pytest.MonkeyPatch, save: Path) -> None:
     """Files appear in the save path after the export files are written, before the swap."""
-    write_marker = msquant.api._write_export_marker
+    write_marker = msquant.run.steps.mark_export
 
     def then_a_user_writes(*args: Any) -> None:
         write_marker(*args)
@@ -166,7 +166,7 @@ def _drop_files_during_the_run(monkeypatch: pytest.MonkeyPatch, save: Path) -> N
         (save / "user_notes.txt").write_text("mine")
         (save / "mydata" / "results.csv").write_text("1,2")
 
-    monkeypatch.setattr(msquant.api, "_write_export_marker", then_a_user_writes)
+    monkeypatch.setattr(msquant.run.steps, "mark_export", then_a_user_writes)
 
 
 def test_s20_files_added_during_a_run_are_kept(

@@ -1,26 +1,23 @@
-"""Several processes quantizing one model together (the ``dp_layer_wise`` runner) through
-``torch.distributed``: gloo on CPUs, NCCL on CUDA GPUs, HCCL on Ascend NPUs.
+"""This process's place in a ``dp_layer_wise`` group and the collectives the engine and processors
+use (``ctx.dist``), through ``torch.distributed``.
 
 Every process runs the same layer-wise loop over its share of the calibration batches, so the
 layer forwards and the Hessian products are split between them; the Hessian sums are then added up
-with ``all_reduce``, each module's GPTQ solve runs in one process (modules are shared out by cost)
-and its result is broadcast to the others. Process 0 alone writes the export and the report.
-
-Launch with ``torchrun --nproc_per_node N msquant quant ...`` (any rendezvous torchrun supports,
-several nodes included), or let :func:`spawn` start the processes for a multi-device ``--device``.
-A process started without a process group is :data:`SINGLE` (rank 0 of 1): nothing is exchanged.
+with ``all_reduce``, each module's GPTQ solve runs in one process (modules are shared out by cost,
+:func:`balanced_owners`) and its result is broadcast to the others. Process 0 alone writes the
+export and the report. A process started without a process group is :data:`SINGLE` (rank 0 of
+1): nothing is exchanged.
 
 A collective that fails raises :class:`PeerLostError`: with gloo that is how a process learns that
 another one of its group died (killed, or failed with its own error), so a checkpointed run keeps
 its checkpoints for ``--resume`` instead of treating it as its own failure.
+
+How the group is started: :mod:`msquant.run.launch`.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -28,20 +25,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = [
-    "BACKEND_BY_DEVICE",
-    "Distributed",
-    "PeerLostError",
-    "SINGLE",
-    "balanced_owners",
-    "from_environment",
-    "spawn",
-]
+__all__ = ["T", "PeerLostError", "Distributed", "SINGLE", "balanced_owners"]
 
-logger = logging.getLogger(__name__)
-
-# torch.distributed backend per device kind.
-BACKEND_BY_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 T = TypeVar("T")
 
@@ -132,54 +117,3 @@ def balanced_owners(costs: Sequence[float], world_size: int) -> list[int]:
         owners[index] = rank
         loads[rank] += costs[index]
     return owners
-
-
-def from_environment(device_kind: str, device: torch.device) -> Distributed:
-    """The process group torchrun (or :func:`spawn`) describes in the environment, initialised
-    here if needed; :data:`SINGLE` when ``WORLD_SIZE`` is unset or 1."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size <= 1:
-        return SINGLE
-    if not dist.is_initialized():
-        backend = BACKEND_BY_DEVICE[device_kind]
-        dist.init_process_group(backend=backend)
-        logger.info(
-            "dp_layer_wise: process %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend
-        )
-    collective_device = device if device_kind != "cpu" else torch.device("cpu")
-    return Distributed(dist.get_rank(), dist.get_world_size(), collective_device)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: Any) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    try:
-        fn(rank, *args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
-    """Run ``fn(rank, *args)`` in ``world_size`` new processes on this machine, joined as one
-    process group (``fn`` and ``args`` must be picklable); an error in any process is raised."""
-    import torch.multiprocessing as mp
-
-    mp.start_processes(
-        _worker,
-        args=(world_size, _free_port(), fn, args),
-        nprocs=world_size,
-        join=True,
-        start_method="spawn",
-    )

@@ -13,7 +13,7 @@ before its processors run and returned to the meta device after its ``after_laye
 quantized weights go to ``ctx.spill`` first, for the read-back check of the exports), so host
 memory too holds one layer at a time.
 
-With ``checkpoints`` (:mod:`msquant.resume`) each finished layer's quantized linears and a
+With ``checkpoints`` (:mod:`msquant.run.checkpoint`) each finished layer's quantized linears and a
 checkpoint are written after it, and a resumed run starts after the checkpoint's last layer.
 """
 
@@ -27,17 +27,17 @@ import torch
 from tqdm.auto import tqdm
 
 from msquant.errors import QuantizationError
-from msquant.model.capture import (
+from msquant.model.layers import DecoderLayer
+from msquant.plugin.context import RunContext
+from msquant.plugin.processor import Processor
+from msquant.report.run_report import LayerTiming
+from msquant.run.capture import (
     DEFAULT_MAX_BATCH_TOKENS,
     CalibrationActivations,
     batch_samples,
     capture_layer_inputs,
 )
-from msquant.model.layers import DecoderLayer
-from msquant.plugin.context import RunContext
-from msquant.plugin.processor import Processor
-from msquant.report.run_report import LayerTiming
-from msquant.resume import RunCheckpoints
+from msquant.run.checkpoint.folder import RunCheckpoints
 from msquant.run.output_head import run_output_head
 
 __all__ = ["calibrates_on_quantized", "needs_calibration", "run_layer_wise"]
@@ -63,7 +63,7 @@ def run_layer_wise(
     :param samples: tokenized calibration samples (``[1, seq]`` input_ids); required when a
         processor needs calibration, ignored otherwise.
     :param progress: show tqdm progress bars on stderr.
-    :param checkpoints: write a checkpoint after each layer (:mod:`msquant.resume`), and when
+    :param checkpoints: write a checkpoint after each layer (:mod:`msquant.run.checkpoint`), and when
         it resumes one, continue after its last finished layer.
     """
     if checkpoints is not None and checkpoints.finished:  # the export files are complete

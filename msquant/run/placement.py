@@ -30,7 +30,8 @@ from msquant.model.moe import (
     checkpoint_sources,
     unfuse_experts,
 )
-from msquant.resume import SCRATCH_PREFIX, LayerStore
+from msquant.run.checkpoint.layout import SCRATCH_PREFIX
+from msquant.run.checkpoint.store import LayerStore
 
 __all__ = ["LoadedModel", "load_for_run", "streams"]
 

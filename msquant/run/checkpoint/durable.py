@@ -1,0 +1,55 @@
+"""Writing a checkpoint file so that a kill at any moment leaves the old file or the new one: a
+temporary file flushed to the disk, then renamed over the old one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = ["write_json_atomically", "save_tensors_atomically"]
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (best effort: not every platform can)."""
+    try:
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
+
+
+def _replace_durably(tmp: Path, path: Path) -> None:
+    """Flush ``tmp`` to the disk and rename it to ``path`` (atomic on one file system)."""
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_directory(path.parent)
+
+
+def write_json_atomically(path: Path, data: Mapping[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data) + "\n", encoding="utf-8")
+    _replace_durably(tmp, path)
+
+
+def save_tensors_atomically(
+    tensors: Mapping[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
+) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(dict(tensors), str(tmp), metadata=metadata)
+    _replace_durably(tmp, path)

@@ -1,0 +1,170 @@
+"""The quantized linears of finished layers, kept on disk: a checkpointed run's layer store, or a
+streamed run's reference of its released layers for the read-back check.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from msquant.quant.quantized_linear import QuantizedLinear, replace_module
+from msquant.quant.quantized_weight import QuantizedWeight
+from msquant.run.checkpoint.durable import save_tensors_atomically
+from msquant.run.checkpoint.layout import ResumeError
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = ["LayerStore"]
+
+
+_PARTS = ("codes", "scale", "offset")
+
+
+class LayerStore(Mapping[str, QuantizedWeight]):
+    """The quantized linears of finished layers, one safetensors file per layer, kept across runs.
+
+    A read-only mapping ``module name ->`` :class:`~msquant.QuantizedWeight`, read from disk on
+    demand: in a streamed run it is the reference of the read-back check for the layers released
+    from memory (the checkpoints' store, or without checkpoints a scratch one: ``ctx.spill``).
+
+    :param directory: where the files go (created on first use).
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._modules: dict[str, tuple[Path, dict[str, Any]]] = {}
+
+    def path(self, key: str) -> Path:
+        """The file of ``key`` (a layer index as ``00003``, or ``outside``)."""
+        return self.directory / f"{key}.safetensors"
+
+    def save(
+        self, key: str, root: nn.Module, prefix: str, exclude: Sequence[str] = ()
+    ) -> list[str]:
+        """Write every :class:`QuantizedLinear` with data under ``root`` (full names under
+        ``prefix``; those under an ``exclude`` prefix skipped) as ``key``'s file.
+
+        :returns: the names written.
+        """
+        tensors: dict[str, torch.Tensor] = {}
+        entries: dict[str, dict[str, Any]] = {}
+        for name, module in root.named_modules(prefix=prefix):
+            if not isinstance(module, QuantizedLinear) or module.weight.is_meta:
+                continue
+            if any(name == p or name.startswith(p + ".") for p in exclude):
+                continue
+            qweight = module.qweight
+            for part in _PARTS:
+                tensors[f"{name}.{part}"] = getattr(qweight, part).detach().to("cpu").contiguous()
+            bias = module.bias
+            if bias is not None:
+                tensors[f"{name}.bias"] = bias.detach().to("cpu").contiguous()
+            entries[name] = {
+                "bits": qweight.bits,
+                "symmetric": qweight.symmetric,
+                "group_size": qweight.group_size,
+                "method": module.method,
+                "act_order": module.act_order,
+                "shape": list(qweight.shape),
+                "bias": None if bias is None else str(bias.dtype).removeprefix("torch."),
+            }
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.path(key)
+        save_tensors_atomically(tensors, path, {"modules": json.dumps(entries)})
+        self._modules.update({name: (path, entry) for name, entry in entries.items()})
+        return list(entries)
+
+    def load(self, key: str) -> dict[str, dict[str, Any]]:
+        """Index ``key``'s file (written by an earlier run); returns its modules' entries.
+
+        :raises ResumeError: when the file is missing or unreadable.
+        """
+        path = self.path(key)
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                metadata = handle.metadata() or {}
+            entries: dict[str, dict[str, Any]] = json.loads(metadata["modules"])
+        except (OSError, SafetensorError, KeyError, json.JSONDecodeError) as error:
+            raise ResumeError(
+                f"the checkpoint file {path} is missing or damaged ({error}); the interrupted run "
+                "cannot be resumed: start over with --overwrite (without --resume)"
+            ) from error
+        self._modules.update({name: (path, entry) for name, entry in entries.items()})
+        return entries
+
+    def rebuild(self, model: nn.Module, key: str, weightless: bool) -> None:
+        """Put ``key``'s quantized linears back into ``model`` in place of its float ones.
+
+        :param weightless: build them on the meta device (a streamed run's released layers),
+            without reading their tensors.
+        """
+        for name, entry in self.load(key).items():
+            try:
+                current = model.get_submodule(name)
+            except AttributeError:
+                raise ResumeError(
+                    f"{name}: the checkpoint holds a quantized linear the model does not have: "
+                    "the model changed since the run started"
+                ) from None
+            shape = tuple(entry["shape"])
+            found = tuple(getattr(current, "weight", torch.empty(0)).shape)
+            if not isinstance(current, nn.Linear | QuantizedLinear) or found != shape:
+                raise ResumeError(
+                    f"{name}: the checkpoint holds a quantized linear {shape}, the model has "
+                    f"{type(current).__name__} {found}: the model changed since the run started"
+                )
+            qweight, bias = (
+                self._weightless(entry) if weightless else (self[name], self._bias(name))
+            )
+            replace_module(
+                model,
+                name,
+                QuantizedLinear(qweight, bias, entry["method"], entry.get("act_order", False)),
+            )
+
+    @staticmethod
+    def _weightless(entry: Mapping[str, Any]) -> tuple[QuantizedWeight, torch.Tensor | None]:
+        out_features, in_features = entry["shape"]
+        group_size = entry["group_size"]
+        groups = 1 if group_size is None else in_features // group_size
+        meta = torch.device("meta")
+        qweight = QuantizedWeight(
+            torch.empty(out_features, in_features, dtype=torch.int8, device=meta),
+            torch.empty(out_features, groups, dtype=torch.float32, device=meta),
+            torch.empty(out_features, groups, dtype=torch.float32, device=meta),
+            entry["bits"],
+            entry["symmetric"],
+            group_size,
+        )
+        dtype = entry["bias"]
+        if dtype is None:
+            return qweight, None
+        return qweight, torch.empty(out_features, dtype=getattr(torch, dtype), device=meta)
+
+    def _bias(self, name: str) -> torch.Tensor | None:
+        path, entry = self._modules[name]
+        if entry["bias"] is None:
+            return None
+        with safe_open(str(path), framework="pt") as handle:
+            return handle.get_tensor(f"{name}.bias")
+
+    def __getitem__(self, name: str) -> QuantizedWeight:
+        path, entry = self._modules[name]
+        with safe_open(str(path), framework="pt") as handle:
+            codes, scale, offset = (handle.get_tensor(f"{name}.{part}") for part in _PARTS)
+        return QuantizedWeight(
+            codes, scale, offset, entry["bits"], entry["symmetric"], entry["group_size"]
+        )
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._modules)
+
+    def __len__(self) -> int:
+        return len(self._modules)
