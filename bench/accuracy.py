@@ -196,7 +196,8 @@ def prepare_texts(
 
 def perplexities(model_dir: Path, texts: Texts, seqlen: int) -> dict[str, float]:
     """Perplexity of a float folder or an export, read back as ``msquant eval`` does."""
-    from msquant.evaluate import load_model_for_eval, measure_perplexity
+    from msquant.evaluate.models import load_model_for_eval
+    from msquant.evaluate.windows import measure_perplexity
 
     model, _ = load_model_for_eval(model_dir)
     return {

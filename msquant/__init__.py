@@ -29,13 +29,9 @@ from msquant.errors import (
     RegistryError,
     validation_message,
 )
-from msquant.evaluate import (
-    EvaluationError,
-    PerplexityComparison,
-    PerplexityResult,
-    compare_perplexity,
-    evaluate_perplexity,
-)
+from msquant.evaluate.errors import EvaluationError
+from msquant.evaluate.perplexity import compare_perplexity, evaluate_perplexity
+from msquant.evaluate.results import PerplexityComparison, PerplexityResult
 from msquant.export import (
     ShardedSafetensorsWriter,
     StagedOutputDir,

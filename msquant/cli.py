@@ -28,12 +28,9 @@ import torch
 from msquant.backends import get_backend, parse_device
 from msquant.config.spec import config_json_schema, load_config
 from msquant.errors import MsquantInputError
-from msquant.evaluate import (
-    DEFAULT_SEQLEN,
-    compare_perplexity,
-    evaluate_perplexity,
-    prepare_evaluation,
-)
+from msquant.evaluate.perplexity import compare_perplexity, evaluate_perplexity
+from msquant.evaluate.run_evaluation import prepare_evaluation
+from msquant.evaluate.windows import DEFAULT_SEQLEN
 from msquant.planning import build_plan, render_plan
 from msquant.plugin.distributed import PeerLostError
 from msquant.plugin.registry import default_registry

@@ -18,7 +18,7 @@ from conftest import CALIB_TXT
 
 import msquant
 from msquant.backends import get_backend
-from msquant.evaluate import evaluate_perplexity
+from msquant.evaluate.perplexity import evaluate_perplexity
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

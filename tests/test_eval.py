@@ -21,14 +21,10 @@ from conftest import CALIB_TXT, CliResult
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import msquant
-from msquant.evaluate import (
-    load_model_for_eval,
-    measure_perplexity,
-    prepare_evaluation,
-    read_eval_tokens,
-    sliding_window_perplexity,
-    sliding_windows,
-)
+from msquant.evaluate.data import read_eval_tokens
+from msquant.evaluate.models import load_model_for_eval
+from msquant.evaluate.run_evaluation import prepare_evaluation
+from msquant.evaluate.windows import measure_perplexity, sliding_window_perplexity, sliding_windows
 from msquant.load.model_folder import load_model_config
 
 SEQLEN = 64

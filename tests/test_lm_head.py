@@ -29,12 +29,7 @@ from transformers import AutoModelForCausalLM
 import msquant
 from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
-from msquant.model.head import (
-    OutputHeadStage,
-    find_final_norm,
-    find_output_head,
-    output_head_stage,
-)
+from msquant.model.head import OutputHeadStage, find_final_norm, find_output_head, output_head_stage
 from msquant.model.layers import find_decoder_layers
 from msquant.run.output_head import run_head_calibration
 
@@ -440,7 +435,7 @@ def test_exports_reload_for_evaluation_with_the_quantized_head(
     head_export: Path, tiny_llama: Path
 ) -> None:
     """``msquant eval``'s loader rebuilds each export's head from the stored codes."""
-    from msquant.evaluate import load_model_for_eval
+    from msquant.evaluate.models import load_model_for_eval
 
     expected = _head_reference(tiny_llama).dequantize()
     for saver in SAVERS:

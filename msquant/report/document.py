@@ -69,6 +69,7 @@ def _known_fields(
 
 
 def mapping_entries(value: Any) -> list[Mapping[str, Any]]:
+    """The entries of a JSON list that are objects (anything else: none)."""
     return [v for v in value if isinstance(v, Mapping)] if isinstance(value, list) else []
 
 

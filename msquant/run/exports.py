@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import torch
 
 from msquant.errors import ConfigError, ConfigIssue
-from msquant.evaluate import load_model_for_eval
+from msquant.evaluate.models import load_model_for_eval
 from msquant.export.marker import write_export_marker
 from msquant.plugin.context import RunContext
 from msquant.plugin.processor import Processor

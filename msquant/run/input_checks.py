@@ -97,6 +97,11 @@ def warn_long_samples(samples: Sequence[torch.Tensor], model_config: Any) -> Non
 
 
 def check_applicable(processors: list[Processor], meta_model: Any) -> None:
+    """Refuse, before weights load, a config that cannot be applied to the model: every
+    processor's ``check_model`` and the plan's cross-entry problems, listed together.
+
+    :raises QuantizationError: listing every problem.
+    """
     layers = find_decoder_layers(meta_model)
     problems = [msg for p in processors for msg in p.check_model(meta_model, layers)]
     problems += check_plan(processors, meta_model, layers)  # across entries: overlaps, fused splits

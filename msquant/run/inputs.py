@@ -20,7 +20,8 @@ from torch import nn
 from msquant.backends import Backend, get_backend
 from msquant.config.processors import build_processors
 from msquant.config.resolve import ConfigLike, ResolvedConfig, resolve_config
-from msquant.evaluate import DEFAULT_SEQLEN, EvaluationData, prepare_evaluation
+from msquant.evaluate.run_evaluation import EvaluationData, prepare_evaluation
+from msquant.evaluate.windows import DEFAULT_SEQLEN
 from msquant.export.files import copied_model_files
 from msquant.export.staging import check_save_path
 from msquant.load.calibration import tokenize_samples

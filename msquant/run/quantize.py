@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from msquant.config.resolve import ConfigLike
-from msquant.evaluate import DEFAULT_SEQLEN
+from msquant.evaluate.windows import DEFAULT_SEQLEN
 from msquant.plugin.context import RunContext
 from msquant.plugin.registry import ProcessorRegistry
 from msquant.quant.quantized_linear import QuantizedLinear

@@ -10,10 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from msquant.errors import OutputPathError
-from msquant.export.recovery import (
-    SavePathLock,
-    recover_save_path,
-)
+from msquant.export.recovery import SavePathLock, recover_save_path
 from msquant.export.staging import StagedOutputDir, check_save_path
 from msquant.plugin.distributed import Distributed
 from msquant.run.agree import agree

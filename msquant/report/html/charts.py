@@ -54,6 +54,8 @@ class Bar:
 
 @dataclass(frozen=True)
 class Group:
+    """The bars of one group along x (a decoder layer or a module type)."""
+
     label: str
     key: str  # data-group value
     bars: list[Bar]
@@ -71,6 +73,7 @@ class Axes:
 
 
 def svg_head(axes: Axes) -> str:
+    """The opening ``svg`` tag of a chart, with its title."""
     return (
         f'<svg id="{axes.chart_id}" class="chart" role="img" aria-label="{esc(axes.title)}" '
         f'viewBox="0 0 {CHART_WIDTH} {axes.height}" xmlns="http://www.w3.org/2000/svg">'
@@ -87,6 +90,7 @@ def svg_empty(axes: Axes, text: str) -> str:
 
 
 def x_title(axes: Axes) -> str:
+    """The x axis label, centred under the plot."""
     x = MARGIN_LEFT + (CHART_WIDTH - MARGIN_LEFT - MARGIN_RIGHT) / 2
     return (
         f'<text class="axis-label" x="{x:.2f}" y="{axes.height - 8}" text-anchor="middle">'
@@ -196,6 +200,7 @@ def _bar(
 
 
 def error_text(bar: Bar) -> str:
+    """The tooltip of an output-error bar."""
     return (
         f"{bar.module.name}: output error {fmt(bar.value)}, round-to-nearest {fmt(bar.reference)}"
     )
@@ -230,6 +235,7 @@ def type_groups(modules: Sequence[PageModule], value: Callable[[PageModule], Bar
 
 
 def error_bar(module: PageModule) -> Bar:
+    """A module's output error, round-to-nearest's as the reference."""
     return Bar(module, module.number("output_error"), module.number("rtn_output_error"))
 
 
@@ -241,6 +247,7 @@ def damp_bar(module: PageModule) -> Bar:
 
 
 def damp_text(bar: Bar) -> str:
+    """The tooltip of a damping bar."""
     retries = bar.module.entry.get("damp_retries")
     return f"{bar.module.name}: percdamp {fmt(bar.value)}, {fmt(retries)} retry(ies)"
 
@@ -278,6 +285,7 @@ def time_chart(layers: Sequence[PageLayer]) -> str:
 
 
 def legend(colors: Mapping[str, str]) -> str:
+    """The legend: one swatch per module type, and the round-to-nearest outline."""
     items = "".join(
         f'<li data-type="{esc(name)}"><span class="swatch" style="background:{color}"></span>'
         f"{esc(name)}</li>"

@@ -63,12 +63,15 @@ class PageModule:
 
 @dataclass(frozen=True)
 class PageLayer:
+    """One decoder layer as the page shows it: index, name and wall time."""
+
     index: int
     name: str
     seconds: float | None
 
 
 def page_layers(report: Mapping[str, Any]) -> list[PageLayer]:
+    """The report's decoder layers with a valid index and name."""
     layers = []
     for entry in mapping_entries(report.get("layers")):
         index, name = entry.get("index"), entry.get("name")

@@ -35,6 +35,7 @@ NUMERIC_COLUMNS = frozenset(key for key, _ in TABLE_COLUMNS[4:]) | {"layer"}
 def summary_section(
     report: Mapping[str, Any], modules: Sequence[PageModule], layers: Sequence[PageLayer]
 ) -> str:
+    """The run summary (``dl#summary``): model, hashes, calibration, totals, versions."""
     errors = mean(m.number("output_error") for m in modules)
     rtn = mean(m.number("rtn_output_error") for m in modules)
     retries = sum(int(m.number("damp_retries") or 0) for m in modules)
@@ -109,6 +110,7 @@ def _cell(module: PageModule, key: str) -> str:
 
 
 def table_section(modules: Sequence[PageModule]) -> str:
+    """The sortable table of every module (``table#modules``)."""
     head = "".join(
         f'<th data-key="{key}" scope="col" tabindex="0">{esc(label)}</th>'
         for key, label in TABLE_COLUMNS

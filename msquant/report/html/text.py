@@ -11,6 +11,7 @@ __all__ = ["finite_number", "esc", "fmt", "seconds_text", "mean", "nice_max"]
 
 
 def finite_number(value: Any) -> float | None:
+    """A finite int or float as a float (bools and anything else: None)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value) if math.isfinite(value) else None
@@ -22,6 +23,7 @@ def esc(value: Any) -> str:
 
 
 def fmt(value: Any, digits: int = 4) -> str:
+    """A value as the page shows it: numbers to ``digits`` significant digits, missing as ``-``."""
     number = finite_number(value)
     if number is None:
         return "-" if value is None or isinstance(value, float) else str(value)
@@ -31,11 +33,13 @@ def fmt(value: Any, digits: int = 4) -> str:
 
 
 def seconds_text(value: Any) -> str:
+    """A duration in seconds, ``-`` when missing."""
     number = finite_number(value)
     return "-" if number is None else f"{number:.2f} s"
 
 
 def mean(values: Iterable[float | None]) -> float | None:
+    """The mean of the present values, None when there are none."""
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else None
 

@@ -42,6 +42,7 @@ def _replace_durably(tmp: Path, path: Path) -> None:
 
 
 def write_json_atomically(path: Path, data: Mapping[str, Any]) -> None:
+    """Write ``data`` as JSON to ``path`` durably (a kill leaves the old file or the new one)."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data) + "\n", encoding="utf-8")
     _replace_durably(tmp, path)
@@ -50,6 +51,7 @@ def write_json_atomically(path: Path, data: Mapping[str, Any]) -> None:
 def save_tensors_atomically(
     tensors: Mapping[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
 ) -> None:
+    """Write ``tensors`` as a safetensors file at ``path`` durably."""
     tmp = path.with_name(path.name + ".tmp")
     save_file(dict(tensors), str(tmp), metadata=metadata)
     _replace_durably(tmp, path)

@@ -11,9 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from msquant.errors import OutputPathError
-from msquant.export.recovery import (
-    owned_dir_problem,
-)
+from msquant.export.recovery import owned_dir_problem
 from msquant.plugin.distributed import SINGLE, Distributed
 from msquant.run.agree import agree
 from msquant.run.checkpoint.fingerprint import fingerprint_differences

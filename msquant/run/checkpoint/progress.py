@@ -21,6 +21,7 @@ __all__ = ["layer_key", "read_progress", "describe_progress", "hidden_name"]
 
 
 def layer_key(index: int) -> str:
+    """The key of layer ``index`` in the layer store and hidden-state files (``00003``)."""
     return f"{index:05d}"
 
 

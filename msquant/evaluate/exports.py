@@ -1,0 +1,165 @@
+"""An msquant export rebuilt as a float model, through the dequantizing readers of
+:mod:`msquant.verify` (written from the format specifications, independently of the savers).
+
+The float model is built from the export's ``config.json``, its float tensors are loaded as
+stored, and each quantized linear gets its dequantized weight ``(codes - offset) * scale`` cast
+to the model dtype. What is evaluated is thus exactly what a consumer that dequantizes the
+checkpoint computes, not msquant's in-memory result.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from msquant.errors import ModelLoadError
+from msquant.load.model_folder import load_model_config
+from msquant.model.moe import checkpoint_names, unfuse_experts
+from msquant.verify.base import ExportReader
+from msquant.verify.detect import open_reader
+from msquant.verify.errors import ExportReadError
+from msquant.verify.report import Findings
+
+__all__ = ["MAX_LISTED_ERRORS", "load_export"]
+
+logger = logging.getLogger(__name__)
+
+
+MAX_LISTED_ERRORS = 5
+
+
+def load_export(path: Path, trust_remote_code: bool) -> nn.Module:
+    """The float model of the export in ``path``, every quantized linear dequantized.
+
+    :raises ExportReadError: when the export cannot be read back consistently.
+    :raises ModelLoadError: when its ``config.json`` does not build a model.
+    """
+    findings = Findings()
+    reader = open_reader(path, findings)
+    try:
+        _raise_on_errors(path, reader, findings)
+        model = _empty_model(path, trust_remote_code)
+        unfuse_experts(model)  # MoE exports hold one quantized Linear per expert projection
+        names = checkpoint_names(model)  # the export uses the checkpoint's names (Mixtral)
+        tensor_of = {disk: mine for mine, disk in names.tensors.items()}
+        module_of = {disk: mine for mine, disk in names.modules.items()}
+        assert reader.store is not None
+        dtype = next(model.parameters()).dtype
+        covered = _load_float_tensors(model, reader, path, tensor_of)
+        for stored_name in reader.quantized_modules():
+            layer = reader.decode(stored_name)
+            _raise_on_errors(path, reader, findings)
+            assert layer is not None
+            module_name = module_of.get(stored_name, stored_name)
+            weight = _linear_weight(model, module_name, path)
+            if tuple(weight.shape) != layer.shape:
+                raise ExportReadError(
+                    f"{path}: {module_name} decodes to shape {list(layer.shape)} but the model "
+                    f"built from config.json has {list(weight.shape)}"
+                )
+            with torch.no_grad():
+                weight.copy_(layer.dequantize().to(dtype))
+            covered.add(f"{module_name}.weight")
+    finally:
+        if reader.store is not None:
+            reader.store.close()
+    _check_covered(model, covered, path)
+    model.eval()
+    return model
+
+
+def _raise_on_errors(path: Path, reader: ExportReader, findings: Findings) -> None:
+    if reader.store is None and not findings.errors:
+        findings.error("no weights found")
+    if not findings.errors:
+        return
+    listed = "; ".join(findings.errors[:MAX_LISTED_ERRORS])
+    more = len(findings.errors) - MAX_LISTED_ERRORS
+    extra = f" (and {more} more)" if more > 0 else ""
+    raise ExportReadError(
+        f"{reader.format_name} export {path} cannot be read back: {listed}{extra}; "
+        f"run `msquant verify {path}` for the full report"
+    )
+
+
+def _empty_model(path: Path, trust_remote_code: bool) -> nn.Module:
+    """The model class of the export's config with freshly initialized weights (overwritten next)."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_model_config(path, trust_remote_code)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # weights are dequantized here: build the float model
+    dtype = getattr(config, "dtype", None) or torch.float32
+    try:
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=trust_remote_code
+        )
+    except (ValueError, KeyError, ImportError, TypeError) as exc:
+        raise ModelLoadError(
+            f"cannot build the model of {path} from its config.json: {exc} "
+            "(pass --trust_remote_code for models with custom code)"
+        ) from exc
+    return model
+
+
+def _load_float_tensors(
+    model: nn.Module, reader: ExportReader, path: Path, tensor_of: Mapping[str, str]
+) -> set[str]:
+    """Copy the stored float tensors into the model; the names of the parameters set.
+
+    :param tensor_of: stored name -> the model's name, where they differ.
+    """
+    assert reader.store is not None
+    state = model.state_dict()
+    covered: set[str] = set()
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for stored_name in reader.float_tensors():
+            name = tensor_of.get(stored_name, stored_name)
+            if name not in state:
+                unexpected.append(stored_name)
+                continue
+            tensor = reader.store.get(stored_name)
+            if tuple(tensor.shape) != tuple(state[name].shape):
+                raise ExportReadError(
+                    f"{path}: {name} is stored with shape {list(tensor.shape)} but the model "
+                    f"built from config.json has {list(state[name].shape)}"
+                )
+            state[name].copy_(tensor)
+            covered.add(name)
+    if unexpected:
+        logger.warning(
+            "%s: %d stored tensor(s) the model does not have were ignored: %s",
+            path,
+            len(unexpected),
+            ", ".join(unexpected[:MAX_LISTED_ERRORS]),
+        )
+    return covered
+
+
+def _linear_weight(model: nn.Module, name: str, path: Path) -> torch.Tensor:
+    """The weight of the quantized layer ``name`` in the rebuilt model."""
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        raise ExportReadError(
+            f"{path}: quantized layer {name} is not a module of the model built from config.json"
+        ) from None
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise ExportReadError(f"{path}: quantized layer {name} has no weight in the model")
+    return weight
+
+
+def _check_covered(model: nn.Module, covered: set[str], path: Path) -> None:
+    """Every parameter (tied ones once) must come from the export, none left at its random init."""
+    missing = [name for name, _ in model.named_parameters() if name not in covered]
+    if missing:
+        raise ExportReadError(
+            f"{path}: the export holds no value for {len(missing)} parameter(s) of the model: "
+            f"{', '.join(missing[:MAX_LISTED_ERRORS])}"
+        )
