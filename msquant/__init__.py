@@ -64,19 +64,17 @@ from msquant.model.head import (
 from msquant.model.layers import DecoderLayer
 from msquant.model.matching import is_selected, unmatched_patterns
 from msquant.model.moe import MoEInfo, expert_fallback, moe_routers
-from msquant.planning import (
+from msquant.planning.analysis import analyse_plan, check_plan
+from msquant.planning.build import build_plan, plan
+from msquant.planning.model import (
     ModelPlan,
     ModuleDecision,
     ModulePlanner,
     PlanReview,
     PlanReviewer,
     PlanRow,
-    analyse_plan,
-    build_plan,
-    check_plan,
-    plan,
-    render_plan,
 )
+from msquant.planning.render import render_plan
 from msquant.plugin.context import RunContext
 from msquant.plugin.distributed import SINGLE, Distributed, balanced_owners
 from msquant.plugin.processor import OutputHeadUser, Processor, ProcessorConfig

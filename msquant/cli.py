@@ -31,7 +31,8 @@ from msquant.errors import MsquantInputError
 from msquant.evaluate.perplexity import compare_perplexity, evaluate_perplexity
 from msquant.evaluate.run_evaluation import prepare_evaluation
 from msquant.evaluate.windows import DEFAULT_SEQLEN
-from msquant.planning import build_plan, render_plan
+from msquant.planning.build import build_plan
+from msquant.planning.render import render_plan
 from msquant.plugin.distributed import PeerLostError
 from msquant.plugin.registry import default_registry
 from msquant.presets import preset_config

@@ -3,9 +3,10 @@ downwards (docs/developer/architecture.md draws the same graph)."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
-from import_graph import cycles, import_graph
+from import_graph import cycles, import_graph, package_graph
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,3 +52,68 @@ def test_the_graph_counts_function_level_imports_and_skips_type_checking(tmp_pat
     assert graph["msquant.d"] == {"msquant.c"}
     assert graph["msquant.processors.p"] == {"msquant.a"}
     assert cycles(graph) == [["msquant.a", "msquant.pkg.b"]]
+
+
+def _imports_of(graph: dict[str, set[str]], package: str) -> dict[str, set[str]]:
+    """``module -> imported msquant modules`` for the modules of ``package``."""
+    return {m: t for m, t in graph.items() if m == package or m.startswith(package + ".")}
+
+
+def _in(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+#: What architecture knowledge and pure numerics must never depend on: the run mechanics, the
+#: run report and the processor-facing plugin layer.
+UPPER_LAYERS = ("msquant.run", "msquant.report", "msquant.plugin")
+
+
+def test_model_and_quant_import_nothing_from_run_report_or_plugin() -> None:
+    graph = import_graph(REPO)
+    for package in ("msquant.model", "msquant.quant"):
+        modules = _imports_of(graph, package)
+        assert modules, f"{package} has no modules: the layout changed, update this test"
+        offending = {
+            module: sorted(t for t in targets if _in(t, UPPER_LAYERS))
+            for module, targets in modules.items()
+        }
+        assert {m: t for m, t in offending.items() if t} == {}, package
+
+
+def test_the_packages_import_each_other_without_a_cycle() -> None:
+    """Folded to msquant's first-level packages (``run``, ``plugin``, ``model``, ...), the imports
+    still form no cycle: each package only uses those drawn below it in
+    docs/developer/architecture.md."""
+    assert cycles(package_graph(import_graph(REPO))) == []
+
+
+def test_the_layer_rule_catches_an_upward_import(tmp_path: Path) -> None:
+    """The checker itself: a function-level import of ``msquant.run`` inside ``msquant.model``
+    is an upward import, and a package cycle appears in the folded graph."""
+    repo = _write(
+        tmp_path,
+        {
+            "msquant/__init__.py": "",
+            "msquant/model/__init__.py": "",
+            "msquant/model/layers.py": "def f():\n    from msquant.run.runner import go\n",
+            "msquant/run/__init__.py": "",
+            "msquant/run/runner.py": "from msquant.model.layers import f\ndef go():\n    f()\n",
+            "processors/__init__.py": "",
+        },
+    )
+    graph = import_graph(repo)
+    assert _in("msquant.run.runner", UPPER_LAYERS)
+    assert graph["msquant.model.layers"] == {"msquant.run.runner"}
+    assert cycles(package_graph(graph)) == [["msquant.model", "msquant.run"]]
+
+
+def test_no_public_name_hides_a_subpackage() -> None:
+    """``msquant.X`` must stay the subpackage or module ``X`` for every one of msquant's own:
+    a public name of the same spelling (a function ``msquant.plan``, say) would replace the
+    package attribute, and ``import msquant.X.y`` followed by ``msquant.X.y`` would break."""
+    import msquant
+
+    children = {module.split(".")[1] for module in import_graph(REPO) if module.count(".") >= 1}
+    assert sorted(children & set(msquant.__all__)) == []
+    for child in children:
+        assert getattr(msquant, child, None) is None or inspect.ismodule(getattr(msquant, child))

@@ -4,14 +4,9 @@ all of them, so that none goes on alone into the next collective.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from msquant.errors import MsquantInputError
 from msquant.plugin.distributed import Distributed
 from msquant.run.checkpoint.layout import ResumeError
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["agree"]
 

@@ -21,7 +21,7 @@ from msquant.load.calibration import (
     resolve_dataset_path,
 )
 from msquant.model.layers import find_decoder_layers
-from msquant.planning import check_plan
+from msquant.planning.analysis import check_plan
 from msquant.plugin.distributed import Distributed
 from msquant.plugin.processor import Processor
 from msquant.report.hashes import calibration_sha256, config_sha256

@@ -8,13 +8,10 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["write_json_atomically", "save_tensors_atomically"]
 

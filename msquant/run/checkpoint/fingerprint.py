@@ -7,15 +7,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from msquant.run.checkpoint.layout import WORLD_SIZE_HINT
 from msquant.version import __version__
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["run_fingerprint", "fingerprint_differences"]
 

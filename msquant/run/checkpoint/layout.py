@@ -5,12 +5,8 @@ a run that cannot be resumed.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from msquant.errors import MsquantInputError
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "PARTIAL_SUFFIX",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from msquant.run.checkpoint.layout import (
     HIDDEN_PREFIX,
@@ -13,9 +13,6 @@ from msquant.run.checkpoint.layout import (
     STAGE_FINISHED,
     ResumeError,
 )
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["layer_key", "read_progress", "describe_progress", "hidden_name"]
 

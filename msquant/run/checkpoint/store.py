@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -17,9 +17,6 @@ from msquant.quant.quantized_linear import QuantizedLinear, replace_module
 from msquant.quant.quantized_weight import QuantizedWeight
 from msquant.run.checkpoint.durable import save_tensors_atomically
 from msquant.run.checkpoint.layout import ResumeError
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["LayerStore"]
 

@@ -1,0 +1,74 @@
+"""The plan of a model folder under a config (``msquant plan``): no weight is read, the model is
+built on the meta device from its ``config.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from msquant.config.processors import build_processors
+from msquant.config.resolve import ConfigLike, resolve_config
+from msquant.errors import QuantizationError
+from msquant.load.model_folder import build_meta_model, check_model_dir, load_model_config
+from msquant.model.layers import find_decoder_layers
+from msquant.planning.analysis import analyse_plan
+from msquant.planning.model import ModelPlan, PlanRow
+from msquant.plugin.registry import ProcessorRegistry, default_registry
+
+__all__ = ["build_plan", "plan"]
+
+logger = logging.getLogger(__name__)
+
+
+def build_plan(
+    model_path: str | Path,
+    config: ConfigLike,
+    *,
+    trust_remote_code: bool = False,
+    registry: ProcessorRegistry | None = None,
+) -> ModelPlan:
+    """The plan of a model folder under a config, with every problem a run would report before
+    loading weights (the processors' ``check_model`` errors included). Nothing is quantized and no
+    weight is read: the model is built on the meta device from its ``config.json``.
+
+    :raises msquant.MsquantInputError: for an invalid config or model folder.
+    """
+    registry = registry if registry is not None else default_registry()
+    resolved = resolve_config(config, registry)
+    processors = build_processors(resolved.config, registry)
+    model_dir = check_model_dir(model_path)
+    meta_model = build_meta_model(
+        load_model_config(model_dir, trust_remote_code), trust_remote_code
+    )
+    layers = find_decoder_layers(meta_model)
+    own = [message for p in processors for message in p.check_model(meta_model, layers)]
+    result = analyse_plan(processors, meta_model, layers)
+    result.errors[:0] = own
+    return result
+
+
+def plan(
+    model_path: str | Path,
+    config: ConfigLike,
+    *,
+    trust_remote_code: bool = False,
+    registry: ProcessorRegistry | None = None,
+) -> list[PlanRow]:
+    """Per linear layer: the bits, group size, symmetry, method, skip decision and deciding rule
+    a run of ``config`` on ``model_path`` would use (``msquant plan``). Warnings are logged.
+
+    :raises msquant.QuantizationError: listing every problem when the config cannot be applied
+        to this model (the same problems ``quantize`` refuses before loading weights).
+    :raises msquant.MsquantInputError: for an invalid config or model folder.
+    """
+    result = build_plan(model_path, config, trust_remote_code=trust_remote_code, registry=registry)
+    for warning in result.warnings:
+        logger.warning("%s", warning)
+    if result.errors:
+        count = len(result.errors)
+        raise QuantizationError(
+            f"the config cannot be applied to this model ({count} problem{'s' if count > 1 else ''}):\n"
+            + "\n".join(f"  - {p}" for p in result.errors)
+        )
+    return result.rows

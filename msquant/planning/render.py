@@ -1,0 +1,50 @@
+"""A plan as a plain-text table followed by a summary, the errors and the warnings."""
+
+from __future__ import annotations
+
+from msquant.planning.model import ModelPlan
+
+__all__ = ["render_plan"]
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
+def render_plan(result: ModelPlan) -> str:
+    """A plain-text table of the plan followed by a summary, the errors and the warnings."""
+    header = ("module", "bits", "group", "sym", "method", "skipped", "decided by")
+    table: list[tuple[str, ...]] = [header]
+    for row in result.rows:
+        group = "channel" if row.group_size == -1 else _cell(row.group_size)
+        table.append(
+            (
+                row.module,
+                _cell(row.bits),
+                group,
+                _cell(row.sym),
+                _cell(row.method),
+                _cell(row.skipped),
+                row.decided_by,
+            )
+        )
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in table
+    ]
+    quantized = [row for row in result.rows if not row.skipped]
+    lines.append(
+        f"{result.model_type}: {len(result.rows)} linear layer(s), {len(quantized)} quantized, "
+        f"{len(result.rows) - len(quantized)} left in float"
+    )
+    for kind, messages in (("error", result.errors), ("warning", result.warnings)):
+        if messages:
+            lines.append(f"{len(messages)} {kind}(s):")
+            lines += [f"  - {message}" for message in messages]
+    lines.append("OK" if result.ok else "FAILED: the config cannot be applied to this model")
+    return "\n".join(lines)
