@@ -514,7 +514,7 @@ def test_internal_error_exits_1(
     def boom(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("simulated engine bug")
 
-    monkeypatch.setattr("msquant.cli.quantize", boom)
+    monkeypatch.setattr("msquant.cli.quant.quantize", boom)
     result = run_cli(
         "quant", "--model_path", tiny_llama, "--save_path", tmp_path / "o", "--quant_type", "w8a16"
     )
@@ -528,7 +528,7 @@ def test_interrupt_exits_130(
     def interrupted(*args: Any, **kwargs: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("msquant.cli.quantize", interrupted)
+    monkeypatch.setattr("msquant.cli.quant.quantize", interrupted)
     result = run_cli(
         "quant", "--model_path", tiny_llama, "--save_path", tmp_path / "o", "--quant_type", "w8a16"
     )
@@ -545,7 +545,7 @@ def test_a_lost_peer_is_one_line_with_the_way_on(
     def peer_lost(*args: Any, **kwargs: Any) -> None:
         raise PeerLostError("dp_layer_wise: all_reduce failed, another process of the group ended")
 
-    monkeypatch.setattr("msquant.cli.quantize", peer_lost)
+    monkeypatch.setattr("msquant.cli.quant.quantize", peer_lost)
     result = run_cli(
         "quant", "--model_path", tiny_llama, "--save_path", tmp_path / "o", "--quant_type", "w8a16"
     )

@@ -17,7 +17,7 @@ import yaml
 from conftest import CALIB_TXT, CliResult
 
 from msquant import SINGLE, HessianAccumulator, balanced_owners
-from msquant.cli import _process_devices
+from msquant.cli.quant_options import process_devices
 from msquant.errors import MsquantInputError
 
 SAVE = [{"type": "ascendv1_saver"}, {"type": "gptq_saver"}]
@@ -143,22 +143,22 @@ def test_too_few_batches_for_the_processes_is_a_clear_error(
     assert not (tmp_path / "out").exists()
 
 
-def test_process_devices() -> None:
-    assert _process_devices("cpu", None) == ["cpu"]
-    assert _process_devices("cpu", 3) == ["cpu"] * 3
-    assert _process_devices("npu:0,1,2", None) == ["npu:0", "npu:1", "npu:2"]
-    assert _process_devices("cuda:1,0", 2) == ["cuda:1", "cuda:0"]
+def testprocess_devices() -> None:
+    assert process_devices("cpu", None) == ["cpu"]
+    assert process_devices("cpu", 3) == ["cpu"] * 3
+    assert process_devices("npu:0,1,2", None) == ["npu:0", "npu:1", "npu:2"]
+    assert process_devices("cuda:1,0", 2) == ["cuda:1", "cuda:0"]
     with pytest.raises(MsquantInputError, match="--nproc 3 does not match the 2 devices"):
-        _process_devices("npu:0,1", 3)
+        process_devices("npu:0,1", 3)
     with pytest.raises(MsquantInputError, match="name the devices instead, e.g. --device cuda:0,1"):
-        _process_devices("cuda", 2)
+        process_devices("cuda", 2)
 
 
 def test_process_devices_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert _process_devices("npu:1", None) == ["npu:1"]
+    assert process_devices("npu:1", None) == ["npu:1"]
     with pytest.raises(MsquantInputError, match="under torchrun each process takes one device"):
-        _process_devices("npu:0,1", None)
+        process_devices("npu:0,1", None)
 
 
 def test_balanced_owners_spread_the_largest_first() -> None:

@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 
-from msquant.cli import build_parser
+from msquant.cli.parser import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"

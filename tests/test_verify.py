@@ -1017,7 +1017,7 @@ def test_cli_quant_passes_overwrite_and_no_verify(
         seen.update(kwargs)
         raise msquant.OutputPathError("stop here")
 
-    monkeypatch.setattr("msquant.cli.quantize", fake_quantize)
+    monkeypatch.setattr("msquant.cli.quant.quantize", fake_quantize)
     base = [
         "quant",
         "--model_path",
@@ -1043,7 +1043,7 @@ def test_cli_quant_reports_a_failed_verification(
     def failing(*args: Any, **kwargs: Any) -> Any:
         raise ExportVerificationError(report)
 
-    monkeypatch.setattr("msquant.cli.quantize", failing)
+    monkeypatch.setattr("msquant.cli.quant.quantize", failing)
     result = run_cli(
         "quant", "--model_path", tmp_path, "--save_path", tmp_path / "o", "--quant_type", "w8a16"
     )

@@ -36,6 +36,7 @@ LISTED = 4
 
 
 def listing(names: Sequence[str]) -> str:
+    """The first :data:`LISTED` names, then how many more there are."""
     shown = ", ".join(names[:LISTED])
     return shown + (f" and {len(names) - LISTED} more" if len(names) > LISTED else "")
 
