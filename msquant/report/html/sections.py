@@ -1,14 +1,24 @@
-"""The report page's run summary and its sortable table of modules."""
+"""The data of the report page's run summary and its sortable table of modules (the markup is
+in ``templates/summary.html.j2`` and ``templates/modules_table.html.j2``)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from msquant.report.html.content import PageLayer, PageModule
-from msquant.report.html.text import esc, finite_number, fmt, mean, seconds_text
+from msquant.report.html.text import finite_number, fmt, mean, seconds_text
 
-__all__ = ["TABLE_COLUMNS", "NUMERIC_COLUMNS", "summary_section", "table_section"]
+__all__ = [
+    "TABLE_COLUMNS",
+    "NUMERIC_COLUMNS",
+    "SummaryRow",
+    "TableCell",
+    "TableRow",
+    "summary_rows",
+    "table_rows",
+]
 
 
 # Columns of the module table: key (for data-key and #sort=), header, how to render a value.
@@ -32,9 +42,36 @@ TABLE_COLUMNS: tuple[tuple[str, str], ...] = (
 NUMERIC_COLUMNS = frozenset(key for key, _ in TABLE_COLUMNS[4:]) | {"layer"}
 
 
-def summary_section(
+@dataclass(frozen=True)
+class SummaryRow:
+    """One ``dt``/``dd`` pair of the run summary; ``key`` is the ``dd``'s ``data-key``."""
+
+    key: str
+    label: str
+    value: str
+
+
+@dataclass(frozen=True)
+class TableCell:
+    """One cell of the module table: its text, and for numeric columns the ``data-value`` the
+    sorting script reads (empty when the value is missing)."""
+
+    text: str
+    numeric: bool = False
+    data: str = ""
+
+
+@dataclass(frozen=True)
+class TableRow:
+    """One module's row (``tr[data-module=name]``)."""
+
+    name: str
+    cells: tuple[TableCell, ...]
+
+
+def summary_rows(
     report: Mapping[str, Any], modules: Sequence[PageModule], layers: Sequence[PageLayer]
-) -> str:
+) -> list[SummaryRow]:
     """The run summary (``dl#summary``): model, hashes, calibration, totals, versions."""
     errors = mean(m.number("output_error") for m in modules)
     rtn = mean(m.number("rtn_output_error") for m in modules)
@@ -75,13 +112,10 @@ def summary_section(
         for name in ("msquant", "torch", "transformers", "python")
     )
     rows.append(("versions", "versions", versions))
-    items = "".join(
-        f'<dt>{esc(label)}</dt><dd data-key="{key}">{esc(value)}</dd>' for key, label, value in rows
-    )
-    return f'<section id="run-summary"><h2>Run</h2><dl id="summary">{items}</dl></section>'
+    return [SummaryRow(key, label, value) for key, label, value in rows]
 
 
-def _cell(module: PageModule, key: str) -> str:
+def _cell(module: PageModule, key: str) -> TableCell:
     """One table cell; numeric cells carry ``data-value`` for sorting (empty when missing)."""
     if key == "name":
         value: Any = module.name
@@ -104,30 +138,10 @@ def _cell(module: PageModule, key: str) -> str:
         text = fmt(value)
     if key in NUMERIC_COLUMNS:
         number = finite_number(value)
-        data = "" if number is None else repr(number)
-        return f'<td class="num" data-value="{data}">{esc(text)}</td>'
-    return f'<td data-value="{esc(text)}">{esc(text)}</td>'
+        return TableCell(text, numeric=True, data="" if number is None else repr(number))
+    return TableCell(text)
 
 
-def table_section(modules: Sequence[PageModule]) -> str:
-    """The sortable table of every module (``table#modules``)."""
-    head = "".join(
-        f'<th data-key="{key}" scope="col" tabindex="0">{esc(label)}</th>'
-        for key, label in TABLE_COLUMNS
-    )
-    rows = "".join(
-        f'<tr data-module="{esc(m.name)}">'
-        + "".join(_cell(m, key) for key, _ in TABLE_COLUMNS)
-        + "</tr>"
-        for m in modules
-    )
-    if not modules:
-        rows = (
-            f'<tr class="empty"><td colspan="{len(TABLE_COLUMNS)}">no quantized modules</td></tr>'
-        )
-    return (
-        '<section id="module-table"><h2>Modules</h2>'
-        '<p class="hint">Click a header to sort (again to reverse).</p>'
-        f'<table id="modules"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>'
-        "</section>"
-    )
+def table_rows(modules: Sequence[PageModule]) -> list[TableRow]:
+    """The rows of the table of every module (``table#modules``), one per module."""
+    return [TableRow(m.name, tuple(_cell(m, key) for key, _ in TABLE_COLUMNS)) for m in modules]
