@@ -414,3 +414,22 @@ def test_json_of_the_page_fixture_is_a_run_report(report: dict[str, Any]) -> Non
     assert json.loads(json.dumps(report)) == report
     assert all(m["method"] == "gptq" and m["output_error"] > 0 for m in report["modules"])
     assert report["evaluation"]["seqlen"] == SEQLEN and report["evaluation"]["ppl"] > 1
+
+
+def test_report_from_dict_skips_invalid_records() -> None:
+    """A document with values of the wrong type (another tool, an edited file) still loads:
+    invalid run-wide values keep their defaults, invalid records are skipped, valid ones kept."""
+    module = {"name": "m", "method": "gptq", "bits": 4, "group_size": None, "symmetric": True}
+    loaded = report_from_dict(
+        {
+            "model_type": "llama",
+            "calibration_samples": "many",
+            "modules": [{**module, "name": "bad", "bits": "four"}, module, "not an object"],
+            "layers": [{"index": 0}, {"index": 1, "name": "model.layers.1", "seconds": 0.5}],
+            "evaluation": {"ppl": 3.0},
+        }
+    )
+    assert loaded.model_type == "llama" and loaded.calibration_samples == 0
+    assert [m.name for m in loaded.modules] == ["m"] and loaded.modules[0].bits == 4
+    assert [(t.index, t.name) for t in loaded.layers] == [(1, "model.layers.1")]
+    assert loaded.evaluation is None

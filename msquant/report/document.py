@@ -8,12 +8,16 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import ValidationError
 
 from msquant.errors import MsquantInputError
 from msquant.report.run_report import EvaluationReport, LayerTiming, ModuleReport, RunReport
 
 __all__ = ["load_report", "mapping_entries", "report_from_dict", "strip_timings"]
+
+T = TypeVar("T")
 
 
 def load_report(path: str | Path, role: str = "report") -> dict[str, Any]:
@@ -42,23 +46,35 @@ def report_from_dict(data: Mapping[str, Any]) -> RunReport:
     """A :class:`RunReport` from its JSON document (for :func:`msquant.render_report`).
 
     Unknown keys are ignored and missing ones keep their defaults, so documents of other msquant
-    versions load; entries that are not objects are skipped.
+    versions load; run-wide values of the wrong type are left at their defaults, and module,
+    layer and evaluation entries that are not valid records (not objects, a required field
+    missing or of the wrong type) are skipped.
     """
-    report = RunReport(
-        **_known_fields(RunReport, data, exclude={"modules", "layers", "evaluation"})
-    )
+    run_wide = _known_fields(RunReport, data, exclude={"modules", "layers", "evaluation"})
+    report = _record(RunReport, run_wide, drop_invalid=True)
+    assert report is not None  # every run-wide field has a default
     for entry in mapping_entries(data.get("modules")):
-        if isinstance(entry.get("name"), str):
-            report.add_module(ModuleReport(**_known_fields(ModuleReport, entry)))
+        if (module := _record(ModuleReport, _known_fields(ModuleReport, entry))) is not None:
+            report.add_module(module)
     for entry in mapping_entries(data.get("layers")):
-        if "index" in entry and "name" in entry:
-            report.add_layer(LayerTiming(**_known_fields(LayerTiming, entry)))
+        if (layer := _record(LayerTiming, _known_fields(LayerTiming, entry))) is not None:
+            report.add_layer(layer)
     evaluation = data.get("evaluation")
     if isinstance(evaluation, Mapping):
-        names = {f.name for f in fields(EvaluationReport)}
-        if names <= set(evaluation):
-            report.evaluation = EvaluationReport(**_known_fields(EvaluationReport, evaluation))
+        report.evaluation = _record(EvaluationReport, _known_fields(EvaluationReport, evaluation))
     return report
+
+
+def _record(cls: type[T], values: dict[str, Any], drop_invalid: bool = False) -> T | None:
+    """``cls(**values)`` (a pydantic dataclass, so the values are validated); on invalid values
+    None, or with ``drop_invalid`` the record without them (their defaults instead)."""
+    try:
+        return cls(**values)
+    except (ValidationError, TypeError) as exc:
+        if not drop_invalid or not isinstance(exc, ValidationError):
+            return None
+        invalid = {error["loc"][0] for error in exc.errors() if error["loc"]}
+        return cls(**{key: value for key, value in values.items() if key not in invalid})
 
 
 def _known_fields(

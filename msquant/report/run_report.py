@@ -4,6 +4,9 @@ Every run writes ``quant_report.json`` at the top of the save path (see :func:`w
 Processors record their modules through :meth:`RunReport.add_module`, the runner records the
 decoder-layer times, and :func:`msquant.quantize` fills in the run-wide fields.
 
+The records are pydantic dataclasses: validated when built, read back from a checkpoint by
+pydantic (:meth:`RunReport.restore_layer_records`).
+
 Deterministic by design: two identical runs give identical reports apart from the fields whose
 names end in ``seconds`` (every timing lives in such a field), so scripts can diff reports across
 runs after dropping those keys (:func:`msquant.strip_timings`).
@@ -15,13 +18,14 @@ import dataclasses
 import json
 import math
 import platform
-import types
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, field
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, get_origin, get_type_hints
 
 import torch
+from pydantic import TypeAdapter
+from pydantic.dataclasses import dataclass
 
 __all__ = [
     "REPORT_FILE",
@@ -173,7 +177,7 @@ class RunReport:
         for name, value in records.items():
             if name not in hints or get_origin(hints[name]) is not list:
                 raise ValueError(f"run report has no list field {name!r}")
-            setattr(self, name, _from_json(hints[name], value))
+            setattr(self, name, TypeAdapter(hints[name]).validate_python(value))
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document (non-finite floats become null: JSON has no NaN or Infinity)."""
@@ -207,24 +211,6 @@ def _record(item: Any) -> Any:
     if dataclasses.is_dataclass(item) and not isinstance(item, type):
         return asdict(item)
     return item
-
-
-def _from_json(kind: Any, value: Any) -> Any:
-    """``value`` (parsed JSON) as an instance of the annotated type ``kind``: dataclasses,
-    lists, optionals and plain values (enough for the report's records)."""
-    if value is None:
-        return None
-    origin = get_origin(kind)
-    if origin is list:
-        (item,) = get_args(kind)
-        return [_from_json(item, v) for v in value]
-    if origin in (Union, types.UnionType):
-        options = [arg for arg in get_args(kind) if arg is not type(None)]
-        return _from_json(options[0], value) if len(options) == 1 else value
-    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
-        hints = get_type_hints(kind)
-        return kind(**{name: _from_json(hints[name], v) for name, v in value.items()})
-    return value
 
 
 def _version_of(package: str) -> str:

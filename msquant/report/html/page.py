@@ -59,7 +59,12 @@ logger = logging.getLogger(__name__)
 
 def _asset(name: str) -> str:
     """A static file of the page (its stylesheet or script), from ``templates/``."""
-    return resources.files(__package__).joinpath("templates").joinpath(name).read_text(encoding="utf-8")
+    return (
+        resources.files(__package__)
+        .joinpath("templates")
+        .joinpath(name)
+        .read_text(encoding="utf-8")
+    )
 
 
 @functools.cache
