@@ -199,15 +199,30 @@ def test_qwen3_5_plan_refuses_a_fused_projection_half_quantized(weightless_qwen3
     assert msquant.analyse_plan(processors, model, layers, adapter=ModelAdapter()).errors == []
 
 
-def test_qwen3_5_rule_matching_the_fused_name_and_one_shard_is_warned(
+def test_qwen3_5_rules_splitting_a_fused_projection_inside_one_entry_are_refused(
     weightless_qwen3_5: Path,
 ) -> None:
-    """``-:.*in_proj_qkv`` skips only ``in_proj_qkv`` in msquant, but vLLM's ``re.match`` also
-    matches its fused ``in_proj_qkvz``, so vLLM would skip ``in_proj_z`` too."""
-    result = msquant.build_plan(weightless_qwen3_5, config(dynamic={"-:.*in_proj_qkv": {}}))
+    """``-:.*in_proj_qkv`` skips only ``in_proj_qkv`` in msquant (vLLM's ``re.match`` would also
+    match the fused ``in_proj_qkvz``): the split is refused and the rule warned about, although
+    one entry selects both shards (the processors check only the generic table)."""
+    cfg = config(dynamic={"-:.*in_proj_qkv": {}})
+    result = msquant.build_plan(weightless_qwen3_5, cfg)
+    assert len(result.errors) == 1
+    assert result.errors[0].startswith("model.layers.0.linear_attn.in_proj_qkvz is loaded as one")
+    assert (
+        'model.layers.0.linear_attn.in_proj_qkv: not quantized by spec.process[0].dynamic["-:.*'
+        in result.errors[0]
+    )
     mismatch = [w for w in result.warnings if "in_proj_qkvz" in w]
     assert len(mismatch) == 1
-    assert "in_proj_qkv, in_proj_z, in_proj_qkvz" in mismatch[0]
+    assert "make it match all of in_proj_qkv, in_proj_z, in_proj_qkvz or none" in mismatch[0]
+    # the generic heuristics: neither the error nor the warning
+    resolved = resolve_config(cfg, msquant.default_registry())
+    processors = build_processors(resolved.config, msquant.default_registry())
+    model = build_meta_model(AutoConfig.from_pretrained(weightless_qwen3_5))
+    layers = ModelAdapter().decoder_layers(model)
+    before = msquant.analyse_plan(processors, model, layers, adapter=ModelAdapter())
+    assert before.errors == [] and not [w for w in before.warnings if "in_proj" in w]
 
 
 def test_cli_refuses_the_half_quantized_qwen3_5_before_loading(

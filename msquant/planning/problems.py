@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from torch import nn
 
 from msquant.model.adapter import ModelAdapter
-from msquant.model.fused import FusedGroup
+from msquant.model.fused import FusedGroup, expert_groups, fused_groups
 from msquant.model.head import head_is_tied, tied_head_message
 from msquant.planning.model import ModuleDecision, PlanRow, entry_path, source_of
 from msquant.quant.rules import DynamicRule, FusedNameMismatch, fused_name_mismatches
@@ -64,16 +64,21 @@ def fused_errors(
     """Fused groups (and MoE experts modules) split across entries (or between an entry and
     no entry).
 
-    Groups whose shards are all selected by one and the same entry are that entry's own
-    ``check_model`` business (so a run reports them once).
+    Groups of the generic table whose shards are all selected by one and the same entry are that
+    entry's own ``check_model`` business (so a run reports them once); the groups only the model's
+    adapter knows (e.g. Qwen3.5's ``in_proj_qkvz``) are checked here whoever selects them, since
+    the processors check the generic table (:func:`msquant.fused_groups`).
 
     :param adapter: the model's adapter, which knows its fused matrices.
     """
+    names = [member for group in groups for member in group.members]
+    generic = {group.fused_name for group in [*fused_groups(names), *expert_groups(names)]}
     members: dict[str, tuple[object, ...]] = {}
     describe: dict[str, str] = {}
     for group in groups:
         owners = {tuple(i for i, _ in selected_by.get(m, [])) for m in group.members}
-        if len(owners) == 1 and len(next(iter(owners))) == 1:
+        one_entry = len(owners) == 1 and len(next(iter(owners))) == 1
+        if one_entry and group.fused_name in generic:
             continue
         for member in group.members:
             selecting = selected_by.get(member, [])
