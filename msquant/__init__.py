@@ -44,6 +44,13 @@ from msquant.export import (
     unique_state_items,
     write_hf_config,
 )
+from msquant.model.adapter import ModelAdapter
+from msquant.model.adapter_registry import (
+    MODEL_ADAPTER_GROUP,
+    ModelAdapterRegistry,
+    adapter_for,
+    default_adapter_registry,
+)
 from msquant.model.fused import (
     FUSED_SHARDS,
     FusedGroup,
@@ -241,6 +248,12 @@ __all__ = [
     "BASE_SOURCE",
     "DYNAMIC_KEYS",
     "GPTQ_ONLY_KEYS",
+    # model adapters (architecture knowledge keyed by config.model_type)
+    "ModelAdapter",
+    "ModelAdapterRegistry",
+    "MODEL_ADAPTER_GROUP",
+    "adapter_for",
+    "default_adapter_registry",
     # fused layers
     "FUSED_SHARDS",
     "FusedGroup",

@@ -20,13 +20,13 @@ from torch import nn
 from msquant.errors import ModelLoadError
 from msquant.load.model_folder import build_meta_model, load_causal_lm, load_model_config
 from msquant.load.streaming import StreamedWeights
+from msquant.model.checkpoint_names import checkpoint_names
+from msquant.model.checkpoint_sources import checkpoint_sources
 from msquant.model.layers import find_decoder_layers
 from msquant.model.moe import (
     DEFAULT_EXPERT_TOKEN_RATIO,
     ExpertTokenCounter,
     UnfusedExperts,
-    checkpoint_names,
-    checkpoint_sources,
     expert_fallback,
     unfuse_experts,
 )

@@ -396,7 +396,7 @@ def test_killed_mixtral_run_resumes_to_the_same_export(
 
 
 def test_disk_name_maps_modules_and_their_tensors_and_keeps_the_rest() -> None:
-    from msquant.model.moe import CheckpointNames
+    from msquant.model.checkpoint_names import CheckpointNames
     from msquant.plugin.context import DiskNamed, disk_name
 
     expert = "model.layers.0.mlp.experts.1.up_proj"

@@ -21,6 +21,16 @@ ARCHS: dict[str, dict[str, Any]] = {
     "qwen2": dict(model_type="qwen2"),
     "qwen3": dict(model_type="qwen3", head_dim=16),
     "mistral": dict(model_type="mistral", sliding_window=8),
+    # Qwen3.5's language model: a Gated DeltaNet (linear attention) layer, then a full-attention one
+    "qwen3_5_text": dict(
+        model_type="qwen3_5_text",
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+    ),
 }
 
 

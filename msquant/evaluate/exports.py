@@ -18,7 +18,7 @@ from torch import nn
 
 from msquant.errors import ModelLoadError
 from msquant.load.model_folder import load_model_config
-from msquant.model.moe import checkpoint_names, unfuse_experts
+from msquant.model.adapter_registry import adapter_for
 from msquant.verify.base import ExportReader
 from msquant.verify.detect import open_reader
 from msquant.verify.errors import ExportReadError
@@ -43,8 +43,9 @@ def load_export(path: Path, trust_remote_code: bool) -> nn.Module:
     try:
         _raise_on_errors(path, reader, findings)
         model = _empty_model(path, trust_remote_code)
-        unfuse_experts(model)  # MoE exports hold one quantized Linear per expert projection
-        names = checkpoint_names(model)  # the export uses the checkpoint's names (Mixtral)
+        adapter = adapter_for(model)
+        adapter.unfuse_experts(model)  # MoE exports hold one quantized Linear per expert
+        names = adapter.checkpoint_names(model)  # the export uses the checkpoint's names
         tensor_of = {disk: mine for mine, disk in names.tensors.items()}
         module_of = {disk: mine for mine, disk in names.modules.items()}
         assert reader.store is not None

@@ -21,7 +21,7 @@ from torch import nn
 
 from msquant.errors import ModelLoadError
 from msquant.load.integrity import check_loading_info
-from msquant.model.moe import unfuse_experts
+from msquant.model.adapter_registry import adapter_for
 
 __all__ = [
     "check_model_dir",
@@ -145,7 +145,8 @@ def _check_dtype(path: Path) -> None:
 
 def build_meta_model(config: Any, trust_remote_code: bool = False) -> nn.Module:
     """A weightless (meta-device) instance of the model, for planning before weights are loaded
-    (fused MoE experts split into per-expert linear layers, :mod:`msquant.model.moe`)."""
+    (fused MoE experts split into per-expert linear layers by the model's adapter,
+    :mod:`msquant.model.moe`)."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -156,7 +157,7 @@ def build_meta_model(config: Any, trust_remote_code: bool = False) -> nn.Module:
             f"model type {getattr(config, 'model_type', '?')!r} is not a causal LM transformers can "
             f"build: {_one_line(exc)} (pass --trust_remote_code for models with custom code)"
         ) from exc
-    unfuse_experts(model)  # plans and checks see one linear layer per expert, as runs do
+    adapter_for(model).unfuse_experts(model)  # plans and checks see one linear per expert
     return model
 
 

@@ -50,18 +50,23 @@ class FusedGroup:
     members: tuple[str, ...]
 
 
-def fused_groups(module_names: Iterable[str]) -> list[FusedGroup]:
+def fused_groups(
+    module_names: Iterable[str], shards: Mapping[str, tuple[str, ...]] = FUSED_SHARDS
+) -> list[FusedGroup]:
     """The fused groups present among ``module_names`` (full dotted names), in name order.
 
     A group is reported when at least two of its shards exist under the same parent module.
+
+    :param shards: fused name -> shard names; a model adapter passes its own table
+        (:attr:`msquant.model.adapter.ModelAdapter.fused_shards`), the default is vLLM's generic one.
     """
     names = set(module_names)
     groups = []
     parents = sorted({name.rpartition(".")[0] for name in names})
     for parent in parents:
         prefix = f"{parent}." if parent else ""
-        for fused, shards in FUSED_SHARDS.items():
-            present = tuple(prefix + s for s in shards if prefix + s in names)
+        for fused, members in shards.items():
+            present = tuple(prefix + s for s in members if prefix + s in names)
             if len(present) >= 2:
                 groups.append(FusedGroup(prefix + fused, present))
     return groups
@@ -93,24 +98,30 @@ def expert_groups(module_names: Iterable[str]) -> list[FusedGroup]:
     ]
 
 
-def engine_names(module_names: Iterable[str]) -> dict[str, tuple[FusedGroup, ...]]:
+def engine_names(
+    module_names: Iterable[str], shards: Mapping[str, tuple[str, ...]] = FUSED_SHARDS
+) -> dict[str, tuple[FusedGroup, ...]]:
     """For each module that serving engines load as part of a bigger one, the groups they look its
     quantization up by: the fused matrix (``...self_attn.qkv_proj`` for ``q_proj``) and, for an
     MoE expert's linear layer, the whole experts module (``model.layers.3.mlp.experts``).
 
     vLLM and SGLang match ``dynamic`` rules against these names only, never against the shards'
     (see :func:`msquant.resolve_module_scheme`). Modules loaded as themselves are absent.
+
+    :param shards: the fused table, as in :func:`fused_groups`.
     """
     names = list(module_names)
     found: dict[str, list[FusedGroup]] = {}
-    for group in [*fused_groups(names), *expert_groups(names)]:
+    for group in [*fused_groups(names, shards), *expert_groups(names)]:
         for member in group.members:
             found.setdefault(member, []).append(group)
     return {name: tuple(groups) for name, groups in found.items()}
 
 
 def fused_group_problems(
-    schemes: Mapping[str, Hashable], describe: Mapping[str, str] | None = None
+    schemes: Mapping[str, Hashable],
+    describe: Mapping[str, str] | None = None,
+    shards: Mapping[str, tuple[str, ...]] = FUSED_SHARDS,
 ) -> list[str]:
     """One message per fused group whose members resolve to different schemes.
 
@@ -118,10 +129,11 @@ def fused_group_problems(
         unquantized modules, e.g. as ``"FLOAT"``, so a skipped shard is caught too).
     :param describe: optional module name -> human-readable scheme for the message (defaults to
         ``str`` of the scheme).
+    :param shards: the fused table, as in :func:`fused_groups`.
     """
     problems = []
     text = describe or {}
-    for group in fused_groups(schemes):
+    for group in fused_groups(schemes, shards):
         found = {name: schemes[name] for name in group.members}
         if len(set(found.values())) > 1:
             parts = ", ".join(f"{name}: {text.get(name, str(found[name]))}" for name in found)

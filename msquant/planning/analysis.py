@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from msquant.model.fused import expert_groups, fused_groups
-from msquant.model.head import find_output_head
+from msquant.model.adapter import ModelAdapter
+from msquant.model.adapter_registry import adapter_for
 from msquant.model.layers import DecoderLayer
 from msquant.planning.model import (
     NOT_SELECTED,
@@ -105,11 +105,18 @@ def _row(
 
 
 def analyse_plan(
-    processors: Sequence[Processor], model: nn.Module, layers: Sequence[DecoderLayer]
+    processors: Sequence[Processor],
+    model: nn.Module,
+    layers: Sequence[DecoderLayer],
+    *,
+    adapter: ModelAdapter | None = None,
 ) -> ModelPlan:
     """The plan of ``model`` (usually a meta model) under the ``spec.process`` entries, with the
     cross-entry errors and the warnings (the entries' own ``check_model`` errors are not included).
+
+    :param adapter: the model's adapter (default: the installed one for its ``model_type``).
     """
+    adapter = adapter if adapter is not None else adapter_for(model)
     planners = _planners(processors)
     decisions = [planner.plan_modules(model, layers) for _, planner in planners]
     names = _module_names(layers, decisions)
@@ -125,21 +132,21 @@ def analyse_plan(
         if selecting:
             selected_by[name] = selecting
         rows.append(_row(name, decided, selecting))
-    groups = fused_groups(names)
+    groups = adapter.fused_groups(names)
     by_name = {row.module: row for row in rows}
     errors = overlap_errors(selected_by)
-    errors += fused_errors([*groups, *expert_groups(names)], selected_by, by_name)
-    errors += tied_head_errors(model, selected_by)
+    errors += fused_errors([*groups, *adapter.expert_groups(names)], selected_by, by_name, adapter)
+    errors += tied_head_errors(model, selected_by, adapter)
     process = [p for p in processors if p.stage == "process"]
     if len(planners) == len(process):  # a processor that does not plan may quantize on its own
         errors += nothing_quantized_errors(rows, len(planners))
-    head = find_output_head(model)
+    head = adapter.output_head(model)
     warnings: list[str] = []
     for (index, planner), found in zip(planners, decisions, strict=True):
         warnings += [f"{entry_path(index)}: {note}" for note in planner.plan_notes(model, layers)]
         selected = [name for name, d in found.items() if d.scheme is not None]
         warnings += rule_warnings(
-            index, planner.plan_rules(), selected, groups, head[0] if head else None
+            index, planner.plan_rules(), selected, groups, adapter, head[0] if head else None
         )
     model_type = str(getattr(getattr(model, "config", None), "model_type", "unknown"))
     result = ModelPlan(rows, errors, warnings, model_type)
@@ -152,11 +159,15 @@ def analyse_plan(
 
 
 def check_plan(
-    processors: Sequence[Processor], model: nn.Module, layers: Sequence[DecoderLayer]
+    processors: Sequence[Processor],
+    model: nn.Module,
+    layers: Sequence[DecoderLayer],
+    *,
+    adapter: ModelAdapter | None = None,
 ) -> list[str]:
     """The cross-entry problems of a run (logging the warnings): call it on the meta model after
     every processor's ``check_model``, before weights are loaded."""
-    result = analyse_plan(processors, model, layers)
+    result = analyse_plan(processors, model, layers, adapter=adapter)
     for warning in result.warnings:
         logger.warning("%s", warning)
     return result.errors

@@ -11,7 +11,7 @@ from msquant.config.processors import build_processors
 from msquant.config.resolve import ConfigLike, resolve_config
 from msquant.errors import QuantizationError
 from msquant.load.model_folder import build_meta_model, check_model_dir, load_model_config
-from msquant.model.layers import find_decoder_layers
+from msquant.model.adapter_registry import adapter_for
 from msquant.planning.analysis import analyse_plan
 from msquant.planning.model import ModelPlan, PlanRow
 from msquant.plugin.registry import ProcessorRegistry, default_registry
@@ -41,9 +41,10 @@ def build_plan(
     meta_model = build_meta_model(
         load_model_config(model_dir, trust_remote_code), trust_remote_code
     )
-    layers = find_decoder_layers(meta_model)
+    adapter = adapter_for(meta_model)
+    layers = adapter.decoder_layers(meta_model)
     own = [message for p in processors for message in p.check_model(meta_model, layers)]
-    result = analyse_plan(processors, meta_model, layers)
+    result = analyse_plan(processors, meta_model, layers, adapter=adapter)
     result.errors[:0] = own
     return result
 

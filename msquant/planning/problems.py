@@ -10,13 +10,9 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from msquant.model.fused import (
-    FusedGroup,
-    engine_names,
-    expert_group_problems,
-    fused_group_problems,
-)
-from msquant.model.head import find_output_head, head_is_tied, tied_head_message
+from msquant.model.adapter import ModelAdapter
+from msquant.model.fused import FusedGroup, expert_groups, fused_groups
+from msquant.model.head import head_is_tied, tied_head_message
 from msquant.planning.model import ModuleDecision, PlanRow, entry_path, source_of
 from msquant.quant.rules import DynamicRule, FusedNameMismatch, fused_name_mismatches
 
@@ -63,18 +59,26 @@ def fused_errors(
     groups: Sequence[FusedGroup],
     selected_by: Mapping[str, list[tuple[int, ModuleDecision]]],
     rows: Mapping[str, PlanRow],
+    adapter: ModelAdapter,
 ) -> list[str]:
     """Fused groups (and MoE experts modules) split across entries (or between an entry and
     no entry).
 
-    Groups whose shards are all selected by one and the same entry are that entry's own
-    ``check_model`` business (so a run reports them once).
+    Groups of the generic table whose shards are all selected by one and the same entry are that
+    entry's own ``check_model`` business (so a run reports them once); the groups only the model's
+    adapter knows (e.g. Qwen3.5's ``in_proj_qkvz``) are checked here whoever selects them, since
+    the processors check the generic table (:func:`msquant.fused_groups`).
+
+    :param adapter: the model's adapter, which knows its fused matrices.
     """
+    names = [member for group in groups for member in group.members]
+    generic = {group.fused_name for group in [*fused_groups(names), *expert_groups(names)]}
     members: dict[str, tuple[object, ...]] = {}
     describe: dict[str, str] = {}
     for group in groups:
         owners = {tuple(i for i, _ in selected_by.get(m, [])) for m in group.members}
-        if len(owners) == 1 and len(next(iter(owners))) == 1:
+        one_entry = len(owners) == 1 and len(next(iter(owners))) == 1
+        if one_entry and group.fused_name in generic:
             continue
         for member in group.members:
             selecting = selected_by.get(member, [])
@@ -88,14 +92,18 @@ def fused_errors(
             else:
                 members[member] = ("skipped",)
                 describe[member] = f"not quantized ({rows[member].decided_by})"
-    return fused_group_problems(members, describe) + expert_group_problems(members, describe)
+    return adapter.fused_group_problems(members, describe) + adapter.expert_group_problems(
+        members, describe
+    )
 
 
 def tied_head_errors(
-    model: nn.Module, selected_by: Mapping[str, list[tuple[int, ModuleDecision]]]
+    model: nn.Module,
+    selected_by: Mapping[str, list[tuple[int, ModuleDecision]]],
+    adapter: ModelAdapter,
 ) -> list[str]:
     """A quantized output head must not share its weight with the input embeddings."""
-    found = find_output_head(model)
+    found = adapter.output_head(model)
     if found is None:
         return []
     name = found[0]
@@ -159,10 +167,12 @@ def rule_warnings(
     rules: Sequence[DynamicRule],
     selected: Sequence[str],
     groups: Sequence[FusedGroup],
+    adapter: ModelAdapter,
     head: str | None = None,
 ) -> list[str]:
     """Rules matching none of the entry's modules, and fused-name mismatches.
 
+    :param adapter: the model's adapter (the names engines load modules under).
     :param head: the output head's name: a rule matching it while the entry does not select the
         head is explained by the entry's own notes (``lm_head: false``), not reported here.
     """
@@ -170,7 +180,7 @@ def rule_warnings(
     # a rule may be written against the names engines load modules under (qkv_proj, ...experts)
     reachable = [
         *selected,
-        *{g.fused_name for found in engine_names(selected).values() for g in found},
+        *{g.fused_name for found in adapter.engine_names(selected).values() for g in found},
     ]
     for rule in rules:
         if head is not None and head not in selected and rule.matches(head):

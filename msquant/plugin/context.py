@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch import nn
 
+from msquant.model.checkpoint_names import CheckpointNames
 from msquant.model.layers import DecoderLayer
-from msquant.model.moe import CheckpointNames, MoEInfo
+from msquant.model.moe import MoEInfo
 from msquant.plugin.distributed import SINGLE, Distributed
 from msquant.report.run_report import RunReport
 

@@ -20,7 +20,7 @@ from msquant.load.calibration import (
     read_calibration_texts,
     resolve_dataset_path,
 )
-from msquant.model.layers import find_decoder_layers
+from msquant.model.adapter_registry import adapter_for
 from msquant.planning.analysis import check_plan
 from msquant.plugin.distributed import Distributed
 from msquant.plugin.processor import Processor
@@ -102,9 +102,11 @@ def check_applicable(processors: list[Processor], meta_model: Any) -> None:
 
     :raises QuantizationError: listing every problem.
     """
-    layers = find_decoder_layers(meta_model)
+    adapter = adapter_for(meta_model)
+    layers = adapter.decoder_layers(meta_model)
     problems = [msg for p in processors for msg in p.check_model(meta_model, layers)]
-    problems += check_plan(processors, meta_model, layers)  # across entries: overlaps, fused splits
+    # across entries: overlaps, fused splits
+    problems += check_plan(processors, meta_model, layers, adapter=adapter)
     if problems:
         count = len(problems)
         raise QuantizationError(
@@ -124,7 +126,7 @@ def check_memory_limit(
 ) -> None:
     """Refuse, before weights load, a run whose estimated peak memory exceeds ``limit``."""
     tokens = sum(int(s.numel()) for s in samples) if samples else 0
-    layers = find_decoder_layers(meta_model)
+    layers = adapter_for(meta_model).decoder_layers(meta_model)
     estimate = estimate_memory(
         meta_model,
         layers,
@@ -153,5 +155,5 @@ def fingerprint_of(
         calibration_sha256=calibration_sha256(samples),
         model_dir=model_dir,
         device_kind=backend.spec.kind,
-        num_layers=len(find_decoder_layers(meta_model)),
+        num_layers=len(adapter_for(meta_model).decoder_layers(meta_model)),
     )

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from msquant.backends.base import Backend
-from msquant.model.head import find_final_norm, output_head_stage
+from msquant.model.adapter_registry import adapter_for
 from msquant.plugin.context import RunContext
 from msquant.plugin.processor import OutputHeadUser, Processor
 from msquant.report.run_report import LayerTiming
@@ -94,10 +94,11 @@ def run_output_head(
     if not head_requested(processors, ctx):
         return
     started = time.perf_counter()
-    stage = output_head_stage(ctx.model, ctx.layers)
+    adapter = adapter_for(ctx.model)
+    stage = adapter.output_head_stage(ctx.model, ctx.layers)
     if stage is None:
         raise RuntimeError(f"{type(ctx.model).__name__} has no output head to quantize")
-    norm = find_final_norm(ctx.model, ctx.layers) if hidden is not None else None
+    norm = adapter.final_norm(ctx.model, ctx.layers) if hidden is not None else None
     if hidden is not None and norm is None:
         logger.warning(
             "cannot find the final norm of %s: %s gets no calibration data",
@@ -118,10 +119,10 @@ def run_output_head(
         for processor in processors:
             processor.after_pass(ctx, stage, 0)
     for processor in processors:
-        current = output_head_stage(ctx.model, ctx.layers)
+        current = adapter.output_head_stage(ctx.model, ctx.layers)
         assert current is not None
         processor.after_layer(ctx, current)
-    final = output_head_stage(ctx.model, ctx.layers)
+    final = adapter.output_head_stage(ctx.model, ctx.layers)
     for module in (final.module if final else None, norm):
         if module is not None:
             ctx.backend.offload(module)

@@ -22,14 +22,11 @@ from msquant.export.recovery import mark_owned
 from msquant.load.integrity import check_finite
 from msquant.load.model_folder import load_causal_lm
 from msquant.load.streaming import StreamedWeights, load_causal_lm_streaming
-from msquant.model.layers import DecoderLayer, find_decoder_layers
-from msquant.model.moe import (
-    CheckpointNames,
-    MoEInfo,
-    checkpoint_names,
-    checkpoint_sources,
-    unfuse_experts,
-)
+from msquant.model.adapter_registry import adapter_for
+from msquant.model.checkpoint_names import CheckpointNames
+from msquant.model.checkpoint_sources import checkpoint_sources
+from msquant.model.layers import DecoderLayer
+from msquant.model.moe import MoEInfo
 from msquant.run.checkpoint.layout import SCRATCH_PREFIX
 from msquant.run.checkpoint.store import LayerStore
 
@@ -80,13 +77,14 @@ def load_for_run(
         a save path, ``.NAME.msquant-scratch-``, so that the next run of that save path can tell
         a killed run's folder (:mod:`msquant.export.recovery`).
     """
+    adapter = adapter_for(meta_model)  # the architecture's knowledge, by config.model_type
     if not streaming:
         model = load_causal_lm(model_dir, trust_remote_code)
         check_finite(model.state_dict().items())
-        experts = unfuse_experts(model)
-        renamed = _renamed(checkpoint_names(model))
+        experts = adapter.unfuse_experts(model)
+        renamed = _renamed(adapter.checkpoint_names(model))
         yield LoadedModel(
-            model, find_decoder_layers(model), experts=experts, checkpoint_names=renamed
+            model, adapter.decoder_layers(model), experts=experts, checkpoint_names=renamed
         )
         return
     scratch_parent.mkdir(parents=True, exist_ok=True)
@@ -95,13 +93,13 @@ def load_for_run(
     try:
         offload = scratch / "offload"
         offload.mkdir()
-        layer_names = [layer.name for layer in find_decoder_layers(meta_model)]
+        layer_names = [layer.name for layer in adapter.decoder_layers(meta_model)]
         model, streamed = load_causal_lm_streaming(
             model_dir, meta_model, layer_names, offload, trust_remote_code
         )
         check_finite(model.state_dict().items())  # what is loaded now; layers as they stream
-        experts = unfuse_experts(model)  # the layers are on the meta device: nothing is copied
-        names = checkpoint_names(model)
+        experts = adapter.unfuse_experts(model)  # layers on the meta device: nothing is copied
+        names = adapter.checkpoint_names(model)
         if experts:
             # per-expert tensors are read from the checkpoint's own per-expert names
             streamed.sources.update(checkpoint_sources(model, names, model_dir))
@@ -109,7 +107,7 @@ def load_for_run(
         if keep_reference:
             spill = LayerStore(scratch / "reference")
         yield LoadedModel(
-            model, find_decoder_layers(model), streamed, spill, experts, _renamed(names)
+            model, adapter.decoder_layers(model), streamed, spill, experts, _renamed(names)
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

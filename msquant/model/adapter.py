@@ -1,0 +1,122 @@
+"""The model-adapter contract: what msquant must know about a model architecture, in one object.
+
+A :class:`ModelAdapter` answers every question the engine asks about a model's layout: the decoder
+layer list, the output head and the final norm before it, the linear layers serving engines fuse
+into one matrix (vLLM's ``packed_modules_mapping``), the MoE layout (fused experts split into
+per-expert layers, which linear layers are experts, the routers) and the names the checkpoint uses
+on disk.
+
+This base class is the default adapter: the architecture-free heuristics that handle Llama,
+Qwen2/3, Mistral, Qwen-MoE, Mixtral, DeepSeek-V3 and most decoder-only models. An architecture the
+heuristics get wrong gets a subclass that overrides only what differs (usually
+:attr:`ModelAdapter.fused_shards`), registered for its ``config.model_type`` in the
+``msquant.model_adapters`` entry-point group (:mod:`msquant.model.adapters`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import ClassVar
+
+from torch import nn
+
+from msquant.model.checkpoint_names import CheckpointNames, checkpoint_names
+from msquant.model.fused import (
+    FUSED_SHARDS,
+    FusedGroup,
+    engine_names,
+    expert_group_problems,
+    expert_groups,
+    fused_group_problems,
+    fused_groups,
+    parse_expert_linear,
+)
+from msquant.model.head import OutputHeadStage, find_final_norm, find_output_head
+from msquant.model.layers import DecoderLayer, find_decoder_layers
+from msquant.model.moe import MoEInfo, moe_routers, unfuse_experts
+
+__all__ = ["ModelAdapter"]
+
+
+class ModelAdapter:
+    """Architecture knowledge for one family of ``model_type`` s; this base class is the default.
+
+    Subclasses override the class attributes or methods their architecture needs and keep the
+    rest. Adapters hold no state: one instance serves any number of models of its types.
+    """
+
+    #: fused name -> the sibling linear layers engines load as that one matrix (vLLM's
+    #: ``packed_modules_mapping``); the default is the generic table of Llama-like models.
+    fused_shards: ClassVar[Mapping[str, tuple[str, ...]]] = FUSED_SHARDS
+
+    # -- decoder body -----------------------------------------------------------------------
+
+    def decoder_layers(self, model: nn.Module) -> list[DecoderLayer]:
+        """The decoder layers in execution order (default: the homogeneous ``nn.ModuleList``
+        holding the most parameters, :func:`~msquant.model.layers.find_decoder_layers`).
+
+        :raises msquant.ModelLoadError: when the model has no decoder layer list.
+        """
+        return find_decoder_layers(model)
+
+    def output_head(self, model: nn.Module) -> tuple[str, nn.Module] | None:
+        """``(module name, module)`` of the output head, None when the model has none."""
+        return find_output_head(model)
+
+    def output_head_stage(
+        self, model: nn.Module, layers: Sequence[DecoderLayer]
+    ) -> OutputHeadStage | None:
+        """The head presented as the stage after the decoder layers, as the model holds it now
+        (re-ask after a processor replaced the head); None when the model has no head."""
+        found = self.output_head(model)
+        return None if found is None else OutputHeadStage(len(layers), found[0], found[1])
+
+    def final_norm(self, model: nn.Module, layers: Sequence[DecoderLayer]) -> nn.Module | None:
+        """The norm applied to the last layer's output before the head, None when not found."""
+        return find_final_norm(model, layers)
+
+    # -- fused matrices ---------------------------------------------------------------------
+
+    def fused_groups(self, module_names: Iterable[str]) -> list[FusedGroup]:
+        """The fused matrices among ``module_names``, from :attr:`fused_shards`."""
+        return fused_groups(module_names, self.fused_shards)
+
+    def expert_groups(self, module_names: Iterable[str]) -> list[FusedGroup]:
+        """The MoE experts modules among ``module_names`` (each loaded as one ``FusedMoE``)."""
+        return expert_groups(module_names)
+
+    def engine_names(self, module_names: Iterable[str]) -> dict[str, tuple[FusedGroup, ...]]:
+        """For each module loaded as part of a bigger one, the groups engines look it up by."""
+        return engine_names(module_names, self.fused_shards)
+
+    def fused_group_problems(
+        self, schemes: Mapping[str, Hashable], describe: Mapping[str, str] | None = None
+    ) -> list[str]:
+        """One message per fused matrix whose shards resolve to different schemes."""
+        return fused_group_problems(schemes, describe, self.fused_shards)
+
+    def expert_group_problems(
+        self, schemes: Mapping[str, Hashable], describe: Mapping[str, str] | None = None
+    ) -> list[str]:
+        """One message per experts module whose experts resolve to different schemes."""
+        return expert_group_problems(schemes, describe)
+
+    # -- mixture of experts -----------------------------------------------------------------
+
+    def unfuse_experts(self, model: nn.Module) -> MoEInfo:
+        """Split the model's fused experts modules into per-expert linear layers (in place)."""
+        return unfuse_experts(model)
+
+    def expert_linear(self, name: str) -> tuple[str, int] | None:
+        """``(experts module, expert index)`` of a routed expert's linear layer, else None."""
+        return parse_expert_linear(name)
+
+    def routers(self, module: nn.Module, prefix: str = "") -> set[str]:
+        """Full names of the MoE routers under ``module`` (named ``prefix``); they stay float."""
+        return moe_routers(module, prefix)
+
+    # -- names on disk ----------------------------------------------------------------------
+
+    def checkpoint_names(self, model: nn.Module) -> CheckpointNames:
+        """The names the model's checkpoint uses on disk (call after :meth:`unfuse_experts`)."""
+        return checkpoint_names(model)

@@ -1,0 +1,199 @@
+"""The names a model's checkpoint uses on disk for msquant's (unfused) modules and tensors.
+
+transformers converts some names when it loads and saves (``transformers.conversion_mapping``):
+Mixtral's experts are ``block_sparse_moe.experts.3.w1`` on disk and ``mlp.experts`` (fused) in
+the loaded model. :func:`checkpoint_names` replays transformers' own save-time conversion, so
+exports are written under the names the engines load the original checkpoint with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from msquant.errors import ModelLoadError
+from msquant.model.moe.experts import FUSED_PARAMS, ROLES, UnfusedExperts
+
+__all__ = ["CheckpointNames", "checkpoint_names"]
+
+
+@dataclass(frozen=True)
+class CheckpointNames:
+    """msquant's names (the loaded, unfused model's) -> the names a checkpoint uses on disk.
+
+    :param tensors: model tensor name -> disk tensor name, for every tensor transformers saves
+        by renaming it (most are unchanged: ``lm_head.weight``).
+    :param modules: model module name -> disk module name (expert Linears included), so that any
+        tensor a saver derives from a module (``.qweight``, ``.weight_scale``, ...) keeps it.
+    :param converted: model tensor names transformers saves through another conversion than a
+        rename (e.g. still-fused expert parameters); they have no single disk name.
+    """
+
+    tensors: Mapping[str, str]
+    modules: Mapping[str, str]
+    converted: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def is_identity(self) -> bool:
+        """True when every name is saved unchanged (dense Llama-like models)."""
+        return (
+            not self.converted
+            and all(k == v for k, v in self.tensors.items())
+            and all(k == v for k, v in self.modules.items())
+        )
+
+    def module_name(self, name: str) -> str:
+        """Disk name of a module (e.g. ``model.layers.0.mlp.experts.3.gate_proj`` ->
+        ``model.layers.0.block_sparse_moe.experts.3.w1`` for Mixtral).
+
+        :raises LookupError: ``name`` is not a module with tensors of the model.
+        """
+        try:
+            return self.modules[name]
+        except KeyError:
+            raise LookupError(f"{name} is not a module with weights of this model") from None
+
+    def tensor_name(self, name: str) -> str:
+        """Disk name of a tensor of the model, or of a new tensor of one of its modules
+        (``<module>.<leaf>``, e.g. ``...experts.3.gate_proj.qweight``).
+
+        :raises LookupError: the tensor's module is unknown, or transformers stores the tensor
+            through a conversion that is not a rename.
+        """
+        if name in self.tensors:
+            return self.tensors[name]
+        if name in self.converted:
+            raise LookupError(
+                f"{name} is saved by transformers through a weight conversion (not a rename); "
+                "msquant cannot name it on disk"
+            )
+        module, _, leaf = name.rpartition(".")
+        if module in self.modules:
+            return f"{self.modules[module]}.{leaf}"
+        raise LookupError(f"{name} is not a tensor of this model nor of one of its modules")
+
+
+def checkpoint_names(model: nn.Module) -> CheckpointNames:
+    """The disk names of ``model``'s tensors and modules, from transformers' own conversion.
+
+    Call it on the loaded model after :func:`unfuse_experts` (before quantization). It replays
+    :func:`transformers.core_model_loading.revert_weight_conversion` (what ``save_pretrained``
+    does) twice: on ``meta`` tensors shaped like the model's tensors, tracking which disk name
+    each one ends up under (renames keep the tensor object); and, per unfused experts module, on
+    the fused parameters it replaced filled with row numbers, reading back which expert and rows
+    each per-expert disk tensor holds.
+
+    :raises ModelLoadError: transformers would save an unfused experts module in a form that is
+        not one tensor per expert projection (e.g. still fused).
+    """
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4 saves every tensor under its module's name
+        tensors = {key: key for key in model.state_dict()}
+        return CheckpointNames(tensors=tensors, modules=_module_names(tensors))
+
+    unfused = {n: m for n, m in model.named_modules() if isinstance(m, UnfusedExperts)}
+    probe: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if not any(key.startswith(prefix + ".") for prefix in unfused):
+            probe[key] = torch.empty(value.shape, dtype=value.dtype, device="meta")
+    origin = {id(tensor): key for key, tensor in probe.items()}
+    saved = revert_weight_conversion(cast(Any, model), probe) if probe else {}
+    tensors = {origin[id(t)]: disk for disk, t in saved.items() if id(t) in origin}
+    converted = frozenset(set(probe) - set(tensors))
+    modules = _module_names(tensors)
+    for name, experts in unfused.items():
+        modules.update(_expert_disk_names(model, name, experts, revert_weight_conversion))
+    return CheckpointNames(tensors=tensors, modules=modules, converted=converted)
+
+
+def _module_names(tensors: Mapping[str, str]) -> dict[str, str]:
+    """Module renames implied by tensor renames that keep the leaf name (``a.b.weight`` ->
+    ``x.y.weight`` gives ``a.b`` -> ``x.y``); a module whose tensors disagree is left out."""
+    modules: dict[str, str] = {}
+    conflicts: set[str] = set()
+    for key, disk in tensors.items():
+        module, _, leaf = key.rpartition(".")
+        disk_module, _, disk_leaf = disk.rpartition(".")
+        if leaf != disk_leaf or modules.get(module, disk_module) != disk_module:
+            conflicts.add(module)
+        modules[module] = disk_module
+    return {k: v for k, v in modules.items() if k not in conflicts}
+
+
+def _expert_disk_names(
+    model: nn.Module,
+    name: str,
+    experts: UnfusedExperts,
+    revert: Callable[[Any, dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+) -> dict[str, str]:
+    """Disk module name of each expert Linear of ``experts`` (named ``name`` in ``model``).
+
+    Probe: each fused parameter ``[E, R, C]`` becomes ``[E, R, 1]`` float64 holding a global row
+    number (rows of different parameters never collide), so every per-expert tensor transformers
+    saves tells which parameter, expert and rows it came from.
+    """
+    probe, spans = {}, {}
+    offset = 0
+    for param in FUSED_PARAMS:
+        num_experts, rows, _ = experts.fused_shapes[param]
+        ids = torch.arange(offset, offset + num_experts * rows, dtype=torch.float64)
+        probe[f"{name}.{param}"] = ids.view(num_experts, rows, 1)
+        spans[param] = (offset, rows)
+        offset += num_experts * rows
+    inter = experts.intermediate_dim
+    expected = {  # (parameter, first row within the expert) -> role
+        ("gate_up_proj", 0): "gate_proj",
+        ("gate_up_proj", inter): "up_proj",
+        ("down_proj", 0): "down_proj",
+    }
+    names: dict[str, str] = {}
+    for disk, tensor in revert(model, probe).items():
+        if tensor.ndim == 1:  # transformers 5.17 drops the probe's trailing 1-wide dimension
+            tensor = tensor.unsqueeze(1)
+        located = _locate(tensor, spans)
+        role = expected.get((located[0], located[2])) if located else None
+        if located is None or role is None or not disk.endswith(".weight"):
+            raise ModelLoadError(
+                f"{name} ({experts.source_class}): transformers saves it as {disk} with shape "
+                f"{tuple(tensor.shape)}, not as one tensor per expert projection; msquant cannot "
+                "name its per-expert layers on disk"
+            )
+        rows_expected = experts.hidden_dim if role == "down_proj" else inter
+        if tensor.shape[0] != rows_expected:
+            raise ModelLoadError(
+                f"{name}: {disk} holds {tensor.shape[0]} rows, not {rows_expected}"
+            )
+        names[f"{name}.{located[1]}.{role}"] = disk.removesuffix(".weight")
+    missing = [f"{name}.{e}.{r}" for e in range(experts.num_experts) for r in ROLES]
+    missing = [m for m in missing if m not in names]
+    if missing:
+        raise ModelLoadError(
+            f"{name} ({experts.source_class}): transformers' conversion gives no disk name for "
+            f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+        )
+    return names
+
+
+def _locate(
+    tensor: torch.Tensor, spans: Mapping[str, tuple[int, int]]
+) -> tuple[str, int, int] | None:
+    """``(parameter, expert, first row)`` of a probe slice holding consecutive rows of one
+    expert, None for anything else (fused, transposed or mixed)."""
+    if tensor.ndim != 2 or tensor.shape[1] != 1 or tensor.shape[0] == 0:
+        return None
+    ids = tensor[:, 0]
+    first = int(ids[0].item())
+    if not torch.equal(ids, torch.arange(first, first + ids.numel(), dtype=ids.dtype)):
+        return None
+    for param, (offset, rows) in sorted(spans.items(), key=lambda kv: -kv[1][0]):
+        if first >= offset:
+            expert, row = divmod(first - offset, rows)
+            if row + ids.numel() > rows:
+                return None
+            return param, expert, row
+    return None  # pragma: no cover - offsets start at 0
