@@ -180,7 +180,9 @@ def test_scale_bias_matches_float64_per_chunk() -> None:
         got = scale_bias(codes, weight_scale, chunks)
         assert got.shape == (6, chunks) and got.dtype == torch.float32
         want = 8 * weight_scale.double() * codes.double().reshape(6, chunks, -1).sum(-1)
-        assert torch.allclose(got.double(), want, rtol=F32_REL, atol=0)
+        # float32 sums of up to 32 terms of size <= 8 * max scale: a few float32 roundings of that
+        step = float(8 * weight_scale.max()) * 8 * 2**-23
+        assert torch.allclose(got.double(), want, rtol=0, atol=step * 32)
     with pytest.raises(ValueError, match="must divide"):
         scale_bias(codes, weight_scale, 5)
 

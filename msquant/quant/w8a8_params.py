@@ -11,8 +11,9 @@ vLLM-Ascend's loading code (docs/ascend-format.md, "Activation schemes"):
   correction for the activations' zero point, since
   ``W x ~ deq_scale * (sum_j q_w[i, j] * q_x[j] - input_offset * sum_j q_w[i, j])``. A float
   ``bias`` is not folded in; msModelSlim writes it beside, as ``P.bias``;
-* ``scale_bias`` (W4A8_DYNAMIC) ``= 8 * weight_scale[i] * sum_j q_w[i, j]`` over ``chunks`` equal
-  slices of the input features (1 for column-parallel layers, 16 for ``o_proj`` / ``down_proj``);
+* ``scale_bias`` (W4A8_DYNAMIC) ``= 8 * sum_j weight_scale[i] * q_w[i, j]`` (8 times the sum of the
+  dequantized float32 weights) over ``chunks`` equal slices of the input features (1 for
+  column-parallel layers, 16 for ``o_proj`` / ``down_proj``);
 * int4 weight codes are packed in pairs along the output dimension into int8 ``[out / 2, in]``:
   row ``2i`` in the low nibble, row ``2i + 1`` in the high nibble (:func:`pack_int4_rows`).
 """
@@ -67,16 +68,17 @@ def quant_bias(weight_codes: torch.Tensor, input_offset: float) -> torch.Tensor:
 
 
 def scale_bias(weight_codes: torch.Tensor, weight_scale: torch.Tensor, chunks: int) -> torch.Tensor:
-    """``8 * weight_scale * sum q`` per slice of ``in / chunks`` input features, float32
-    ``[out, chunks]``.
+    """8 times the sum of the dequantized weights per slice of ``in / chunks`` input features,
+    float32 ``[out, chunks]``, summed in float32 as msModelSlim does (bit-identical to its export;
+    the sum of a slice can cancel to nearly 0, where another summation order differs relatively).
 
     :raises ValueError: when ``chunks`` does not divide the input features.
     """
     out_features, in_features = weight_codes.shape
     if chunks <= 0 or in_features % chunks:
         raise ValueError(f"chunks {chunks} must divide in_features {in_features}")
-    sums = weight_codes.to(torch.float64).reshape(out_features, chunks, -1).sum(dim=-1)
-    return (8.0 * weight_scale.double().reshape(out_features, 1) * sums).to(torch.float32)
+    dequantized = weight_codes.to(torch.float32) * weight_scale.to(torch.float32).reshape(-1, 1)
+    return dequantized.reshape(out_features, chunks, -1).sum(dim=-1) * 8.0
 
 
 def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
