@@ -90,7 +90,12 @@ class SpecBody(BaseModel):
     save: list[ProcessorConfig] = Field(default_factory=list)
     dataset: str | None = Field(
         None,
-        description="Calibration file (.jsonl, .json or .txt); relative to the CWD or the YAML.",
+        description=(
+            "Calibration file (.jsonl, .json or .txt); relative to the CWD or the YAML. "
+            "msModelSlim's dataset names (boolq.jsonl, cn_en.jsonl, ...) are read from an "
+            "installed msModelSlim's lab_calib folder; without one, mix_calib.jsonl means "
+            "msquant's shipped default set and the other names are refused."
+        ),
     )
 
 
