@@ -3,7 +3,8 @@
 For each scheme of :data:`msmodelslim_run.SCHEMES` on tiny Llama / Qwen2 / Qwen3 models, msModelSlim's
 own export (made by ``msmodelslim_run.py`` in ``$MSQUANT_ORACLE_CACHE``, with the environment of
 ``scripts/msmodelslim_env.sh`` in ``$MSQUANT_MSMODELSLIM_VENV``) is compared with what msquant's
-numerics compute from the float model and the same calibration file:
+numerics compute from the float model and the same calibration file; on float32 models every
+compared tensor is bit-identical:
 
 * the layout: tensor names, dtypes and shapes, the description file's per-tensor types and
   ``model_quant_type`` (the facts in docs/ascend-format.md, "Activation schemes");
@@ -37,6 +38,7 @@ from msquant.quant.int_quant import dequantize, minmax_qparams, quantize  # noqa
 from msquant.quant.w8a8_params import (  # noqa: E402
     decode_deq_scale,
     deq_scale,
+    encode_deq_scale,
     quant_bias,
     scale_bias,
     unpack_int4_rows,
@@ -46,7 +48,6 @@ pytestmark = pytest.mark.msmodelslim
 
 CACHE = Path(os.environ.get("MSQUANT_ORACLE_CACHE", oracle.DEFAULT_CACHE))
 VENV = Path(os.environ.get("MSQUANT_MSMODELSLIM_VENV", oracle.DEFAULT_VENV))
-F32_REL = 1e-6
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: Row-parallel layers (vLLM's RowParallelLinear): their W4A8 scale_bias has 16 columns.
 ROW_PARALLEL = ("o_proj", "down_proj")
@@ -235,12 +236,12 @@ def test_w8a8_static_numerics(
         if bf16:
             _assert_bf16_close(name, tensors, codes, in_scale)
             continue
-        assert float(tensors[f"{name}.input_scale"]) == pytest.approx(in_scale, rel=F32_REL), name
+        assert float(tensors[f"{name}.input_scale"]) == in_scale, name
         assert float(tensors[f"{name}.input_offset"]) == in_offset, name
         assert torch.equal(tensors[f"{name}.weight"], codes), name
-        stored = decode_deq_scale(tensors[f"{name}.deq_scale"])
         want = deq_scale(float(tensors[f"{name}.input_scale"]), weight_scale)
-        assert torch.allclose(stored, want, rtol=F32_REL, atol=0), name
+        assert torch.equal(decode_deq_scale(tensors[f"{name}.deq_scale"]), want), name
+        assert torch.equal(tensors[f"{name}.deq_scale"], encode_deq_scale(want, model.dtype)), name
         bias = quant_bias(codes, float(tensors[f"{name}.input_offset"]))
         assert torch.equal(tensors[f"{name}.quant_bias"], bias), name
         if module.bias is not None:
@@ -263,7 +264,7 @@ def test_dynamic_scheme_weights(
             continue
         stored = tensors[f"{name}.weight"]
         assert torch.equal(unpack_int4_rows(stored) if int4 else stored, codes), name
-        assert torch.allclose(tensors[f"{name}.weight_scale"], weight_scale, rtol=F32_REL, atol=0)
+        assert torch.equal(tensors[f"{name}.weight_scale"], weight_scale), name
         assert not tensors[f"{name}.weight_offset"].any(), name
         if int4:
             chunks = 16 if name.endswith(ROW_PARALLEL) else 1
