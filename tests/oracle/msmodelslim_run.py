@@ -38,12 +38,15 @@ DEFAULT_VENV = Path(
     os.environ.get("MSQUANT_MSMODELSLIM_VENV", Path.home() / ".cache/msquant/msmodelslim-venv")
 )
 #: The tiny models: name -> builder arguments (hidden 64, intermediate 128, 2 layers). Qwen2 has
-#: q/k/v biases; the bf16 Llama shows how ``deq_scale`` is stored for bf16 models.
+#: q/k/v biases; the bf16 Llama shows how ``deq_scale`` is stored for bf16 models; Qwen3-MoE
+#: (8 experts) how MoE experts are written, through msModelSlim's own Qwen3-MoE adapter
+#: (``model_type``, its ``--model_type`` name; ``default`` otherwise).
 ARCHS: dict[str, dict[str, Any]] = {
     "llama": {"arch": "llama"},
     "qwen2": {"arch": "qwen2"},
     "qwen3": {"arch": "qwen3"},
     "llama_bf16": {"arch": "llama", "dtype": "bfloat16"},
+    "qwen3_moe": {"arch": "qwen3_moe", "model_type": "Qwen3-30B"},
 }
 #: Calibration samples taken from the test corpus (blank-line separated paragraphs).
 CALIB_SAMPLES = 12
@@ -144,17 +147,20 @@ def build_model(arch: str, folder: Path) -> Path:
     from tiny_models import build_tiny_model
 
     params = dict(ARCHS[arch])
+    params.pop("model_type", None)
     dtype = getattr(torch, params.pop("dtype", "float32"))
     return build_tiny_model(folder, dtype=dtype, **params)
 
 
-def run_msmodelslim(venv: Path, model: Path, config: Path, save: Path, log: Path) -> float:
+def run_msmodelslim(
+    venv: Path, model: Path, config: Path, save: Path, log: Path, model_type: str = "default"
+) -> float:
     """Run ``msmodelslim quant`` on CPU; returns its wall time. Raises on a non-zero exit."""
     command = [
         str(venv / "bin" / "msmodelslim"),
         "quant",
         "--model_type",
-        "default",
+        model_type,
         "--model_path",
         str(model),
         "--save_path",
@@ -194,7 +200,9 @@ def ensure_export(cache: Path, venv: Path, arch: str, scheme_name: str) -> Path:
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(yaml.safe_dump(config_for(SCHEMES[scheme_name], dataset)), encoding="utf-8")
     save.parent.mkdir(parents=True, exist_ok=True)
-    seconds = run_msmodelslim(venv, model, config, save, save.parent / f"{save.name}.log")
+    model_type = ARCHS[arch].get("model_type", "default")
+    log = save.parent / f"{save.name}.log"
+    seconds = run_msmodelslim(venv, model, config, save, log, model_type)
     logger.info("%s %s: msmodelslim ran in %.1f s -> %s", arch, scheme_name, seconds, save)
     return save
 
