@@ -69,7 +69,12 @@ from msquant.model.head import (
     tied_head_message,
 )
 from msquant.model.layers import DecoderLayer
-from msquant.model.matching import is_selected, unmatched_patterns
+from msquant.model.matching import (
+    first_matching_pattern,
+    is_selected,
+    pattern_problem,
+    unmatched_patterns,
+)
 from msquant.model.moe import MoEInfo, expert_fallback, moe_routers
 from msquant.planning.analysis import analyse_plan, check_plan
 from msquant.planning.build import build_plan, plan
@@ -186,6 +191,8 @@ __all__ = [
     "head_is_tied",
     "tied_head_message",
     "is_selected",
+    "first_matching_pattern",
+    "pattern_problem",
     "unmatched_patterns",
     # devices
     "Backend",

@@ -67,7 +67,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from fnmatch import fnmatchcase
 from functools import cached_property
 from typing import Any, Literal
 
@@ -113,11 +112,13 @@ from msquant import (
     expert_groups,
     find_final_norm,
     find_output_head,
+    first_matching_pattern,
     fused_group_problems,
     fused_groups,
     moe_routers,
     parse_dynamic,
     parse_expert_linear,
+    pattern_problem,
     quantize_weight_minmax,
     relative_output_errors,
     replace_module,
@@ -162,10 +163,11 @@ class LinearQuantConfig(ProcessorConfig):
     type: Literal["linear_quant"] = "linear_quant"
     qconfig: LinearQConfig
     include: list[str] = Field(
-        default_factory=lambda: ["*"], description="Module-name globs to quantize."
+        default_factory=lambda: ["*"],
+        description="Module-name globs to quantize (braces expanded: model.layers.{0,1}.*).",
     )
     exclude: list[str] = Field(
-        default_factory=list, description="Module-name globs to skip (wins)."
+        default_factory=list, description="Module-name globs to skip (wins; braces expanded)."
     )
     lm_head: bool = Field(False, description=LM_HEAD_DESCRIPTION)
     dynamic: dict[str, Any] = Field(
@@ -183,7 +185,7 @@ class LinearQuantConfig(ProcessorConfig):
 
 def _glob_match(name: str, patterns: Sequence[str]) -> str | None:
     """The first glob of ``patterns`` matching ``name`` (case-sensitive), or None."""
-    return next((pattern for pattern in patterns if fnmatchcase(name, pattern)), None)
+    return first_matching_pattern(name, patterns)
 
 
 class LinearQuantProcessor(Processor):
@@ -214,7 +216,12 @@ class LinearQuantProcessor(Processor):
     @classmethod
     def check_config(cls, config: ProcessorConfig) -> list[ConfigIssue]:
         assert isinstance(config, LinearQuantConfig)
-        issues: list[ConfigIssue] = []
+        issues: list[ConfigIssue] = [
+            ConfigIssue(f"{key}[{index}]", problem)
+            for key in ("include", "exclude")
+            for index, pattern in enumerate(getattr(config, key))
+            if (problem := pattern_problem(pattern)) is not None
+        ]
         act = config.qconfig.act
         if act.dtype is not QDType.FLOAT:
             issues.append(
@@ -436,13 +443,14 @@ class LinearQuantProcessor(Processor):
         """Include patterns that match no linear layer of the decoder layers, and settings that
         do not do what they seem to for the output head."""
         names = [name for layer in layers for name, _ in layer.named_linears()]
-        missing = unmatched_patterns(names, self.config.include)
         notes = []
-        if missing:
-            notes.append(
-                f"linear_quant include pattern(s) matched no decoder linear layer: {missing} "
-                "(globs match the full module name, e.g. *q_proj or model.layers.0.*)"
-            )
+        for key in ("include", "exclude"):
+            missing = unmatched_patterns(names, getattr(self.config, key))
+            if missing:
+                notes.append(
+                    f"linear_quant {key} pattern(s) matched no decoder linear layer: {missing} "
+                    "(globs match the full module name, e.g. *q_proj or model.layers.0.*)"
+                )
         head = self._head_name(model)
         return notes + (self._head_notes(head) if head is not None else [])
 

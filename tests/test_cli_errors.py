@@ -663,7 +663,7 @@ def test_api_checks_config_before_device_and_paths(tmp_path: Path) -> None:
     """Cheapest first: a bad config is reported even when device, model and save path are bad too."""
     with pytest.raises(ConfigError):
         msquant.quantize(
-            tmp_path / "no_model", write(tmp_path / "f", "x"), {"bogus": 1}, device="tpu"
+            tmp_path / "no_model", write(tmp_path / "f", "x"), {"spec": {"bogus": 1}}, device="tpu"
         )
     with pytest.raises(DeviceError):
         msquant.quantize(

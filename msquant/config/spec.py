@@ -7,11 +7,19 @@ names follow msModelSlim v1. Processor entries are discriminated by ``type`` aga
 Validation has two layers, both reported together with YAML paths such as
 ``spec.process[0].qconfig.weight.ext.group_size``: the pydantic schema (unknown keys, types, enum
 values, unknown processor types), then each processor's ``check_config`` (semantic rules such as
-unimplemented ``(dtype, scope, method)`` combinations).
+unimplemented ``(dtype, scope, method)`` combinations). Both layers run in one pass: an entry that
+fails the schema (an unknown processor, say) does not hide the semantic problems of the others.
+
+Keys beside ``apiversion``/``metadata``/``spec`` at the top of a file are ignored, as msModelSlim
+ignores them: its configs define YAML anchors there (``default_w8a8_dynamic: &w8a8 {...}``) that
+``spec`` refers to. A key that looks like a misspelt ``spec`` (or another known key) is warned about.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
+from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -36,6 +44,9 @@ __all__ = [
 ]
 
 API_VERSION: Literal["modelslim_v1"] = "modelslim_v1"
+_STAGES: tuple[Stage, ...] = ("process", "save")
+
+logger = logging.getLogger(__name__)
 
 
 class RunnerType(str, Enum):
@@ -79,14 +90,19 @@ class SpecBody(BaseModel):
     save: list[ProcessorConfig] = Field(default_factory=list)
     dataset: str | None = Field(
         None,
-        description="Calibration file (.jsonl, .json or .txt); relative to the CWD or the YAML.",
+        description=(
+            "Calibration file (.jsonl, .json or .txt); relative to the CWD or the YAML. "
+            "msModelSlim's dataset names (boolq.jsonl, cn_en.jsonl, ...) are read from an "
+            "installed msModelSlim's lab_calib folder; without one, mix_calib.jsonl means "
+            "msquant's shipped default set and the other names are refused."
+        ),
     )
 
 
 class QuantConfig(BaseModel):
-    """A whole quantization config file."""
+    """A whole quantization config file; other top-level keys (YAML anchors) are ignored."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
 
     apiversion: Literal["modelslim_v1"] = API_VERSION
     metadata: Metadata = Field(default_factory=Metadata)
@@ -137,15 +153,37 @@ def validate_config(
         raise ConfigError(
             [ConfigIssue("", f"a config must be a mapping with a 'spec' key, got {kind}")], source
         )
+    _note_extra_top_level_keys(data, source)
     model_cls = build_config_model(registry)
     try:
         config = model_cls.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_schema_issues(exc, registry, model_cls), source) from None
+        issues = _schema_issues(exc, registry, model_cls)
+        raise ConfigError(issues + _semantic_issues_of_raw(data, registry), source) from None
     issues = _semantic_issues(config, registry)
     if issues:
         raise ConfigError(issues, source)
     return config
+
+
+def _note_extra_top_level_keys(data: dict[Any, Any], source: str | None) -> None:
+    """Log the top-level keys that are ignored; warn when one looks like a misspelt known key."""
+    known = list(QuantConfig.model_fields)
+    where = f" in {source}" if source else ""
+    for key in data:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.75)
+        if close and close[0] not in data:
+            logger.warning(
+                "top-level key %r%s is ignored (as msModelSlim ignores keys beside apiversion, "
+                "metadata and spec); did you mean %r?",
+                key,
+                where,
+                close[0],
+            )
+        else:
+            logger.debug("top-level key %r%s ignored (a YAML anchor holder)", key, where)
 
 
 def load_config(path: str | Path, registry: ProcessorRegistry) -> QuantConfig:
@@ -160,19 +198,57 @@ def load_config_text(
     return validate_config(load_yaml_text(text, source), registry, source)
 
 
+_PRIOR_ISSUE = ConfigIssue("spec.prior", "prior stages are not implemented yet; remove 'prior'")
+
+
 def _semantic_issues(config: QuantConfig, registry: ProcessorRegistry) -> list[ConfigIssue]:
-    issues: list[ConfigIssue] = []
-    if config.spec.prior:
-        issues.append(
-            ConfigIssue("spec.prior", "prior stages are not implemented yet; remove 'prior'")
-        )
-    for stage in ("process", "save"):
+    issues = [_PRIOR_ISSUE] if config.spec.prior else []
+    for stage in _STAGES:
         for index, entry in enumerate(getattr(config.spec, stage)):
-            prefix = f"spec.{stage}[{index}]"
-            for issue in registry.get(entry.type).check_config(entry):
-                path = f"{prefix}.{issue.path}" if issue.path else prefix
-                issues.append(ConfigIssue(path, issue.message))
+            issues += _entry_issues(registry, stage, index, entry)
     return issues
+
+
+def _entry_issues(
+    registry: ProcessorRegistry, stage: str, index: int, entry: ProcessorConfig
+) -> list[ConfigIssue]:
+    """The processor's ``check_config`` issues of one entry, located under ``spec.<stage>[i]``."""
+    prefix = f"spec.{stage}[{index}]"
+    return [
+        ConfigIssue(f"{prefix}.{issue.path}" if issue.path else prefix, issue.message)
+        for issue in registry.get(entry.type).check_config(entry)
+    ]
+
+
+def _semantic_issues_of_raw(data: dict[Any, Any], registry: ProcessorRegistry) -> list[ConfigIssue]:
+    """The semantic issues of a document that failed the schema: every entry that is valid on its
+    own is still checked, so one run of ``validate`` shows every problem of the file."""
+    spec = data.get("spec")
+    if not isinstance(spec, dict):
+        return []
+    issues = [_PRIOR_ISSUE] if spec.get("prior") else []
+    for stage, index, entry in _valid_entries(spec, registry):
+        issues += _entry_issues(registry, stage, index, entry)
+    return issues
+
+
+def _valid_entries(
+    spec: dict[Any, Any], registry: ProcessorRegistry
+) -> Iterator[tuple[str, int, ProcessorConfig]]:
+    """The ``(stage, index, config)`` of each raw entry whose processor is registered for its
+    stage and whose entry passes that processor's schema."""
+    for stage in _STAGES:
+        entries = spec.get(stage)
+        if not isinstance(entries, list):
+            continue
+        for index, raw in enumerate(entries):
+            kind = raw.get("type") if isinstance(raw, dict) else None
+            if not isinstance(kind, str) or kind not in registry.names(stage):
+                continue
+            try:
+                yield stage, index, registry.get(kind).config_class.model_validate(raw)
+            except ValidationError:
+                continue  # its schema errors are already reported
 
 
 def _schema_issues(

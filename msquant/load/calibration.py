@@ -20,6 +20,12 @@ from typing import Any
 import torch
 
 from msquant.errors import CalibrationDataError
+from msquant.load.msmodelslim_datasets import (
+    MSMODELSLIM_MEDIA_SETS,
+    MSMODELSLIM_TEXT_SETS,
+    msmodelslim_lab_calib,
+    refuse_msmodelslim_dataset,
+)
 
 __all__ = [
     "TEXT_KEYS",
@@ -44,17 +50,28 @@ def default_dataset_path() -> Path:
 
 def resolve_dataset_path(name: str, config_dir: Path | None) -> Path:
     """Resolve ``spec.dataset``: an absolute path, else relative to the CWD, else to the YAML's
-    folder; msModelSlim's default name (``mix_calib.jsonl``) maps to the shipped set."""
+    folder; then one of msModelSlim's dataset names (``boolq.jsonl``), read from an installed
+    msModelSlim's ``lab_calib`` folder; without one, its default name (``mix_calib.jsonl``) maps
+    to the shipped set and the others are refused.
+
+    :raises CalibrationDataError: for an msModelSlim dataset name that cannot be resolved.
+    """
     path = Path(name).expanduser()
     if path.is_absolute() or path.exists():
         return path
     beside_config = config_dir / path if config_dir is not None else path
     if beside_config.exists():
         return beside_config
+    if name not in MSMODELSLIM_TEXT_SETS | MSMODELSLIM_MEDIA_SETS:
+        return path
+    lab_calib = msmodelslim_lab_calib()
+    if lab_calib is not None and (lab_calib / name).exists():
+        logger.info("dataset %s: read from msModelSlim's %s", name, lab_calib)
+        return lab_calib / name
     if name in DEFAULT_DATASET_ALIASES:
         logger.info("dataset %s: using msquant's shipped default calibration set", name)
         return default_dataset_path()
-    return path
+    refuse_msmodelslim_dataset(name)
 
 
 def read_calibration_texts(path: str | Path, role: str = "calibration") -> list[str]:

@@ -1,0 +1,231 @@
+"""Run msModelSlim 26.1.0's v1 pipeline on tiny models: the oracle for the activation schemes.
+
+msModelSlim is never imported here: it runs as its own CLI (``msmodelslim quant``) from a separate
+virtual environment (``scripts/msmodelslim_env.sh``), on CPU, on tiny float32 Llama / Qwen models
+built offline by :mod:`tiny_models` and on a calibration file written from the test corpus. The
+exports land in a cache folder outside the repository and are compared by
+``tests/oracle/test_msmodelslim_oracle.py`` (pytest marker ``msmodelslim``).
+
+Usage (from the repository root)::
+
+    scripts/msmodelslim_env.sh                      # once: builds $MSQUANT_MSMODELSLIM_VENV
+    python tests/oracle/msmodelslim_run.py [--cache DIR] [--scheme NAME ...] [--arch NAME ...]
+
+The configs are modelled on msModelSlim's shipped best practices (``lab_practice``) and smoke
+configs, without the smoothing and rotation processors: one ``linear_quant`` entry with the
+scheme's ``act`` / ``weight`` qconfig and an ``ascendv1_saver``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent
+DEFAULT_CACHE = Path(os.environ.get("MSQUANT_ORACLE_CACHE", Path.home() / ".cache/msquant/oracle"))
+DEFAULT_VENV = Path(
+    os.environ.get("MSQUANT_MSMODELSLIM_VENV", Path.home() / ".cache/msquant/msmodelslim-venv")
+)
+#: The tiny models: name -> builder arguments (hidden 64, intermediate 128, 2 layers). Qwen2 has
+#: q/k/v biases; the bf16 Llama shows how ``deq_scale`` is stored for bf16 models; Qwen3-MoE
+#: (8 experts) how MoE experts are written, through msModelSlim's own Qwen3-MoE adapter
+#: (``model_type``, its ``--model_type`` name; ``default`` otherwise).
+ARCHS: dict[str, dict[str, Any]] = {
+    "llama": {"arch": "llama"},
+    "qwen2": {"arch": "qwen2"},
+    "qwen3": {"arch": "qwen3"},
+    "llama_bf16": {"arch": "llama", "dtype": "bfloat16"},
+    "qwen3_moe": {"arch": "qwen3_moe", "model_type": "Qwen3-30B"},
+}
+#: Calibration samples taken from the test corpus (blank-line separated paragraphs).
+CALIB_SAMPLES = 12
+
+logger = logging.getLogger("msmodelslim_run")
+
+
+def _act(scope: str, symmetric: bool) -> dict[str, Any]:
+    return {"scope": scope, "dtype": "int8", "symmetric": symmetric, "method": "minmax"}
+
+
+def _weight(
+    dtype: str, scope: str = "per_channel", method: str = "minmax", **ext: Any
+) -> dict[str, Any]:
+    weight = {"scope": scope, "dtype": dtype, "symmetric": True, "method": method}
+    return {**weight, "ext": ext} if ext else weight
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One activation scheme: the ``qconfig`` of its ``linear_quant`` entry and the
+    ``model_quant_type`` msModelSlim is expected to write for it."""
+
+    name: str
+    qconfig: dict[str, Any]
+    quant_type: str
+    #: msModelSlim 26.1.0 refuses the scheme on CPU with this message (no export is made).
+    refused: str | None = None
+
+
+SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        # W8A8 static: the best practices use asymmetric per-tensor activations.
+        Scheme("w8a8_asym", {"act": _act("per_tensor", False), "weight": _weight("int8")}, "W8A8"),
+        Scheme("w8a8_sym", {"act": _act("per_tensor", True), "weight": _weight("int8")}, "W8A8"),
+        Scheme(
+            "w8a8_dynamic",
+            {"act": _act("per_token", True), "weight": _weight("int8")},
+            "W8A8_DYNAMIC",
+        ),
+        Scheme(
+            "w4a8_dynamic",
+            {"act": _act("per_token", True), "weight": _weight("int4")},
+            "W4A8_DYNAMIC",
+        ),
+        # Per-group int4 weights exist in msModelSlim only for gptq (no per-group minmax), and its
+        # W4A8_DYNAMIC fake-quant layer is per-channel only: the run is refused when deploying.
+        Scheme(
+            "w4a8_dynamic_g32",
+            {
+                "act": _act("per_token", True),
+                "weight": _weight("int4", "per_group", "gptq", group_size=32),
+            },
+            "W4A8_DYNAMIC",
+            refused="No implementation found for ABC",
+        ),
+    )
+}
+
+
+def config_for(scheme: Scheme, dataset: Path) -> dict[str, Any]:
+    """The msModelSlim v1 config of ``scheme`` calibrating on ``dataset`` (an absolute path)."""
+    return {
+        "apiversion": "modelslim_v1",
+        "metadata": {"config_id": f"oracle-{scheme.name}"},
+        "spec": {
+            "process": [{"type": "linear_quant", "qconfig": scheme.qconfig, "include": ["*"]}],
+            "save": [{"type": "ascendv1_saver", "part_file_size": 0}],
+            "dataset": str(dataset),
+        },
+    }
+
+
+def calibration_texts() -> list[str]:
+    """The calibration samples: the first paragraphs of the test corpus."""
+    text = (TESTS / "data" / "calib.txt").read_text(encoding="utf-8")
+    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+    return paragraphs[:CALIB_SAMPLES]
+
+
+def write_calibration(path: Path) -> Path:
+    """Write the calibration samples as msModelSlim's ``.jsonl`` (``inputs_pretokenized``)."""
+    lines = [
+        json.dumps({"inputs_pretokenized": t}, ensure_ascii=False) for t in calibration_texts()
+    ]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def build_model(arch: str, folder: Path) -> Path:
+    """The tiny float32 model of ``arch`` (2 layers, hidden 64), built once into ``folder``."""
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+
+    sys.path.insert(0, str(TESTS))
+    from tiny_models import build_tiny_model
+
+    params = dict(ARCHS[arch])
+    params.pop("model_type", None)
+    dtype = getattr(torch, params.pop("dtype", "float32"))
+    return build_tiny_model(folder, dtype=dtype, **params)
+
+
+def run_msmodelslim(
+    venv: Path, model: Path, config: Path, save: Path, log: Path, model_type: str = "default"
+) -> float:
+    """Run ``msmodelslim quant`` on CPU; returns its wall time. Raises on a non-zero exit."""
+    command = [
+        str(venv / "bin" / "msmodelslim"),
+        "quant",
+        "--model_type",
+        model_type,
+        "--model_path",
+        str(model),
+        "--save_path",
+        str(save),
+        "--device",
+        "cpu",
+        "--config_path",
+        str(config),
+        "--trust_remote_code",
+        "False",
+    ]
+    start = time.monotonic()
+    with log.open("w", encoding="utf-8") as out:
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=False)
+    if done.returncode != 0:
+        text = log.read_text(encoding="utf-8", errors="replace")
+        errors = [line for line in text.splitlines() if " - ERROR - " in line][:5]
+        summary = "\n".join(errors) if errors else text[-3000:]
+        raise RuntimeError(f"msmodelslim exited {done.returncode} (log {log}):\n{summary}")
+    return time.monotonic() - start
+
+
+def export_dir(cache: Path, arch: str, scheme: str) -> Path:
+    """Where the oracle export of (``arch``, ``scheme``) lives."""
+    return cache / "exports" / f"{arch}-{scheme}"
+
+
+def ensure_export(cache: Path, venv: Path, arch: str, scheme_name: str) -> Path:
+    """The msModelSlim export of ``scheme_name`` on the tiny ``arch`` model, made if missing."""
+    save = export_dir(cache, arch, scheme_name)
+    if (save / "quant_model_description.json").is_file():
+        return save
+    cache.mkdir(parents=True, exist_ok=True)
+    model = build_model(arch, cache / "models" / arch)
+    dataset = write_calibration(cache / "calib.jsonl")
+    config = cache / "configs" / f"{scheme_name}.yaml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(yaml.safe_dump(config_for(SCHEMES[scheme_name], dataset)), encoding="utf-8")
+    save.parent.mkdir(parents=True, exist_ok=True)
+    model_type = ARCHS[arch].get("model_type", "default")
+    log = save.parent / f"{save.name}.log"
+    seconds = run_msmodelslim(venv, model, config, save, log, model_type)
+    logger.info("%s %s: msmodelslim ran in %.1f s -> %s", arch, scheme_name, seconds, save)
+    return save
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument("--venv", type=Path, default=DEFAULT_VENV)
+    exported = [name for name, scheme in SCHEMES.items() if scheme.refused is None]
+    parser.add_argument("--scheme", nargs="*", default=exported, choices=list(SCHEMES))
+    parser.add_argument("--arch", nargs="*", default=list(ARCHS), choices=list(ARCHS))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    failed = 0
+    for arch in args.arch:
+        for scheme in args.scheme:
+            try:
+                ensure_export(args.cache, args.venv, arch, scheme)
+            except RuntimeError as exc:
+                failed += 1
+                logger.error("%s %s: %s", arch, scheme, exc)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
