@@ -152,6 +152,8 @@ class AscendV1Saver(Processor):
     weights_prefix = WEIGHTS_PREFIX
     plain_when_single = False
     resumable = True
+    #: Written when a config's ``spec.save`` is empty (msModelSlim's default format).
+    default_saver = True
 
     def check_model(self, model: nn.Module, layers: list[DecoderLayer]) -> list[str]:
         model_type = str(getattr(getattr(model, "config", None), "model_type", "unknown"))

@@ -27,12 +27,21 @@ from typing import Any, NamedTuple, TypeGuard
 
 import torch
 
-from msquant.model.fused import expert_groups, fused_groups, parse_expert_linear
-from msquant.verify.base import ExportReader, module_of, read_json
-from msquant.verify.layer import DecodedLayer, trivial_g_idx
-from msquant.verify.report import Findings, LayerReport
-from msquant.verify.tensors import open_weights
-from msquant.verify.unpack import unpack_int32_stream, words_needed
+from msquant import (
+    DecodedLayer,
+    ExportReader,
+    Findings,
+    LayerReport,
+    expert_groups,
+    fused_groups,
+    module_of,
+    open_weights,
+    parse_expert_linear,
+    read_json,
+    trivial_g_idx,
+    unpack_int32_stream,
+    words_needed,
+)
 
 __all__ = ["GPTQReader", "GPTQScheme"]
 
