@@ -85,6 +85,7 @@ from msquant.plugin.format import (
 )
 from msquant.plugin.processor import OutputHeadUser, Processor, ProcessorConfig
 from msquant.plugin.registry import ENTRY_POINT_GROUP, ProcessorRegistry, default_registry
+from msquant.plugin.saver import SAVER_STATE_FORMAT, NameSet, Saver, SaverConfig, SaverState
 from msquant.quant.gptq import WeightPerChannelGPTQ, WeightPerGroupGPTQ
 from msquant.quant.gptq_solver import GPTQResult, gptq_quantize, resolve_block_size
 from msquant.quant.hessian import HessianAccumulator
@@ -141,7 +142,12 @@ from msquant.verify import (
     verify_export,
 )
 from msquant.verify.base import ExportReader, module_of, read_json, ties_word_embeddings
-from msquant.verify.detect import detect_format, hf_quant_method, read_model_config
+from msquant.verify.detect import (
+    detect_format,
+    hf_export_format,
+    hf_quant_method,
+    read_model_config,
+)
 from msquant.verify.layer import DecodedLayer, trivial_g_idx
 from msquant.verify.report import Findings
 from msquant.verify.tensors import TensorStore, open_weights, weight_files_present
@@ -175,6 +181,11 @@ __all__ = [
     "ProcessorConfig",
     "ProcessorRegistry",
     "default_registry",
+    "Saver",
+    "SaverConfig",
+    "SaverState",
+    "SAVER_STATE_FORMAT",
+    "NameSet",
     "ENTRY_POINT_GROUP",
     "RunContext",
     "DecoderLayer",
@@ -283,6 +294,7 @@ __all__ = [
     "ties_word_embeddings",
     "read_model_config",
     "hf_quant_method",
+    "hf_export_format",
     "open_weights",
     "weight_files_present",
     "unpack_int32_stream",

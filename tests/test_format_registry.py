@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import msquant
 from msquant import (
@@ -31,6 +31,8 @@ from msquant import (
     QuantizedLinear,
     RegistryError,
     RunContext,
+    Saver,
+    SaverConfig,
     copy_model_files,
     default_formats,
     default_registry,
@@ -38,7 +40,6 @@ from msquant import (
     open_weights,
     read_json,
     trivial_g_idx,
-    unique_state_items,
     verify_export,
 )
 from msquant.evaluate.models import load_model_for_eval
@@ -214,36 +215,34 @@ def _config_class(type_name: str) -> type[ProcessorConfig]:
     )
 
 
-class ToySaver(Processor):
-    """Writes the ``toy`` format at the end of a run (``corrupt``: one code off, on purpose)."""
+class ToySaverConfig(SaverConfig):
+    type: Literal["toy_saver"] = "toy_saver"
+
+
+class ToySaver(Saver):
+    """Writes the ``toy`` format: only its packing and its metadata are written here, the rest
+    (writer, shards, written-tensor record, fused check, head, checkpoints) is the Saver base's.
+    ``corrupt`` puts one code of the first quantized layer off, on purpose."""
 
     type_name = "toy_saver"
-    config_class = _config_class("toy_saver")
-    stage = "save"
+    config_class = ToySaverConfig
+    weights_prefix = "toy"
     corrupt = False
 
-    def finalize(self, ctx: RunContext) -> None:
-        directory = self.output_dir(ctx)
-        tensors: dict[str, torch.Tensor] = {}
-        quantized = []
-        for name, module in ctx.model.named_modules():
-            if isinstance(module, QuantizedLinear):
-                quantized.append(name)
-                tensors[f"{name}.codes"] = module.weight.detach().clone()
-                tensors[f"{name}.scale"] = module.weight_scale.detach()
-                tensors[f"{name}.offset"] = module.weight_offset.detach()
-        if self.corrupt:
-            first = tensors[f"{quantized[0]}.codes"]
-            first[0, 0] = 0 if int(first[0, 0]) != 0 else 1
-        for name, tensor in unique_state_items(ctx.model):
-            owner = name.rpartition(".")[0]
-            if owner not in quantized:
-                tensors[name] = tensor.detach().contiguous()
-        save_file(
-            {k: v.contiguous() for k, v in tensors.items()}, str(directory / "toy.safetensors")
-        )
-        copy_model_files(ctx.model_path, directory)
-        (directory / TOY_MANIFEST).write_text(json.dumps({"quantized": quantized}))
+    def pack(self, ctx: RunContext, name: str, module: QuantizedLinear) -> dict[str, torch.Tensor]:
+        codes = module.weight.detach().clone()
+        if self.corrupt and not self.state.quantized:
+            codes[0, 0] = 0 if int(codes[0, 0]) != 0 else 1
+        return {
+            f"{name}.codes": codes,
+            f"{name}.scale": module.weight_scale,
+            f"{name}.offset": module.weight_offset,
+        }
+
+    def write_config(self, ctx: RunContext) -> None:
+        copy_model_files(ctx.model_path, self.directory)
+        manifest = {"quantized": sorted(self.state.quantized)}
+        (self.directory / TOY_MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
 
 
 class CorruptToySaver(ToySaver):
@@ -252,7 +251,6 @@ class CorruptToySaver(ToySaver):
 
 TOY_CONFIG = {
     "spec": {
-        "runner": "model_wise",  # the toy saver writes everything at the end, from memory
         "process": [{"type": "linear_quant", "qconfig": {"weight": {"method": "minmax"}}}],
         "save": [{"type": "toy_saver"}],
     }
@@ -299,7 +297,7 @@ def test_the_run_catches_a_wrong_third_party_export(
         msquant.quantize(
             tiny_llama, save, TOY_CONFIG, registry=toy_registered(CorruptToySaver), progress=False
         )
-    assert not (save / "toy.safetensors").exists()
+    assert not list(save.glob("toy*.safetensors"))
 
 
 def test_a_third_party_format_is_verified_and_evaluated(
@@ -314,7 +312,9 @@ def test_a_third_party_format_is_verified_and_evaluated(
     assert "toy export" in result.out and "OK: 14 quantized layer(s)" in result.out
     model, kind = load_model_for_eval(save)
     assert kind == "toy"
-    stored = load_file(str(save / "toy.safetensors"))
+    stored = {}
+    for shard in sorted(save.glob("toy*.safetensors")):
+        stored.update(load_file(str(shard)))
     name = "model.layers.0.mlp.down_proj"
     codes = stored[f"{name}.codes"].to(torch.float64)
     expected = (codes - stored[f"{name}.offset"].double()) * stored[f"{name}.scale"].double()

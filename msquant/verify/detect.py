@@ -9,6 +9,7 @@ folder. The helpers for Hugging Face checkpoint folders (``config.json`` and its
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ __all__ = [
     "open_reader",
     "read_model_config",
     "hf_quant_method",
+    "hf_export_format",
 ]
 
 
@@ -60,6 +62,33 @@ def hf_quant_method(path: Path) -> str | None:
         return None
     method = quantization.get("quant_method")
     return method if isinstance(method, str) else None
+
+
+def hf_export_format(
+    name: str,
+    quant_method: str,
+    reader: Callable[[Path, Findings, dict[str, Any]], ExportReader],
+    savers: tuple[str, ...],
+    order: int,
+) -> ExportFormat:
+    """The registry entry of a Hugging Face checkpoint format: recognised by ``config.json``'s
+    ``quantization_config.quant_method``, read by ``reader(folder, findings, config)`` with the
+    parsed ``config.json`` (``{}`` when absent)."""
+
+    def detect(directory: Path) -> bool:
+        return hf_quant_method(directory) == quant_method
+
+    def open_reader(directory: Path, findings: Findings) -> ExportReader:
+        return reader(directory, findings, read_model_config(directory) or {})
+
+    return ExportFormat(
+        name=name,
+        description=f'config.json quantization_config.quant_method "{quant_method}"',
+        detect=detect,
+        reader=open_reader,
+        savers=savers,
+        order=order,
+    )
 
 
 def _find(directory: Path, formats: FormatRegistry) -> ExportFormat:
