@@ -16,6 +16,10 @@ the experts module's name (``model.layers.N.mlp.experts``) only, so both must re
 ``modules_in_block_to_quantize`` (optional, a list of lists of names) selects the quantized
 linears for transformers + optimum (a name ending with an entry) and vLLM (an entry inside the
 name).
+
+Longer than 500 lines on purpose: besides decoding, it checks each loader rule above (dynamic
+rules against fused and MoE experts names, modules_in_block_to_quantize) next to the layout they
+constrain; split, the rules would be read apart from what they check.
 """
 
 from __future__ import annotations
