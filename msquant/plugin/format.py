@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from msquant.errors import RegistryError
+from msquant.plugin.entry_points import distinct_entry_points, load_plugin
 
 if TYPE_CHECKING:
     from msquant.verify.base import ExportReader
@@ -99,11 +100,7 @@ class FormatRegistry:
 
     def load_entry_points(self, group: str = FORMAT_ENTRY_POINT_GROUP) -> FormatRegistry:
         """Register every format advertised in the entry-point ``group``; returns ``self``."""
-        seen: set[tuple[str, str]] = set()
-        for ep in sorted(entry_points(group=group), key=lambda e: (e.name, e.value)):
-            if (ep.name, ep.value) in seen:  # the same distribution visible twice on sys.path
-                continue
-            seen.add((ep.name, ep.value))
+        for ep in distinct_entry_points(entry_points(group=group)):
             fmt = _load_entry_point(ep)
             if fmt.name != ep.name:
                 raise RegistryError(
@@ -148,12 +145,7 @@ class FormatRegistry:
 
 
 def _load_entry_point(ep: EntryPoint) -> ExportFormat:
-    try:
-        obj = ep.load()
-    except Exception as exc:  # a broken plugin must be reported, not swallowed
-        raise RegistryError(
-            f"cannot load export format plugin {ep.name!r} from entry point {ep.value!r}: {exc}"
-        ) from exc
+    obj = load_plugin(ep, "export format")
     if not isinstance(obj, ExportFormat):
         raise RegistryError(f"entry point {ep.name!r} = {ep.value!r} is not a msquant.ExportFormat")
     return obj
