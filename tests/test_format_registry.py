@@ -44,8 +44,14 @@ from msquant import (
 )
 from msquant.evaluate.models import load_model_for_eval
 
-BUILTIN_FORMATS = ["ascend", "mindie", "gptq", "compressed-tensors"]
-BUILTIN_SAVERS = {"ascendv1_saver", "mindie_format_saver", "gptq_saver", "compressed_tensors"}
+BUILTIN_FORMATS = ["ascend", "mindie", "gptq", "compressed-tensors", "awq"]
+BUILTIN_SAVERS = {
+    "ascendv1_saver",
+    "mindie_format_saver",
+    "gptq_saver",
+    "compressed_tensors",
+    "awq_saver",
+}
 CALIB_TXT = Path(__file__).parent / "data" / "calib.txt"
 
 
@@ -90,9 +96,9 @@ def test_two_default_savers_or_none_are_refused() -> None:
 
 def test_unknown_format_lists_the_registered_ones() -> None:
     with pytest.raises(KeyError) as info:
-        default_formats().get("awq")
-    assert "unknown export format 'awq'" in str(info.value)
-    assert "ascend, mindie, gptq, compressed-tensors" in str(info.value)
+        default_formats().get("bitsandbytes")
+    assert "unknown export format 'bitsandbytes'" in str(info.value)
+    assert "ascend, mindie, gptq, compressed-tensors, awq" in str(info.value)
 
 
 def test_registration_rules() -> None:
