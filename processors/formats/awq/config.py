@@ -1,7 +1,8 @@
 """The AWQ ``quantization_config`` (transformers' ``AwqConfig`` keys, which vLLM reads too): one
 scheme for the model (4 bits, one group size, zero points), and the linear layers kept in float
-in ``modules_to_not_convert`` (matched as substrings of module names, so the fused names vLLM uses
-for float q/k/v and gate/up groups are listed too)."""
+in ``modules_to_not_convert`` (vLLM matches it as substrings of module names and looks a fused
+layer up through its shards; the fused name of a float q/k/v or gate/up group is listed too, for
+loaders that look it up by that name)."""
 
 from __future__ import annotations
 
