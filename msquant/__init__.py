@@ -89,8 +89,15 @@ from msquant.planning.model import (
 from msquant.planning.render import render_plan
 from msquant.plugin.context import RunContext
 from msquant.plugin.distributed import SINGLE, Distributed, balanced_owners
+from msquant.plugin.format import (
+    FORMAT_ENTRY_POINT_GROUP,
+    ExportFormat,
+    FormatRegistry,
+    default_formats,
+)
 from msquant.plugin.processor import OutputHeadUser, Processor, ProcessorConfig
 from msquant.plugin.registry import ENTRY_POINT_GROUP, ProcessorRegistry, default_registry
+from msquant.plugin.saver import SAVER_STATE_FORMAT, NameSet, Saver, SaverConfig, SaverState
 from msquant.quant.gptq import WeightPerChannelGPTQ, WeightPerGroupGPTQ
 from msquant.quant.gptq_solver import GPTQResult, gptq_quantize, resolve_block_size
 from msquant.quant.hessian import HessianAccumulator
@@ -146,6 +153,17 @@ from msquant.verify import (
     check_export,
     verify_export,
 )
+from msquant.verify.base import ExportReader, module_of, read_json, ties_word_embeddings
+from msquant.verify.detect import (
+    detect_format,
+    hf_export_format,
+    hf_quant_method,
+    read_model_config,
+)
+from msquant.verify.layer import DecodedLayer, trivial_g_idx
+from msquant.verify.report import Findings
+from msquant.verify.tensors import TensorStore, open_weights, weight_files_present
+from msquant.verify.unpack import unpack_int4_pairs, unpack_int32_stream, words_needed
 from msquant.version import __version__
 
 __all__ = [
@@ -175,6 +193,11 @@ __all__ = [
     "ProcessorConfig",
     "ProcessorRegistry",
     "default_registry",
+    "Saver",
+    "SaverConfig",
+    "SaverState",
+    "SAVER_STATE_FORMAT",
+    "NameSet",
     "ENTRY_POINT_GROUP",
     "RunContext",
     "DecoderLayer",
@@ -275,6 +298,28 @@ __all__ = [
     "check_export",
     "VerifyReport",
     "LayerReport",
+    # export formats (for format authors: registry, reader contract, reading helpers)
+    "ExportFormat",
+    "FormatRegistry",
+    "default_formats",
+    "FORMAT_ENTRY_POINT_GROUP",
+    "detect_format",
+    "ExportReader",
+    "Findings",
+    "DecodedLayer",
+    "TensorStore",
+    "trivial_g_idx",
+    "read_json",
+    "module_of",
+    "ties_word_embeddings",
+    "read_model_config",
+    "hf_quant_method",
+    "hf_export_format",
+    "open_weights",
+    "weight_files_present",
+    "unpack_int32_stream",
+    "unpack_int4_pairs",
+    "words_needed",
     # evaluation
     "evaluate_perplexity",
     "compare_perplexity",

@@ -47,16 +47,19 @@ documents as ``(weight + offset) * scale``, while this format means ``(weight - 
 scale``: the sign is unsettled until checked on hardware). They are warnings, not errors: the
 same files serve MindIE, and msModelSlim writes these types itself.
 
-Lifecycle: ``after_layer`` queues the layer's tensors (written shard by shard; the head stage
-alike); ``finalize`` adds the remaining tensors (embeddings, final norm, a float head) and writes
-the description and copied files. Resumable: a checkpoint holds the writer's state and the types
-recorded so far.
+Lifecycle (:class:`msquant.Saver`): ``after_layer`` queues the layer's tensors (written shard by
+shard; the head stage alike); ``finalize`` adds the remaining tensors (embeddings, final norm, a
+float head) and writes the description and copied files. Resumable: a checkpoint holds the
+writer's state and the types recorded so far. The tensors are packed by
+:mod:`msquant.processors.formats.ascend.packer`, the description built by
+:mod:`msquant.processors.formats.ascend.config`; this module is the processor around them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Hashable
 from typing import Any, Literal
 
 import torch
@@ -67,40 +70,32 @@ from msquant import (
     DecoderLayer,
     ModelPlan,
     MsquantInputError,
-    OutputHeadStage,
     PlanReview,
     PlanRow,
-    Processor,
-    ProcessorConfig,
     QuantizationError,
     QuantizedLinear,
     RunContext,
-    ShardedSafetensorsWriter,
+    Saver,
+    SaverConfig,
+    SaverState,
     copy_model_files,
-    fused_group_problems,
-    pack_int4_pairs,
     parse_expert_linear,
     safe_file_stem,
 )
+from msquant.processors.formats.ascend.config import (
+    DESCRIPTION_FILE,
+    HEAD_WARNING,
+    description_globals,
+    model_quant_type,
+    ordered_description,
+)
+from msquant.processors.formats.ascend.packer import FLOAT, ascend_module_tensors, quant_type
 
-__all__ = ["AscendV1SaverConfig", "AscendV1Saver", "QUANT_TYPE_PRIORITY"]
+__all__ = ["AscendV1SaverConfig", "AscendV1Saver", "AscendSaverState"]
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS_PREFIX = "quant_model_weights"
-DESCRIPTION_FILE = "quant_model_description.json"
-DESCRIPTION_VERSION = "1.0.0"
-GIB = 1024**3
-# msModelSlim's order for the global ``model_quant_type`` (the highest type present wins); W4A16,
-# which msModelSlim v1 does not export, ranks above W8A16 (the more compressed weight type).
-QUANT_TYPE_PRIORITY = ("FLOAT", "W16A16S", "W8A16", "W4A16", "W8A8_DYNAMIC", "W8A8_MIX", "W8A8")
-QUANT_TYPES_BY_BITS = {8: "W8A16", 4: "W4A16"}
-HEAD_WARNING = (
-    "{head} is written {kind}, which msModelSlim never does (it keeps the head FLOAT): vLLM-Ascend "
-    "loads a quantized head through the linear scheme of its type (per-channel W8A16 only; read "
-    "in its source, not verified on hardware); MindIE support is unknown"
-)
-
 
 #: How many module names a plan warning lists before "and N more".
 LISTED_MODULES = 4
@@ -130,7 +125,7 @@ VLLM_ASCEND_PER_GROUP = (
 )
 
 
-class AscendV1SaverConfig(ProcessorConfig):
+class AscendV1SaverConfig(SaverConfig):
     """Config of ``ascendv1_saver``."""
 
     type: Literal["ascendv1_saver"] = "ascendv1_saver"
@@ -140,18 +135,25 @@ class AscendV1SaverConfig(ProcessorConfig):
     )
 
 
-class AscendV1Saver(Processor):
+class AscendSaverState(SaverState):
+    """The Ascend savers' record: every written tensor's type, the per-group sizes seen."""
+
+    types: dict[str, str] = Field(default_factory=dict)
+    group_sizes: set[int] = Field(default_factory=set)
+
+
+class AscendV1Saver(Saver):
     """Writes the Ascend (msModelSlim v1) export as layers finish."""
 
     type_name = "ascendv1_saver"
     config_class = AscendV1SaverConfig
-    stage = "save"
     config: AscendV1SaverConfig
-
-    #: File name stem of the weights and the description (``mindie_format_saver`` changes them).
+    state_class = AscendSaverState
+    state: AscendSaverState
+    #: File name stem of the weights (``mindie_format_saver`` changes it and the description's).
     weights_prefix = WEIGHTS_PREFIX
-    plain_when_single = False
-    resumable = True
+    #: Written when a config's ``spec.save`` is empty (msModelSlim's default format).
+    default_saver = True
 
     def check_model(self, model: nn.Module, layers: list[DecoderLayer]) -> list[str]:
         model_type = str(getattr(getattr(model, "config", None), "model_type", "unknown"))
@@ -183,90 +185,65 @@ class AscendV1Saver(Processor):
             ]
         )
 
-    def setup(self, ctx: RunContext) -> None:
-        size = self.config.part_file_size
-        self.directory = self.output_dir(ctx)
-        # tensors are recorded under the model's names and stored under the checkpoint's
-        self.writer = ShardedSafetensorsWriter(
-            self.directory,
-            self.weights_prefix,
-            size * GIB if size else None,
-            self.plain_when_single,
-            rename=ctx.disk_name,
+    # --- the format ------------------------------------------------------------------------
+
+    def pack(self, ctx: RunContext, name: str, module: QuantizedLinear) -> dict[str, torch.Tensor]:
+        return ascend_module_tensors(name, module)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        super().add(name, tensor)
+        self.state.types.setdefault(name, FLOAT)
+
+    def record_quantized(self, name: str, module: QuantizedLinear, packed: list[str]) -> None:
+        kind = quant_type(module, name)
+        for tensor_name in packed:
+            if tensor_name != f"{name}.bias":
+                self.state.types[tensor_name] = kind
+        if module.group_size is not None:
+            self.state.group_sizes.add(module.group_size)
+
+    def fused_scheme(self, name: str, module: QuantizedLinear | None) -> tuple[Hashable, str]:
+        if module is None:
+            return FLOAT, FLOAT
+        scope = "per-channel" if module.group_size is None else f"group {module.group_size}"
+        kind = "sym" if module.symmetric else "asym"
+        text = f"{quant_type(module, name)} {scope} {kind}"
+        return text, text
+
+    def fused_message(self, prefix: str, problems: list[str]) -> str:
+        return f"{self.type_name}: the export would not load in vLLM-Ascend:\n" + "\n".join(
+            f"  - {p}" for p in problems
         )
-        self.types: dict[str, str] = {}
-        self.group_sizes: set[int] = set()
-        self.head: str | None = None  # the output head, when its stage ran quantized
 
-    def after_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
-        if isinstance(layer, OutputHeadStage) and isinstance(layer.module, QuantizedLinear):
-            self.head = layer.name
-        self._check_fused(layer)
-        self._write_module(layer.module, layer.name + ".")
-
-    def resume_state(self, ctx: RunContext) -> dict[str, Any]:
-        return {
-            "writer": self.writer.state(),
-            "types": self.types,
-            "group_sizes": sorted(self.group_sizes),
-            "head": self.head,
-        }
-
-    def restore(self, ctx: RunContext, state: dict[str, Any]) -> None:
-        self.writer.restore(state["writer"])
-        self.types = dict(state["types"])
-        self.group_sizes = {int(size) for size in state["group_sizes"]}
-        self.head = state["head"]
-
-    def _check_fused(self, layer: DecoderLayer) -> None:
-        """Refuse layers whose fused shards (q/k/v, gate/up) would get different types."""
-        schemes = {}
-        for name, module in layer.module.named_modules(prefix=layer.name):
-            if isinstance(module, QuantizedLinear):
-                scope = "per-channel" if module.group_size is None else f"group {module.group_size}"
-                kind = "sym" if module.symmetric else "asym"
-                schemes[name] = f"{_quant_type(module, name)} {scope} {kind}"
-            elif isinstance(module, nn.Linear):
-                schemes[name] = "FLOAT"
-        problems = fused_group_problems(schemes)
-        if problems:
-            raise QuantizationError(
-                f"{self.type_name}: the export would not load in vLLM-Ascend:\n"
-                + "\n".join(f"  - {p}" for p in problems)
-            )
-
-    def finalize(self, ctx: RunContext) -> None:
-        written = set(self.types)
-        aliases: dict[str, str] = {}
+    def write_remaining(self, ctx: RunContext) -> None:
+        """Every tensor not written yet, as FLOAT; tied tensors stored once but described under
+        each name (``self.aliases``)."""
+        self.aliases: dict[str, str] = {}
         seen: dict[tuple[int, tuple[int, ...], torch.dtype], str] = {}
-        state = ctx.model.state_dict()
-        for name, tensor in state.items():
+        self.model_order = list(ctx.model.state_dict())
+        for name, tensor in ctx.model.state_dict().items():
             if tensor.is_meta:
                 # a layer a streamed run released after after_layer wrote it: no storage to
                 # compare (every meta tensor has data_ptr 0), and nothing left to write
-                if name not in written:
+                if name not in self.state.written:
                     raise QuantizationError(f"{name} was released before {self.type_name} wrote it")
                 continue
             key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
             if tensor.numel() and key in seen:
-                # Tied weights are stored once, as Hugging Face does, but still described: vLLM-Ascend
-                # looks up e.g. "lm_head.weight" in the description even when the head is tied.
-                aliases[name] = seen[key]
+                self.aliases[name] = seen[key]
                 continue
             seen[key] = name
-            if name not in written:
-                self._add(name, tensor, "FLOAT")
-        self._close_writer()
-        described = {
-            **self.types,
-            **{alias: self.types[target] for alias, target in aliases.items()},
-        }
-        order = [n for n in state if n in described]
-        order += [n for n in described if n not in state]
+            if name not in self.state.written:
+                self.add(name, tensor)
+
+    def write_config(self, ctx: RunContext) -> None:
+        described = ordered_description(self.state.types, self.aliases, self.model_order)
         # keyed by the checkpoint's names, as the weights are stored
-        description = {ctx.disk_name(name): described[name] for name in order}
-        description.update(self._globals())
-        (self.directory / self._description_file()).write_text(
+        description: dict[str, Any] = {
+            ctx.disk_name(name): kind for name, kind in described.items()
+        }
+        description.update(self.description_globals())
+        (self.directory / self.description_file()).write_text(
             json.dumps(description, indent=4) + "\n", encoding="utf-8"
         )
         copy_model_files(ctx.model_path, self.directory)
@@ -278,69 +255,35 @@ class AscendV1Saver(Processor):
         logger.info(
             "%s: %d tensors (%.1f MiB), model_quant_type %s",
             self.type_name,
-            len(self.types),
+            len(self.state.types),
             self.writer.total_bytes / 2**20,
             description["model_quant_type"],
         )
 
-    def _write_module(self, root: nn.Module, prefix: str) -> None:
-        for module_name, module in root.named_modules(prefix=prefix.rstrip(".")):
-            if not isinstance(module, QuantizedLinear):
-                continue
-            quant_type = _quant_type(module, module_name)
-            weight = module.weight
-            if quant_type == "W4A16":
-                if weight.shape[1] % 2:
-                    raise QuantizationError(
-                        f"{module_name}: W4A16 packs two int4 codes per byte along in_features, "
-                        f"which is odd ({weight.shape[1]}); exclude this layer or use int8"
-                    )
-                weight = pack_int4_pairs(weight)
-            self._add(f"{module_name}.weight", weight, quant_type)
-            self._add(f"{module_name}.weight_scale", module.weight_scale, quant_type)
-            self._add(f"{module_name}.weight_offset", module.weight_offset, quant_type)
-            if module.bias is not None:
-                self._add(f"{module_name}.bias", module.bias.float(), "FLOAT")
-            if module.group_size is not None:
-                self.group_sizes.add(module.group_size)
-        for name, tensor in root.state_dict(prefix=prefix).items():
-            if name not in self.types:
-                self._add(name, tensor, "FLOAT")
-
-    def _add(self, name: str, tensor: torch.Tensor, quant_type: str) -> None:
-        self.writer.add(name, tensor)
-        self.types[name] = quant_type
-
-    def _close_writer(self) -> None:
-        self.writer.close()
-
-    def _description_file(self) -> str:
+    def description_file(self) -> str:
+        """The description's file name."""
         return DESCRIPTION_FILE
 
     def model_quant_type(self) -> str:
         """The highest-priority type among the written tensors (msModelSlim's rule)."""
-        present = set(self.types.values())
-        return max(present, key=QUANT_TYPE_PRIORITY.index) if present else "FLOAT"
+        return model_quant_type(self.state.types.values())
 
-    def _globals(self) -> dict[str, Any]:
-        model_type = self.model_quant_type()
-        if len(self.group_sizes) > 1:
+    def description_globals(self) -> dict[str, Any]:
+        """The description's global keys (warning about several group sizes and a quantized
+        head, which msModelSlim never writes)."""
+        sizes = sorted(self.state.group_sizes)
+        if len(sizes) > 1:
             logger.warning(
                 "per-group layers use different group sizes %s; the description holds one global "
                 "group_size (%d), as msModelSlim writes it",
-                sorted(self.group_sizes),
-                max(self.group_sizes),
+                sizes,
+                max(sizes),
             )
-        if self.head is not None:
-            kind = self.types[f"{self.head}.weight"]
-            logger.warning("%s: %s", self.type_name, HEAD_WARNING.format(head=self.head, kind=kind))
-        return {
-            "version": DESCRIPTION_VERSION,
-            "model_quant_type": model_type,
-            "metadata": {},
-            "group_size": max(self.group_sizes) if self.group_sizes else 0,
-            "optional": {},
-        }
+        head = self.state.head
+        if head is not None:
+            kind = self.state.types[f"{head}.weight"]
+            logger.warning("%s: %s", self.type_name, HEAD_WARNING.format(head=head, kind=kind))
+        return description_globals(self.model_quant_type(), sizes)
 
 
 def _grouped(row: PlanRow) -> bool:
@@ -351,14 +294,3 @@ def _grouped(row: PlanRow) -> bool:
 def _listing(names: list[str]) -> str:
     more = len(names) - LISTED_MODULES
     return ", ".join(names[:LISTED_MODULES]) + (f" and {more} more" if more > 0 else "")
-
-
-def _quant_type(module: QuantizedLinear, name: str) -> str:
-    """``W8A16`` or ``W4A16`` from the module's bit width; other widths have no Ascend type."""
-    quant_type = QUANT_TYPES_BY_BITS.get(module.bits)
-    if quant_type is None:
-        raise QuantizationError(
-            f"{name}: the Ascend format has no weight-only type for int{module.bits}; valid: int8 "
-            "(W8A16) and int4 (W4A16). Export other widths with type: compressed_tensors"
-        )
-    return quant_type

@@ -24,8 +24,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from msquant import ConfigIssue, ProcessorConfig
-from msquant.processors.ascendv1_saver import QUANT_TYPE_PRIORITY, AscendV1Saver
+from msquant import ConfigIssue, ProcessorConfig, SaverConfig
+from msquant.processors.ascendv1_saver import AscendV1Saver
+from msquant.processors.formats.ascend.config import QUANT_TYPE_PRIORITY
 
 __all__ = ["MindIEFormatSaverConfig", "MindIEFormatSaver"]
 
@@ -33,7 +34,7 @@ WEIGHT_STEM = "quant_model_weight"
 DESCRIPTION_STEM = "quant_model_description"
 
 
-class MindIEFormatSaverConfig(ProcessorConfig):
+class MindIEFormatSaverConfig(SaverConfig):
     """Config of ``mindie_format_saver``."""
 
     type: Literal["mindie_format_saver"] = "mindie_format_saver"
@@ -83,11 +84,11 @@ class MindIEFormatSaver(AscendV1Saver):
     def _suffix(self) -> str:
         return self.model_quant_type().lower()
 
-    def _close_writer(self) -> None:
+    def close_writer(self) -> None:
         self.writer.close(prefix=f"{WEIGHT_STEM}_{self._suffix()}")
 
-    def _description_file(self) -> str:
+    def description_file(self) -> str:
         return f"{DESCRIPTION_STEM}_{self._suffix()}.json"
 
-    def _globals(self) -> dict[str, Any]:
-        return {**super()._globals(), **self.json_append}
+    def description_globals(self) -> dict[str, Any]:
+        return {**super().description_globals(), **self.json_append}

@@ -152,7 +152,7 @@ def test_ascend_saver_refuses_split_fused_layers_itself(tiny_llama: Path) -> Non
             replace_module(model, name, QuantizedLinear.from_linear(linear, qweight, "minmax"))
     saver = AscendV1Saver(AscendV1SaverConfig())
     with pytest.raises(QuantizationError) as info:
-        saver._check_fused(layer)
+        saver.check_fused(layer.module, layer.name)
     assert "model.layers.0.self_attn.qkv_proj" in str(info.value)
     assert "q_proj: FLOAT" in str(info.value) and "k_proj: W4A16 per-channel sym" in str(info.value)
 

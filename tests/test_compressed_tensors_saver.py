@@ -29,13 +29,13 @@ from transformers import AutoModelForCausalLM
 from transformers.utils.quantization_config import CompressedTensorsConfig
 
 import msquant
-from msquant.processors.compressed_tensors_saver import (
+from msquant.processors.formats.compressed_tensors.config import (
     COMPRESSED_TENSORS_VERSION,
     WeightScheme,
     build_quantization_config,
-    pack_quantized_tensors,
-    transformers_loading_note,
 )
+from msquant.processors.formats.compressed_tensors.consumers import transformers_loading_note
+from msquant.processors.formats.compressed_tensors.packer import pack_quantized_tensors
 
 # transformers warns that the checkpoint's quantization_config wins over the passed loading options
 pytestmark = pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")

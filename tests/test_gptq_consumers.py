@@ -26,7 +26,8 @@ from consumer_rules import (
 from gptq_reader import read_gptq_export, resolve_scheme
 
 import msquant
-from msquant.processors.gptq_saver import GPTQScheme, RuleUnit
+from msquant.processors.formats.gptq.config import RuleUnit
+from msquant.processors.formats.gptq.scheme import GPTQScheme
 
 SAVER_LOGGER = "msquant.processors.gptq_saver"
 W4_G32 = {
@@ -157,7 +158,7 @@ def test_verify_names_rules_that_miss_the_experts_module(
 
 
 def test_experts_of_one_module_in_different_schemes_are_refused_by_the_saver() -> None:
-    from msquant.processors.gptq_saver import dynamic_rules
+    from msquant.processors.formats.gptq.config import dynamic_rules
 
     scheme = GPTQScheme(4, 32, True)
     units = [
@@ -258,7 +259,7 @@ def test_fully_quantized_exports_carry_no_list(tiny_llama: Path, tmp_path: Path)
 def test_a_relative_name_inside_a_float_layers_name_falls_back_to_full_names() -> None:
     """``mlp.down_proj`` also ends ``extra_mlp.down_proj`` (float): optimum and vLLM would
     quantize it, so the quantized layer is listed by its full name."""
-    from msquant.processors.gptq_saver import modules_in_block_to_quantize
+    from msquant.processors.formats.gptq.config import modules_in_block_to_quantize
 
     scheme = GPTQScheme(4, 32, True)
 

@@ -33,12 +33,9 @@ from msquant import (
     QuantizedWeight,
     RunContext,
 )
-from msquant.processors.gptq_saver import (
-    GPTQScheme,
-    build_quantization_config,
-    gptq_module_tensors,
-    layer_units,
-)
+from msquant.processors.formats.gptq.config import build_quantization_config, layer_units
+from msquant.processors.formats.gptq.packer import gptq_module_tensors
+from msquant.processors.formats.gptq.scheme import GPTQScheme
 
 SAVER_LOGGER = "msquant.processors.gptq_saver"
 FP16_RTOL = 2.0**-11  # relative rounding of a float32 scale to float16

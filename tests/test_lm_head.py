@@ -447,7 +447,8 @@ def test_exports_reload_for_evaluation_with_the_quantized_head(
 
 
 def test_gptq_quantization_config_with_a_head_unit() -> None:
-    from msquant.processors.gptq_saver import GPTQScheme, RuleUnit, build_quantization_config
+    from msquant.processors.formats.gptq.config import RuleUnit, build_quantization_config
+    from msquant.processors.formats.gptq.scheme import GPTQScheme
 
     base = GPTQScheme(4, 32, True)
     layer = RuleUnit("model.layers.0", "mlp\\.down_proj", base, "model.layers.0.mlp.down_proj",

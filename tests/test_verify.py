@@ -894,12 +894,12 @@ def test_unreadable_folders_raise_input_errors(
         verify_export(tmp_path / "nowhere")
     with pytest.raises(ExportReadError, match="holds no export msquant can verify"):
         verify_export(original[0])  # a float model: no description, no quantization_config
-    (tmp_path / "awq").mkdir()
-    (tmp_path / "awq" / "config.json").write_text(
-        json.dumps({"quantization_config": {"quant_method": "awq"}})
+    (tmp_path / "bnb").mkdir()  # a quant_method no registered format reads
+    (tmp_path / "bnb" / "config.json").write_text(
+        json.dumps({"quantization_config": {"quant_method": "bitsandbytes"}})
     )
-    with pytest.raises(ExportReadError, match="'awq'"):
-        verify_export(tmp_path / "awq")
+    with pytest.raises(ExportReadError, match="'bitsandbytes'"):
+        verify_export(tmp_path / "bnb")
 
 
 def test_truncated_shard_is_reported(ascend: tuple[Path, dict[str, QuantizedWeight]]) -> None:

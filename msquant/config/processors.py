@@ -5,29 +5,54 @@ from __future__ import annotations
 import logging
 
 from msquant.config.spec import QuantConfig
+from msquant.errors import RegistryError
 from msquant.plugin.processor import Processor
 from msquant.plugin.registry import ProcessorRegistry
 
-__all__ = ["DEFAULT_SAVER", "build_processors"]
+__all__ = ["default_saver", "build_processors"]
 
 logger = logging.getLogger(__name__)
 
-# The saver used when a config's ``spec.save`` is empty (msModelSlim's default format).
-DEFAULT_SAVER = "ascendv1_saver"
+
+def default_saver(registry: ProcessorRegistry) -> type[Processor]:
+    """The saver written when a config's ``spec.save`` is empty: the one registered saver whose
+    class declares ``default_saver = True`` (msModelSlim's default format, among the built-ins).
+
+    :raises RegistryError: when no registered saver, or more than one, declares itself the default.
+    """
+    # declared on the class itself: a subclass of the default saver is not the default too
+    declared = [
+        registry.get(name)
+        for name in registry.names("save")
+        if vars(registry.get(name)).get("default_saver", False) is True
+    ]
+    if len(declared) == 1:
+        return declared[0]
+    if not declared:
+        raise RegistryError(
+            "spec.save is empty and no registered saver declares itself the default "
+            f"(default_saver = True); name a saver in spec.save (registered savers: "
+            f"{', '.join(registry.names('save')) or '(none)'})"
+        )
+    raise RegistryError(
+        "several registered savers declare themselves the default (default_saver = True): "
+        f"{', '.join(cls.type_name for cls in declared)}; exactly one may"
+    )
 
 
 def build_processors(config: QuantConfig, registry: ProcessorRegistry) -> list[Processor]:
-    """Instantiate ``spec.process`` then ``spec.save``; an empty ``save`` means the default saver.
+    """Instantiate ``spec.process`` then ``spec.save``; an empty ``save`` means the default saver
+    (:func:`default_saver`).
 
     With several savers, each writes into its own subfolder of the save path named after its
-    ``type`` (``gptq_saver``, ``compressed_tensors``, ...; ``_2``, ``_3`` appended for repeats), so
-    one quantization run can produce every deployment format without files colliding.
+    ``type`` (``_2``, ``_3`` appended for repeats), so one quantization run can produce every
+    deployment format without files colliding.
     """
     entries = list(config.spec.process) + list(config.spec.save)
     if not config.spec.save:
-        saver_cls = registry.get(DEFAULT_SAVER)
-        entries.append(saver_cls.config_class.model_validate({"type": DEFAULT_SAVER}))
-        logger.info("spec.save is empty: writing the default %s format", DEFAULT_SAVER)
+        saver_cls = default_saver(registry)
+        entries.append(saver_cls.config_class.model_validate({"type": saver_cls.type_name}))
+        logger.info("spec.save is empty: writing the default %s format", saver_cls.type_name)
     processors = [registry.get(entry.type)(entry) for entry in entries]
     savers = [p for p in processors if p.stage == "save"]
     if len(savers) > 1:

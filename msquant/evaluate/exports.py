@@ -1,5 +1,6 @@
-"""An msquant export rebuilt as a float model, through the dequantizing readers of
-:mod:`msquant.verify` (written from the format specifications, independently of the savers).
+"""An msquant export rebuilt as a float model, through the dequantizing reader its registered
+format provides (:mod:`msquant.plugin.format`; written from the format's specification,
+independently of its saver), so any verifiable format, a third party's included, is evaluable.
 
 The float model is built from the export's ``config.json``, its float tensors are loaded as
 stored, and each quantized linear gets its dequantized weight ``(codes - offset) * scale`` cast
@@ -19,6 +20,7 @@ from torch import nn
 from msquant.errors import ModelLoadError
 from msquant.load.model_folder import load_model_config
 from msquant.model.adapter_registry import adapter_for
+from msquant.plugin.format import FormatRegistry
 from msquant.verify.base import ExportReader
 from msquant.verify.detect import open_reader
 from msquant.verify.errors import ExportReadError
@@ -32,14 +34,18 @@ logger = logging.getLogger(__name__)
 MAX_LISTED_ERRORS = 5
 
 
-def load_export(path: Path, trust_remote_code: bool) -> nn.Module:
+def load_export(
+    path: Path, trust_remote_code: bool, formats: FormatRegistry | None = None
+) -> nn.Module:
     """The float model of the export in ``path``, every quantized linear dequantized.
+
+    :param formats: the export formats to detect and read with (default: every installed one).
 
     :raises ExportReadError: when the export cannot be read back consistently.
     :raises ModelLoadError: when its ``config.json`` does not build a model.
     """
     findings = Findings()
-    reader = open_reader(path, findings)
+    reader = open_reader(path, findings, formats)
     try:
         _raise_on_errors(path, reader, findings)
         model = _empty_model(path, trust_remote_code)

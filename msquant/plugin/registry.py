@@ -13,6 +13,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Literal, get_args, get_origin
 
 from msquant.errors import RegistryError
+from msquant.plugin.entry_points import distinct_entry_points, load_plugin
 from msquant.plugin.processor import Processor, ProcessorConfig, Stage
 
 __all__ = ["ENTRY_POINT_GROUP", "ProcessorRegistry", "default_registry"]
@@ -52,11 +53,7 @@ class ProcessorRegistry:
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> ProcessorRegistry:
         """Register every processor advertised in the entry-point ``group``; returns ``self``."""
-        seen: set[tuple[str, str]] = set()
-        for ep in sorted(entry_points(group=group), key=lambda e: (e.name, e.value)):
-            if (ep.name, ep.value) in seen:  # the same distribution visible twice on sys.path
-                continue
-            seen.add((ep.name, ep.value))
+        for ep in distinct_entry_points(entry_points(group=group)):
             self.register(_load_entry_point(ep), ep.name)
         return self
 
@@ -87,12 +84,7 @@ class ProcessorRegistry:
 
 
 def _load_entry_point(ep: EntryPoint) -> type[Processor]:
-    try:
-        obj = ep.load()
-    except Exception as exc:  # a broken plugin must be reported, not swallowed
-        raise RegistryError(
-            f"cannot load processor plugin {ep.name!r} from entry point {ep.value!r}: {exc}"
-        ) from exc
+    obj = load_plugin(ep, "processor")
     if not (isinstance(obj, type) and issubclass(obj, Processor)):
         raise RegistryError(
             f"entry point {ep.name!r} = {ep.value!r} is not a msquant.Processor subclass"

@@ -14,6 +14,7 @@ from msquant.errors import ConfigError, ConfigIssue
 from msquant.evaluate.models import load_model_for_eval
 from msquant.export.marker import write_export_marker
 from msquant.plugin.context import RunContext
+from msquant.plugin.format import FormatRegistry, default_formats
 from msquant.plugin.processor import Processor
 from msquant.quant.quantized_linear import QuantizedLinear
 from msquant.quant.quantized_weight import QuantizedWeight
@@ -22,7 +23,7 @@ from msquant.verify import ExportVerificationError, verify_export
 from msquant.version import __version__
 
 __all__ = [
-    "VERIFIABLE_SAVERS",
+    "verifiable_savers",
     "verify_exports",
     "check_evaluable_export",
     "model_to_evaluate",
@@ -32,33 +33,39 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-# Savers whose output the readers in msquant.verify understand.
-VERIFIABLE_SAVERS = frozenset(
-    {"ascendv1_saver", "mindie_format_saver", "gptq_saver", "compressed_tensors"}
-)
+def verifiable_savers(formats: FormatRegistry | None = None) -> frozenset[str]:
+    """The ``spec.save`` types whose output a registered format reads back (the savers each
+    verifiable :class:`~msquant.plugin.format.ExportFormat` lists)."""
+    return (formats or default_formats()).verifiable_savers()
 
 
 def verify_exports(
     ctx: RunContext,
     processors: list[Processor],
     stored: Mapping[str, QuantizedWeight] | None = None,
+    formats: FormatRegistry | None = None,
 ) -> None:
     """Read each export back and compare it with the quantized modules still in memory (and
     those of ``stored``: a checkpointed run's layer store).
+
+    Which exports are read back, and with which reader, comes from the format registry
+    (``formats``; default: every installed format): a saver no verifiable format lists is skipped.
 
     The report's consumer notes (what a named serving engine refuses or treats differently in the
     export as written) are logged as warnings: they describe the files, which is what a user
     deploys, and the reader found them independently of the saver's own warnings.
     """
+    registry = formats or default_formats()
+    readable = registry.verifiable_savers()
     reference = _reference(ctx, stored)
     for saver in processors:
         if saver.stage != "save":
             continue
-        if saver.type_name not in VERIFIABLE_SAVERS:
+        if saver.type_name not in readable:
             logger.info("verify: skipping %s (no reader for its format)", saver.type_name)
             continue
         started = time.perf_counter()
-        report = verify_export(saver.output_dir(ctx), reference=reference)
+        report = verify_export(saver.output_dir(ctx), reference=reference, formats=registry)
         for warning in report.warnings:
             logger.warning("verify: %s export: %s", saver.type_name, warning)
         if not report.ok:
@@ -87,16 +94,19 @@ def _reference(
     return ctx.disk_keyed(MergedWeights(in_memory, *on_disk) if on_disk else in_memory)
 
 
-def check_evaluable_export(processors: list[Processor]) -> None:
+def check_evaluable_export(
+    processors: list[Processor], formats: FormatRegistry | None = None
+) -> None:
     """A streamed run evaluates its export read back from disk: one must be readable."""
-    if not any(p.stage == "save" and p.type_name in VERIFIABLE_SAVERS for p in processors):
+    readable = verifiable_savers(formats)
+    if not any(p.stage == "save" and p.type_name in readable for p in processors):
         raise ConfigError(
             [
                 ConfigIssue(
                     "spec.save",
                     "--eval_data in a streamed run (spec.runner auto or layer_wise) evaluates the "
                     "export read back from disk, and none of the configured savers writes a format "
-                    f"msquant reads ({', '.join(sorted(VERIFIABLE_SAVERS))}); add one, or set "
+                    f"msquant reads ({', '.join(sorted(readable))}); add one, or set "
                     "spec.runner: model_wise to evaluate the quantized model in memory",
                 )
             ]
@@ -104,14 +114,19 @@ def check_evaluable_export(processors: list[Processor]) -> None:
 
 
 def model_to_evaluate(
-    ctx: RunContext, processors: list[Processor], trust_remote_code: bool
+    ctx: RunContext,
+    processors: list[Processor],
+    trust_remote_code: bool,
+    formats: FormatRegistry | None = None,
 ) -> torch.nn.Module:
     """The quantized model in memory, or in a streamed run the first readable export, rebuilt
     from the staging folder (identical to the in-memory result: it was just verified)."""
     if ctx.streamed is None:
         return ctx.model
-    saver = next(p for p in processors if p.stage == "save" and p.type_name in VERIFIABLE_SAVERS)
-    model, _ = load_model_for_eval(saver.output_dir(ctx), trust_remote_code)
+    registry = formats or default_formats()
+    readable = registry.verifiable_savers()
+    saver = next(p for p in processors if p.stage == "save" and p.type_name in readable)
+    model, _ = load_model_for_eval(saver.output_dir(ctx), trust_remote_code, registry)
     return model
 
 

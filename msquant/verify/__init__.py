@@ -1,12 +1,15 @@
 """Reading exports back and checking them: ``msquant verify`` and the check ``quantize`` runs.
 
-Every format has its own reader written from the format's specification, independently of the
-exporters (no shared packing code), so an exporter bug cannot hide behind the same bug here.
+The engine keeps the reader contract (:class:`~msquant.verify.base.ExportReader`), the shared
+machinery (safetensors headers, unpacking, comparisons, checksums, reports) and the detection
+loop over the format registry (:mod:`msquant.plugin.format`); the readers themselves belong to the
+formats. Every format's reader is written from the format's specification, independently of its
+packer (readers never import packers), so an exporter bug cannot hide behind the same bug here.
 """
 
 from msquant.verify.compare import relative_error_bound
 from msquant.verify.core import check_export, verify_export
-from msquant.verify.detect import FORMATS, detect_format, export_folders
+from msquant.verify.detect import detect_format, export_folders, hf_quant_method, read_model_config
 from msquant.verify.errors import ExportReadError, ExportVerificationError
 from msquant.verify.report import LayerReport, VerifyReport, render_table
 
@@ -15,7 +18,8 @@ __all__ = [
     "check_export",
     "detect_format",
     "export_folders",
-    "FORMATS",
+    "hf_quant_method",
+    "read_model_config",
     "VerifyReport",
     "LayerReport",
     "render_table",

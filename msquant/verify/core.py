@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from msquant.model.fused import fused_group_problems
+from msquant.plugin.format import FormatRegistry
 from msquant.quant.quantized_weight import QuantizedWeight
 from msquant.verify.base import ExportReader, ties_word_embeddings
 from msquant.verify.checksums import check_checksums
@@ -42,23 +43,25 @@ def verify_export(
     *,
     reference: Mapping[str, QuantizedWeight] | None = None,
     model_path: str | Path | None = None,
+    formats: FormatRegistry | None = None,
 ) -> VerifyReport:
     """Read an export folder back and check it; never raises for an inconsistent export.
 
-    :param save_path: an Ascend (msModelSlim v1 or MindIE naming), GPTQ or compressed-tensors
-        export folder; the format is detected.
+    :param save_path: an export folder of any registered format (Ascend, MindIE, GPTQ and
+        compressed-tensors are built in); the format is detected.
     :param reference: module name -> the in-memory :class:`~msquant.QuantizedWeight` of the same
         run: codes must match bit for bit, zero points exactly, scales within the rounding of
         their stored dtype, and the module sets must be equal.
     :param model_path: the original float model folder: per-layer relative error against its
         weights (bound: :func:`msquant.verify.compare.relative_error_bound`), float tensors equal.
+    :param formats: the export formats to detect and read with (default: every installed one).
     :returns: the report; ``report.ok`` is False when any consistency error was found.
     :raises ExportReadError: when ``save_path`` is missing or holds no known format.
     :raises msquant.ModelLoadError: when ``model_path`` cannot be read.
     """
     path = Path(save_path).expanduser().absolute()
     findings = Findings()
-    reader = open_reader(path, findings)
+    reader = open_reader(path, findings, formats)
     original = open_original(model_path) if model_path is not None else None
     report = VerifyReport(reader.format_name, path)
     try:
@@ -152,13 +155,14 @@ def check_export(
     *,
     reference: Mapping[str, QuantizedWeight] | None = None,
     model_path: str | Path | None = None,
+    formats: FormatRegistry | None = None,
 ) -> VerifyReport:
     """:func:`verify_export`, logging its warnings and raising when the export is inconsistent.
 
     :raises ExportVerificationError: listing the errors (``.report`` holds the full report).
     :raises ExportReadError: when ``save_path`` is missing or holds no known format.
     """
-    report = verify_export(save_path, reference=reference, model_path=model_path)
+    report = verify_export(save_path, reference=reference, model_path=model_path, formats=formats)
     for warning in report.warnings:
         logger.warning("%s export: %s", report.format, warning)
     if not report.ok:

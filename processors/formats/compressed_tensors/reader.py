@@ -26,11 +26,17 @@ from typing import Any
 
 import torch
 
-from msquant.verify.base import ExportReader, module_of
-from msquant.verify.layer import DecodedLayer, trivial_g_idx
-from msquant.verify.report import Findings, LayerReport
-from msquant.verify.tensors import open_weights
-from msquant.verify.unpack import unpack_int32_stream, words_needed
+from msquant import (
+    DecodedLayer,
+    ExportReader,
+    Findings,
+    LayerReport,
+    module_of,
+    open_weights,
+    trivial_g_idx,
+    unpack_int32_stream,
+    words_needed,
+)
 
 __all__ = ["CompressedTensorsReader", "CTScheme"]
 

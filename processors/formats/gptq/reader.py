@@ -16,6 +16,10 @@ the experts module's name (``model.layers.N.mlp.experts``) only, so both must re
 ``modules_in_block_to_quantize`` (optional, a list of lists of names) selects the quantized
 linears for transformers + optimum (a name ending with an entry) and vLLM (an entry inside the
 name).
+
+Longer than 500 lines on purpose: besides decoding, it checks each loader rule above (dynamic
+rules against fused and MoE experts names, modules_in_block_to_quantize) next to the layout they
+constrain; split, the rules would be read apart from what they check.
 """
 
 from __future__ import annotations
@@ -27,12 +31,21 @@ from typing import Any, NamedTuple, TypeGuard
 
 import torch
 
-from msquant.model.fused import expert_groups, fused_groups, parse_expert_linear
-from msquant.verify.base import ExportReader, module_of, read_json
-from msquant.verify.layer import DecodedLayer, trivial_g_idx
-from msquant.verify.report import Findings, LayerReport
-from msquant.verify.tensors import open_weights
-from msquant.verify.unpack import unpack_int32_stream, words_needed
+from msquant import (
+    DecodedLayer,
+    ExportReader,
+    Findings,
+    LayerReport,
+    expert_groups,
+    fused_groups,
+    module_of,
+    open_weights,
+    parse_expert_linear,
+    read_json,
+    trivial_g_idx,
+    unpack_int32_stream,
+    words_needed,
+)
 
 __all__ = ["GPTQReader", "GPTQScheme"]
 

@@ -25,17 +25,29 @@ from pathlib import Path
 
 import torch
 
-from msquant.verify.base import FLOAT, ExportReader, read_json, ties_word_embeddings
-from msquant.verify.layer import DecodedLayer, trivial_g_idx
-from msquant.verify.report import Findings, LayerReport
-from msquant.verify.tensors import open_weights, weight_files_present
-from msquant.verify.unpack import unpack_int4_pairs
+from msquant import (
+    DecodedLayer,
+    ExportReader,
+    Findings,
+    LayerReport,
+    open_weights,
+    read_json,
+    ties_word_embeddings,
+    trivial_g_idx,
+    unpack_int4_pairs,
+    weight_files_present,
+)
+from msquant.processors.formats.ascend.detect import (
+    DESCRIPTION_STEM,
+    MINDIE_WEIGHTS,
+    V1_WEIGHTS,
+    description_files,
+)
 
-__all__ = ["AscendReader", "description_files", "GLOBAL_KEYS", "TYPE_BITS"]
+__all__ = ["AscendReader", "GLOBAL_KEYS", "TYPE_BITS"]
 
-DESCRIPTION_STEM = "quant_model_description"
-V1_WEIGHTS = "quant_model_weights"
-MINDIE_WEIGHTS = "quant_model_weight"
+FLOAT = "FLOAT"  # the description type of a float tensor, also its scheme in the fused check
+
 GLOBAL_KEYS = ("version", "model_quant_type", "metadata", "group_size", "optional")
 TYPE_BITS = {"W8A16": 8, "W4A16": 4}
 PARTS = ("weight", "weight_scale", "weight_offset")
@@ -62,11 +74,6 @@ QUANTIZED_HEAD = (
     "is unknown"
 )
 HEAD_NAMES = ("lm_head",)
-
-
-def description_files(directory: Path) -> list[Path]:
-    """The ``quant_model_description*.json`` files in ``directory``, sorted."""
-    return sorted(p for p in directory.glob(f"{DESCRIPTION_STEM}*.json") if p.is_file())
 
 
 class AscendReader(ExportReader):

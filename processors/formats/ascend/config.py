@@ -1,0 +1,70 @@
+"""The Ascend description (``quant_model_description*.json``): every tensor's type plus the globals.
+
+The description maps every stored tensor to ``W8A16``, ``W4A16`` or ``FLOAT`` (tied tensors,
+stored once, are still described under each name: vLLM-Ascend looks up e.g. ``lm_head.weight``
+even when the head is tied), plus ``version``, ``model_quant_type`` (the highest-priority type
+present, msModelSlim's rule), ``metadata``, ``group_size`` (one global value, the largest per-group
+size) and ``optional``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = [
+    "DESCRIPTION_FILE",
+    "DESCRIPTION_VERSION",
+    "QUANT_TYPE_PRIORITY",
+    "HEAD_WARNING",
+    "model_quant_type",
+    "description_globals",
+    "ordered_description",
+]
+
+DESCRIPTION_FILE = "quant_model_description.json"
+DESCRIPTION_VERSION = "1.0.0"
+# msModelSlim's order for the global ``model_quant_type`` (the highest type present wins); W4A16,
+# which msModelSlim v1 does not export, ranks above W8A16 (the more compressed weight type).
+QUANT_TYPE_PRIORITY = ("FLOAT", "W16A16S", "W8A16", "W4A16", "W8A8_DYNAMIC", "W8A8_MIX", "W8A8")
+HEAD_WARNING = (
+    "{head} is written {kind}, which msModelSlim never does (it keeps the head FLOAT): vLLM-Ascend "
+    "loads a quantized head through the linear scheme of its type (per-channel W8A16 only; read "
+    "in its source, not verified on hardware); MindIE support is unknown"
+)
+
+
+def model_quant_type(types: Iterable[str]) -> str:
+    """The highest-priority type among the written tensors (msModelSlim's rule)."""
+    present = set(types)
+    return max(present, key=QUANT_TYPE_PRIORITY.index) if present else "FLOAT"
+
+
+def description_globals(quant_type: str, group_sizes: Iterable[int]) -> dict[str, Any]:
+    """The description's global keys (one global ``group_size``: the largest per-group size,
+    as msModelSlim writes it; 0 when no layer is per-group)."""
+    sizes = sorted(set(group_sizes))
+    return {
+        "version": DESCRIPTION_VERSION,
+        "model_quant_type": quant_type,
+        "metadata": {},
+        "group_size": max(sizes) if sizes else 0,
+        "optional": {},
+    }
+
+
+def ordered_description(
+    types: Mapping[str, str], aliases: Mapping[str, str], model_order: Iterable[str]
+) -> dict[str, str]:
+    """Tensor name -> type, in the model's state-dict order, tied aliases described like their
+    target, tensors the model does not name (none, normally) last.
+
+    :param types: written tensor -> type.
+    :param aliases: tied tensor not stored -> the stored tensor it shares.
+    :param model_order: the model's state-dict names.
+    """
+    described = {**types, **{alias: types[target] for alias, target in aliases.items()}}
+    order = list(model_order)
+    known = set(order)
+    names = [n for n in order if n in described] + [n for n in described if n not in known]
+    return {name: described[name] for name in names}

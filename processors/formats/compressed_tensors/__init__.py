@@ -1,0 +1,1 @@
+"""compressed-tensors ``pack-quantized`` checkpoints (vLLM, transformers)."""

@@ -1,0 +1,130 @@
+"""The compressed-tensors ``quantization_config`` (pure): one config group per distinct weight
+scheme, the most common one targeting the class ``Linear``, the others their exact module names,
+and the modules left in float in ``ignore``."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from msquant import QuantizationError, QuantizedLinear
+
+__all__ = [
+    "COMPRESSED_TENSORS_VERSION",
+    "FORMAT",
+    "ACTORDER_WEIGHT",
+    "WeightScheme",
+    "build_quantization_config",
+]
+
+#: The compressed-tensors release this layout and config were verified against (written as
+#: ``version``; compressed-tensors itself is only a test dependency).
+COMPRESSED_TENSORS_VERSION = "0.20.1"
+FORMAT = "pack-quantized"
+#: compressed-tensors' ``actorder`` for GPTQ act-order with static groups (alias ``static``):
+#: accepted by compressed-tensors 0.20 and vLLM 0.33, which need no ``g_idx`` for it.
+ACTORDER_WEIGHT = "weight"
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """One weight quantization scheme: what a compressed-tensors config group describes.
+
+    :param num_bits: code width.
+    :param symmetric: no zero point stored.
+    :param group_size: group width over input columns, or ``None`` for per-channel.
+    :param actorder: ``"weight"`` when GPTQ quantized the modules in act-order with static
+        groups (compressed-tensors' and llm-compressor's name; the stored layout is unchanged,
+        there is no ``g_idx``), else None.
+    """
+
+    num_bits: int
+    symmetric: bool
+    group_size: int | None
+    actorder: str | None = None
+
+    @classmethod
+    def of(cls, module: QuantizedLinear) -> WeightScheme:
+        """The scheme of a quantized linear."""
+        actorder = ACTORDER_WEIGHT if getattr(module, "act_order", False) else None
+        return cls(module.bits, module.symmetric, module.group_size, actorder)
+
+    @property
+    def strategy(self) -> str:
+        """compressed-tensors' ``strategy``: ``channel`` or ``group``."""
+        return "channel" if self.group_size is None else "group"
+
+    def weights_args(self) -> dict[str, Any]:
+        """The ``weights`` entry of a config group (valid ``QuantizationArgs`` keys only)."""
+        args: dict[str, Any] = {
+            "num_bits": self.num_bits,
+            "type": "int",
+            "symmetric": self.symmetric,
+            "strategy": self.strategy,
+        }
+        if self.group_size is not None:
+            args["group_size"] = self.group_size
+        args["dynamic"] = False
+        if self.actorder is not None:
+            args["actorder"] = self.actorder
+        return args
+
+    def __str__(self) -> str:
+        scope = "per_channel" if self.group_size is None else f"per_group({self.group_size})"
+        order = f" actorder {self.actorder}" if self.actorder else ""
+        return f"int{self.num_bits} {scope} {'sym' if self.symmetric else 'asym'}{order}"
+
+
+def build_quantization_config(
+    schemes: Mapping[str, WeightScheme], ignore: Iterable[str], head: str | None = None
+) -> dict[str, Any]:
+    """``config.json``'s ``quantization_config`` for quantized modules ``schemes`` (name -> scheme).
+
+    The most common scheme (ties: the first met) targets the class ``Linear``; every other scheme
+    lists its modules by exact name, which wins over a class target in compressed-tensors and vLLM.
+    The named groups come first: compressed-tensors scans targets in config order when it applies
+    the config, and warns about exact names it never reached behind ``Linear``. For the same reason
+    a quantized output head sharing the most common scheme is named before ``Linear``: vLLM and
+    SGLang quantize the head only when a target names it.
+
+    :param schemes: quantized module name -> scheme, in model order.
+    :param ignore: names of the linear layers (and routers) left unquantized.
+    :param head: the quantized output head's name (one of ``schemes``), None when it is float.
+    :raises QuantizationError: when ``schemes`` is empty.
+    """
+    if not schemes:
+        raise QuantizationError(
+            "compressed_tensors: no linear layer was quantized, so there is nothing to export in "
+            "compressed-tensors format; add a linear_quant process entry that selects some layers"
+        )
+    ranked = [scheme for scheme, _ in Counter(schemes.values()).most_common()]
+    targets: dict[WeightScheme, list[str]] = {
+        scheme: [name for name, found in schemes.items() if found == scheme]
+        for scheme in ranked[1:]
+    }
+    base = ranked[0]
+    targets[base] = [head] if head is not None and schemes.get(head) == base else []
+    targets[base].append("Linear")
+    groups = {
+        f"group_{index}": {
+            "targets": names,
+            "weights": scheme.weights_args(),
+            "input_activations": None,
+            "output_activations": None,
+            "format": FORMAT,
+        }
+        for index, (scheme, names) in enumerate(targets.items())
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "version": COMPRESSED_TENSORS_VERSION,
+        "format": FORMAT,
+        "quantization_status": "compressed",
+        "global_compression_ratio": None,
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "ignore": list(ignore),
+        "config_groups": groups,
+    }

@@ -1,0 +1,71 @@
+"""What SGLang and older compressed-tensors releases cannot load from a compressed-tensors export,
+and how transformers loads it, as messages (pure; the saver logs them)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from msquant.processors.formats.compressed_tensors.config import WeightScheme
+
+__all__ = ["SGLANG_BITS", "DENSE_PACKING_BITS", "transformers_loading_note", "consumer_warnings"]
+
+#: Widths SGLang's compressed-tensors WNA16 scheme loads.
+SGLANG_BITS = (4, 8)
+#: Widths whose dense packing (across int32 words) needs compressed-tensors >= 0.18.
+DENSE_PACKING_BITS = (3, 5, 6, 7)
+SGLANG_BITS_WARNING = (
+    "SGLang 0.5.23 loads compressed-tensors weight-only layers of 4 or 8 bits only; these layers "
+    "are {kinds} and do not load there: {names} (vLLM loads 2-8 bits)"
+)
+PACKING_WARNING = (
+    "{kinds} layers are packed densely across int32 words, the layout of compressed-tensors 0.18 "
+    "and later; compressed-tensors 0.17 and earlier pack {widths}-bit weights otherwise, and vLLM "
+    "0.33 pins compressed-tensors 0.17.0: a loader that unpacks with compressed-tensors 0.17 "
+    "(transformers with it fails to load this export) needs compressed-tensors >= 0.18 installed; "
+    "vLLM 0.33 creates parameters of the dense shapes for these widths (its kernels were not run "
+    "on them here); 4 or 8 bits avoid both: {names}"
+)
+
+
+def transformers_loading_note(schemes: Iterable[WeightScheme]) -> str:
+    """How transformers can load an export holding ``schemes`` (formats.md 4.1; vLLM loads all)."""
+    distinct = set(schemes)
+    symmetric = all(scheme.symmetric for scheme in distinct)
+    if symmetric:
+        return "transformers loads it with AutoModelForCausalLM.from_pretrained(path)"
+    if len(distinct) == 1:
+        return (
+            "asymmetric: transformers loads it only with "
+            "quantization_config=CompressedTensorsConfig(dequantize=True)"
+        )
+    return (
+        "asymmetric mixed precision: transformers cannot load it (its default loader rejects "
+        "packed zero points; dequantize=True decompresses every layer with one group's scheme); "
+        "vLLM can"
+    )
+
+
+def _listing(names: list[str], shown: int = 6) -> str:
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
+def consumer_warnings(schemes: Mapping[str, WeightScheme]) -> list[str]:
+    """What SGLang and compressed-tensors 0.17 (pinned by vLLM 0.33) do not load among the
+    quantized modules ``schemes`` (name -> scheme, in model order)."""
+    warnings = []
+    odd = {name: s for name, s in schemes.items() if s.num_bits not in SGLANG_BITS}
+    if odd:
+        kinds = ", ".join(sorted({f"int{s.num_bits}" for s in odd.values()}))
+        warnings.append(SGLANG_BITS_WARNING.format(kinds=kinds, names=_listing(list(odd))))
+    dense = {name: s for name, s in schemes.items() if s.num_bits in DENSE_PACKING_BITS}
+    if dense:
+        widths = sorted({s.num_bits for s in dense.values()})
+        warnings.append(
+            PACKING_WARNING.format(
+                kinds=", ".join(f"int{b}" for b in widths),
+                widths="/".join(str(b) for b in widths),
+                names=_listing(list(dense)),
+            )
+        )
+    return warnings

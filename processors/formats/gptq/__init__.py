@@ -1,0 +1,1 @@
+"""GPTQ checkpoints (GPTQModel / AutoGPTQ layout): ``qweight``/``qzeros``/``scales``/``g_idx``."""
