@@ -63,7 +63,7 @@ from msquant.model.head import (
 )
 from msquant.model.layers import DecoderLayer
 from msquant.model.matching import is_selected, unmatched_patterns
-from msquant.model.moe import MoEInfo, expert_fallback, moe_routers
+from msquant.model.moe import DEFAULT_EXPERT_TOKEN_RATIO, MoEInfo, expert_fallback, moe_routers
 from msquant.planning.analysis import analyse_plan, check_plan
 from msquant.planning.build import build_plan, plan
 from msquant.planning.model import (
@@ -77,14 +77,22 @@ from msquant.planning.model import (
 from msquant.planning.render import render_plan
 from msquant.plugin.context import RunContext
 from msquant.plugin.distributed import SINGLE, Distributed, balanced_owners
+from msquant.plugin.method import (
+    METHOD_ENTRY_POINT_GROUP,
+    CalibratedQuantizer,
+    MethodOptions,
+    MethodRegistry,
+    QuantMethod,
+    default_method_registry,
+)
 from msquant.plugin.processor import OutputHeadUser, Processor, ProcessorConfig
 from msquant.plugin.registry import ENTRY_POINT_GROUP, ProcessorRegistry, default_registry
-from msquant.quant.gptq import WeightPerChannelGPTQ, WeightPerGroupGPTQ
+from msquant.quant.gptq import GPTQQuantizer, WeightPerChannelGPTQ, WeightPerGroupGPTQ
+from msquant.quant.gptq_options import GPTQOptions
 from msquant.quant.gptq_solver import GPTQResult, gptq_quantize, resolve_block_size
 from msquant.quant.hessian import HessianAccumulator
 from msquant.quant.int_quant import compute_qparams, dequantize, minmax_qparams, qrange
 from msquant.quant.int_quant import quantize as quantize_codes
-from msquant.quant.methods import WEIGHT_METHODS, GPTQExt, MinMaxExt, WeightMethod
 from msquant.quant.minmax import check_weight, divisors, quantize_weight_minmax
 from msquant.quant.mse_clip import MSEOptions, mse_minmax_qparams, mse_qparams
 from msquant.quant.output_error import relative_output_errors
@@ -154,16 +162,18 @@ __all__ = [
     "ActQConfig",
     "QDType",
     "QScope",
-    "WEIGHT_METHODS",
-    "WeightMethod",
-    "MinMaxExt",
-    "GPTQExt",
     # processors and plugins
     "Processor",
     "ProcessorConfig",
     "ProcessorRegistry",
     "default_registry",
     "ENTRY_POINT_GROUP",
+    "QuantMethod",
+    "MethodOptions",
+    "MethodRegistry",
+    "CalibratedQuantizer",
+    "default_method_registry",
+    "METHOD_ENTRY_POINT_GROUP",
     "RunContext",
     "DecoderLayer",
     "Distributed",
@@ -171,6 +181,7 @@ __all__ = [
     "balanced_owners",
     "MoEInfo",
     "expert_fallback",
+    "DEFAULT_EXPERT_TOKEN_RATIO",
     "moe_routers",
     "OutputHeadStage",
     "OutputHeadUser",
@@ -190,6 +201,8 @@ __all__ = [
     "QuantizedLinear",
     "replace_module",
     "quantize_weight_minmax",
+    "GPTQQuantizer",
+    "GPTQOptions",
     "WeightPerChannelGPTQ",
     "WeightPerGroupGPTQ",
     "GPTQResult",

@@ -1,0 +1,3 @@
+"""The built-in quantization methods of ``linear_quant`` (``qconfig.weight.method``), registered
+through the ``msquant.methods`` entry-point group: :mod:`.minmax` (round-to-nearest) and
+:mod:`.gptq`. Their typed ``ext`` options share the fields of :mod:`.options`."""
