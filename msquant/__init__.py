@@ -87,6 +87,7 @@ from msquant.plugin.method import (
 )
 from msquant.plugin.processor import OutputHeadUser, Processor, ProcessorConfig
 from msquant.plugin.registry import ENTRY_POINT_GROUP, ProcessorRegistry, default_registry
+from msquant.quant.clip_search import hessian_clip_qparams, quantize_weight_hessian_clip
 from msquant.quant.gptq import GPTQQuantizer, WeightPerChannelGPTQ, WeightPerGroupGPTQ
 from msquant.quant.gptq_options import GPTQOptions
 from msquant.quant.gptq_solver import GPTQResult, gptq_quantize, resolve_block_size
@@ -201,6 +202,8 @@ __all__ = [
     "QuantizedLinear",
     "replace_module",
     "quantize_weight_minmax",
+    "quantize_weight_hessian_clip",
+    "hessian_clip_qparams",
     "GPTQQuantizer",
     "GPTQOptions",
     "WeightPerChannelGPTQ",

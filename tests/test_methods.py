@@ -32,7 +32,7 @@ from msquant.processors.methods.gptq import GPTQMethod
 from msquant.processors.methods.minmax import MinMaxMethod
 
 REPO = Path(__file__).resolve().parents[1]
-BUILTIN_METHODS = ("minmax", "gptq")
+BUILTIN_METHODS = ("minmax", "gptq", "hessian_clip")
 
 
 class _NoOptions(MethodOptions):
@@ -62,7 +62,7 @@ def test_the_built_in_methods_come_from_entry_points() -> None:
     assert registry.names() == sorted(BUILTIN_METHODS)
     assert registry.get("gptq") is GPTQMethod and registry.get("minmax") is MinMaxMethod
     assert GPTQMethod.calibrated and not MinMaxMethod.calibrated
-    with pytest.raises(KeyError, match=r"unknown method 'awq'; valid: gptq, minmax"):
+    with pytest.raises(KeyError, match=r"unknown method 'awq'; valid: gptq, hessian_clip, minmax"):
         registry.get("awq")
 
 

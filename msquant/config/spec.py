@@ -260,19 +260,16 @@ def _walk(
 
 
 def _union_tags(field: Any) -> dict[str, Any] | None:
-    """``{tag: model}`` of a field that is (or lists) a union discriminated on a field; an empty
-    mapping for a processor-entry union (its tags are the registry's), None otherwise."""
+    """``{tag: model}`` of a field holding a union discriminated on a key (``qconfig.weight``
+    on ``method``) or a list of one (``spec.process`` on ``type``); None for any other field."""
     discriminator = field.discriminator
     annotation = field.annotation
-    for _ in range(3):  # list[Annotated[Union[...], Field(discriminator=...)]]
-        if discriminator is not None or get_origin(annotation) is not list:
-            break
+    if discriminator is None and get_origin(annotation) is list:
         (annotation,) = get_args(annotation)
         if get_origin(annotation) is Annotated:
             annotation, *metadata = get_args(annotation)
-            discriminator = next(
-                (m.discriminator for m in metadata if getattr(m, "discriminator", None)), None
-            )
+            found = [m.discriminator for m in metadata if getattr(m, "discriminator", None)]
+            discriminator = found[0] if found else None
     if not isinstance(discriminator, str):
         return None
     tags: dict[str, Any] = {}
