@@ -135,7 +135,7 @@ def as_minmax(config: dict[str, Any], full_range: bool) -> dict[str, Any]:
 
 def resolved_grid(config: dict[str, Any]) -> bool:
     """Whether a GPTQ config's modules use the full_range grid (its qconfig's width)."""
-    from msquant.quant.methods import GPTQExt
+    from msquant.processors.methods.gptq import GPTQExt
     from msquant.quant.qconfig import QDType
 
     weight = weight_of(config)
@@ -145,7 +145,7 @@ def resolved_grid(config: dict[str, Any]) -> bool:
 
 def effective_options(config: dict[str, Any]) -> tuple[Any, ...]:
     """What decides a GPTQ run's numbers (the scheme and resolved options, not the saver)."""
-    from msquant.quant.methods import GPTQExt
+    from msquant.processors.methods.gptq import GPTQExt
 
     weight = weight_of(config)
     ext = GPTQExt.model_validate(weight.get("ext") or {})

@@ -75,7 +75,7 @@ from msquant.model.matching import (
     pattern_problem,
     unmatched_patterns,
 )
-from msquant.model.moe import MoEInfo, expert_fallback, moe_routers
+from msquant.model.moe import DEFAULT_EXPERT_TOKEN_RATIO, MoEInfo, expert_fallback, moe_routers
 from msquant.planning.analysis import analyse_plan, check_plan
 from msquant.planning.build import build_plan, plan
 from msquant.planning.model import (
@@ -95,15 +95,24 @@ from msquant.plugin.format import (
     FormatRegistry,
     default_formats,
 )
+from msquant.plugin.method import (
+    METHOD_ENTRY_POINT_GROUP,
+    CalibratedQuantizer,
+    MethodOptions,
+    MethodRegistry,
+    QuantMethod,
+    default_method_registry,
+)
 from msquant.plugin.processor import OutputHeadUser, Processor, ProcessorConfig
 from msquant.plugin.registry import ENTRY_POINT_GROUP, ProcessorRegistry, default_registry
 from msquant.plugin.saver import SAVER_STATE_FORMAT, NameSet, Saver, SaverConfig, SaverState
-from msquant.quant.gptq import WeightPerChannelGPTQ, WeightPerGroupGPTQ
+from msquant.quant.clip_search import hessian_clip_qparams, quantize_weight_hessian_clip
+from msquant.quant.gptq import GPTQQuantizer, WeightPerChannelGPTQ, WeightPerGroupGPTQ
+from msquant.quant.gptq_options import GPTQOptions
 from msquant.quant.gptq_solver import GPTQResult, gptq_quantize, resolve_block_size
 from msquant.quant.hessian import HessianAccumulator
 from msquant.quant.int_quant import compute_qparams, dequantize, minmax_qparams, qrange
 from msquant.quant.int_quant import quantize as quantize_codes
-from msquant.quant.methods import WEIGHT_METHODS, GPTQExt, MinMaxExt, WeightMethod
 from msquant.quant.minmax import check_weight, divisors, quantize_weight_minmax
 from msquant.quant.mse_clip import MSEOptions, mse_minmax_qparams, mse_qparams
 from msquant.quant.output_error import relative_output_errors
@@ -184,10 +193,6 @@ __all__ = [
     "ActQConfig",
     "QDType",
     "QScope",
-    "WEIGHT_METHODS",
-    "WeightMethod",
-    "MinMaxExt",
-    "GPTQExt",
     # processors and plugins
     "Processor",
     "ProcessorConfig",
@@ -199,6 +204,12 @@ __all__ = [
     "SAVER_STATE_FORMAT",
     "NameSet",
     "ENTRY_POINT_GROUP",
+    "QuantMethod",
+    "MethodOptions",
+    "MethodRegistry",
+    "CalibratedQuantizer",
+    "default_method_registry",
+    "METHOD_ENTRY_POINT_GROUP",
     "RunContext",
     "DecoderLayer",
     "Distributed",
@@ -206,6 +217,7 @@ __all__ = [
     "balanced_owners",
     "MoEInfo",
     "expert_fallback",
+    "DEFAULT_EXPERT_TOKEN_RATIO",
     "moe_routers",
     "OutputHeadStage",
     "OutputHeadUser",
@@ -227,6 +239,10 @@ __all__ = [
     "QuantizedLinear",
     "replace_module",
     "quantize_weight_minmax",
+    "quantize_weight_hessian_clip",
+    "hessian_clip_qparams",
+    "GPTQQuantizer",
+    "GPTQOptions",
     "WeightPerChannelGPTQ",
     "WeightPerGroupGPTQ",
     "GPTQResult",

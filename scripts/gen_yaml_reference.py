@@ -3,7 +3,8 @@
 
 The reference is derived, never written by hand: the structure, types, defaults, allowed values and
 descriptions come from ``msquant.config_json_schema(registry)`` (the same JSON Schema that
-``msquant schema`` prints) and the ``ext`` option models of ``msquant.WEIGHT_METHODS``. Defaults
+``msquant schema`` prints) and the ``ext`` option models of the methods registered in the
+``msquant.methods`` entry-point group (``msquant.default_method_registry()``). Defaults
 that pydantic computes with a factory (which JSON Schema omits) are read from the models.
 
 Usage::
@@ -86,6 +87,9 @@ class Section:
     rows: list[tuple[str, str, str, str, str]] = field(default_factory=list)
 
 
+METHODS = msquant.default_method_registry()
+
+
 def _anchor(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
@@ -109,9 +113,10 @@ def _model_classes(root: type[BaseModel]) -> dict[str, type[BaseModel]]:
     pending = [root]
     while pending:
         cls = pending.pop()
-        if cls.__name__ in found:
+        title = cls.model_config.get("title") or cls.__name__
+        if title in found:
             continue
-        found[cls.__name__] = cls
+        found[title] = cls
         for info in cls.model_fields.values():
             pending.extend(_models_in(info.annotation))
     return found
@@ -135,7 +140,7 @@ class _Builder:
         self.sections: list[Section] = []
         self.extra_allowed = {
             ("WeightQConfig", "method"): ", ".join(
-                f"[{_value(n)}](#{_anchor('ext ' + n)})" for n in msquant.WEIGHT_METHODS
+                f"[{_value(n)}](#{_anchor('ext ' + n)})" for n in METHODS.names()
             ),
             ("WeightQConfig", "ext"): "see [Weight methods](#weight-methods)",
         }
@@ -160,15 +165,19 @@ class _Builder:
         self.sections.append(section)
         children: list[tuple[dict[str, Any], str, str, str]] = []
         required = set(node.get("required", ()))
-        model_name = node.get("title", "")
+        model_name = node.get("title", "").split("_")[0]  # WeightQConfig_<method>: one member
         for key, prop in node.get("properties", {}).items():
             type_text, allowed, child = self.describe_type(prop, f"{path}.{key}" if path else key)
+            opaque = (model_name, key) == ("WeightQConfig", "ext")  # documented per method below
+            if opaque:
+                type_text, child = "mapping", None
             if child is not None and scope:
                 child = (child[0], child[1], f"{child[2]} ({scope})", child[3])
             if child is not None:
                 children.append(child)
                 type_text = f"[{type_text}](#{_anchor(child[2])})"
             default = "**required**" if key in required else self.default(prop, model_name, key)
+            default = "`{}`" if opaque else default
             text = prop.get("description") or self.resolve(prop).get("description", "")
             if key == "type" and "const" in prop:
                 text = TYPE_FIELD_DESCRIPTION
@@ -195,6 +204,9 @@ class _Builder:
             parts = [self.describe_type(o, path) for o in options]
             text = " or ".join(p[0] for p in parts) + (" or null" if nullable else "")
             return text, ", ".join(p[1] for p in parts if p[1]), None
+        if "oneOf" in target and "discriminator" in target:  # qconfig.weight: one member per method
+            member = self.resolve(target["oneOf"][0])
+            return "mapping", "", (member, path, path, prop.get("description", ""))
         kind = target.get("type")
         if kind == "array":
             items = target.get("items", {})
@@ -327,28 +339,29 @@ def _methods_section() -> list[str]:
         "## Weight methods",
         "",
         "`qconfig.weight.method` selects the algorithm; `qconfig.weight.ext` holds its options,",
-        "validated against the method's option model below. Only the listed `(dtype, scope)`",
-        "combinations are implemented; others fail validation with the list of valid ones.",
+        "validated against the method's option model below (an unknown key is an error naming",
+        "the valid ones). Only the listed `(dtype, scope)` combinations are implemented; others",
+        "fail validation with the list of valid ones. Methods are plugins: see",
+        "[adding a method](developer/add-method.md).",
         "",
     ]
     rows = []
-    for method in msquant.WEIGHT_METHODS.values():
+    methods = [METHODS.get(name) for name in METHODS.names()]
+    for method in methods:
         rows.append(
             (
                 f"[`{method.name}`](#{_anchor('ext ' + method.name)})",
                 _md(method.summary),
                 ", ".join(_value(d.value) for d in sorted(method.dtypes, key=lambda d: d.value)),
                 ", ".join(_value(s.value) for s in sorted(method.scopes, key=lambda s: s.value)),
-                "yes"
-                if method.implemented
-                else "not yet (validates; `quant` stops with a message)",
+                "yes" if method.calibrated else "no",
             )
         )
-    lines += _table(rows, ("method", "summary", "dtype", "scope", "runs"))
+    lines += _table(rows, ("method", "summary", "dtype", "scope", "calibrated"))
     lines.append("")
-    for method in msquant.WEIGHT_METHODS.values():
-        sub = method.ext_model.model_json_schema()
-        builder = _Builder(sub, _model_classes(method.ext_model))
+    for method in methods:
+        sub = method.options_class.model_json_schema()
+        builder = _Builder(sub, _model_classes(method.options_class))
         title = f"ext {method.name}"
         builder.add_object(sub, "spec.process[].qconfig.weight.ext", title)
         section = builder.sections[0]

@@ -61,9 +61,10 @@ def test_yaml_reference_documents_every_method_and_processor() -> None:
     for name in registry.names():
         if registry.get(name).__module__.startswith("msquant."):
             assert f"type: {name}`" in text, name
-    for method in msquant.WEIGHT_METHODS.values():
+    methods = msquant.default_method_registry()
+    for method in map(methods.get, methods.names()):
         assert f"`method: {method.name}`" in text, method.name
-        for option in method.ext_model.model_fields:
+        for option in method.options_class.model_fields:
             assert f"| `{option}` |" in text, f"{method.name}.{option}"
 
 

@@ -347,10 +347,11 @@ def test_class_api_and_from_ext() -> None:
     per_group = WeightPerGroupGPTQ.from_ext(
         4, False, {"group_size": 32, "percdamp": 0.05, "block_size": None}, name="q_proj"
     )
-    assert (per_group.group_size, per_group.percdamp, per_group.block_size) == (32, 0.05, 128)
+    options = per_group.options
+    assert (options.group_size, options.percdamp, options.block_size) == (32, 0.05, 128)
     assert "q_proj" in repr(per_group) and "group_size=32" in repr(per_group)
     per_channel = WeightPerChannelGPTQ.from_ext(8, True, {"group_size": 128, "desc_act": True})
-    assert per_channel.desc_act and per_channel.group_size is None
+    assert per_channel.options.desc_act and per_channel.group_size is None
     assert set(GPTQ_EXT_DEFAULTS) >= {"percdamp", "block_size", "group_size"}
     weight, x = make_layer(16, 64, rows=128)
     per_channel.add_batch(x)

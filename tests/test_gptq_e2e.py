@@ -26,7 +26,7 @@ from torch import nn
 import msquant
 from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
-from msquant.quant.methods import GPTQExt
+from msquant.processors.methods.gptq import GPTQExt
 from msquant.run.capture import batch_samples
 
 SEED_YAMLS = ["w8a16_per_channel_gptq.yaml", "w8a16_per_group_gptq.yaml"]
@@ -200,18 +200,20 @@ def test_modules_reading_the_same_input_share_one_hessian() -> None:
 
     config = LinearQuantConfig.model_validate({"qconfig": {"weight": {"method": "gptq"}}})
     proc = LinearQuantProcessor(config)
-    proc._gptq = {n: msquant.WeightPerChannelGPTQ(name=n) for n in ("q", "k", "o")}
+    collector = proc._collector
+    collector.quantizers = {n: msquant.WeightPerChannelGPTQ(name=n) for n in ("q", "k", "o")}
     for _ in range(2):
         shared, other = torch.randn(5, 8), torch.randn(5, 8)
-        proc._accumulate("q", shared)
-        proc._accumulate("k", shared)
-        proc._accumulate("o", other)
-    assert proc._gptq["k"].accumulator is proc._gptq["q"].accumulator
-    assert proc._gptq["o"].accumulator is not proc._gptq["q"].accumulator
-    assert proc._gptq["q"].nsamples == proc._gptq["o"].nsamples == 10
-    proc._accumulate("q", torch.randn(5, 8))
+        collector.accumulate("q", shared)
+        collector.accumulate("k", shared)
+        collector.accumulate("o", other)
+    quantizers = collector.quantizers
+    assert quantizers["k"].accumulator is quantizers["q"].accumulator
+    assert quantizers["o"].accumulator is not quantizers["q"].accumulator
+    assert quantizers["q"].nsamples == quantizers["o"].nsamples == 10
+    collector.accumulate("q", torch.randn(5, 8))
     with pytest.raises(RuntimeError, match="k: its input is no longer the input of q"):
-        proc._accumulate("k", torch.randn(5, 8))
+        collector.accumulate("k", torch.randn(5, 8))
 
 
 def _true_sequential_inputs(

@@ -14,7 +14,7 @@ from conftest import CALIB_TXT, CliResult
 
 import msquant
 from msquant.processors.linear_quant import LinearQuantConfig, LinearQuantProcessor
-from msquant.quant.methods import GPTQ_NUMERICS, GPTQExt
+from msquant.processors.methods.gptq import GPTQ_NUMERICS, GPTQExt
 
 
 def _config(
@@ -54,7 +54,7 @@ def test_numerics_pick_the_defaults_and_explicit_keys_win() -> None:
     assert not default.resolved_full_range(8)  # int8 keeps msModelSlim's grid
     mse_limit = GPTQ_NUMERICS["msquant"].mse_max_bits
     assert [default.resolved_mse(b) for b in (4, 8)] == [4 <= mse_limit, 8 <= mse_limit]
-    assert default.mse_options(8) is None and GPTQExt(mse=False).mse_options(4) is None
+    assert not GPTQExt(mse=False).resolved_mse(4)
 
     ms = GPTQExt(numerics="msmodelslim")
     assert (ms.resolved_desc_act(), ms.resolved_calib_inputs(), ms.resolved_true_sequential()) == (
@@ -85,14 +85,15 @@ def test_processor_follows_the_resolved_options() -> None:
         "model.layers.0.mlp.down_proj", proc.base_scheme, proc.rules
     )
     assert (int4.bits, int8.bits) == (4, 8)
-    assert proc._full_range(int4) is (GPTQ_NUMERICS["msquant"].full_range_max_bits >= 4)
-    assert proc._full_range(int8) is False
+    full_range = GPTQ_NUMERICS["msquant"].full_range_max_bits >= 4
+    assert proc.method.solve_options(int4).full_range is full_range
+    assert proc.method.solve_options(int8).full_range is False
 
     ms = _config({"numerics": "msmodelslim"})
     proc = LinearQuantProcessor(LinearQuantConfig.model_validate(ms["spec"]["process"][0]))
     assert not proc.calibrate_on_quantized and proc.base_scheme.desc_act is False
     assert proc.base_scheme.mse == 0.0
-    assert proc._full_range(proc.base_scheme.resolved()) is False
+    assert proc.method.solve_options(proc.base_scheme.resolved()).full_range is False
 
 
 @pytest.mark.parametrize(

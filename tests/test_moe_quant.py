@@ -250,16 +250,17 @@ def test_experts_per_pass_bounds_the_live_hessians_and_changes_nothing(
     """``ext.experts_per_pass: 3`` over 8 experts: three calibration passes per layer, each
     gathering and solving the Hessians of at most three experts; the export is the one-pass
     run's, byte for byte, and so are the report's module entries."""
-    from msquant.processors.linear_quant import LinearQuantProcessor
+    from msquant.processors import linear_quant
 
-    solve = LinearQuantProcessor._solve_gptq
+    solve = linear_quant.solve_modules
     live: list[set[str]] = []
 
-    def recording(self: Any, ctx: Any, layer: Any, modules: Any) -> Any:
-        live.append({name for name in self._gptq})
-        return solve(self, ctx, layer, modules)
+    def recording(*args: Any) -> Any:
+        collector = args[4]  # (ctx, layer, modules, method, collector, report_of)
+        live.append(set(collector.quantizers))
+        return solve(*args)
 
-    monkeypatch.setattr(LinearQuantProcessor, "_solve_gptq", recording)
+    monkeypatch.setattr(linear_quant, "solve_modules", recording)
     single = _quantize(qwen3_moe, tmp_path / "single", _config(runner, 2.0))
     assert len(live) == 2 and all(len(names) == 4 + 8 * 3 for names in live)  # per layer
     live.clear()

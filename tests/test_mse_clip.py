@@ -36,9 +36,10 @@ from conftest import CALIB_TXT
 import msquant
 from msquant.errors import QuantizationError
 from msquant.load.model_folder import load_causal_lm
+from msquant.processors.methods.gptq import GPTQExt
+from msquant.processors.methods.minmax import MinMaxExt
 from msquant.quant.gptq import GPTQ_EXT_DEFAULTS, WeightPerChannelGPTQ, WeightPerGroupGPTQ
 from msquant.quant.int_quant import dequantize, minmax_qparams, qrange, quantize
-from msquant.quant.methods import GPTQExt, MinMaxExt
 from msquant.quant.minmax import quantize_weight_minmax
 from msquant.quant.mse_clip import (
     MSEOptions,
@@ -248,9 +249,10 @@ def test_vectorised_over_any_dim_dtype_and_deterministic() -> None:
 
 
 def test_options_are_checked_and_off_by_default() -> None:
-    assert MinMaxExt().mse_options() is None and GPTQExt().mse_options() is None
+    assert MinMaxExt().mse is False and GPTQExt(numerics="msmodelslim").resolved_mse(4) is False
     assert GPTQ_EXT_DEFAULTS["mse"] is False
-    assert MinMaxExt(mse=True).mse_options() == MSEOptions(100, 0.2, 2.4)
+    on = MinMaxExt(mse=True)
+    assert (on.mse_grid, on.mse_maxshrink, on.mse_norm) == (100, 0.2, 2.4)
     for bad in [dict(grid=0), dict(maxshrink=1.0), dict(maxshrink=0.0), dict(norm=-1.0)]:
         with pytest.raises(ValueError, match="invalid MSE clipping options"):
             MSEOptions(**bad)  # type: ignore[arg-type]
@@ -335,11 +337,11 @@ def test_gptq_with_mse(bits: int, symmetric: bool, variant: str) -> None:
 def test_gptq_options_from_ext_and_errors() -> None:
     ext = {"mse": True, "mse_grid": 50, "mse_maxshrink": 0.3, "mse_norm": 2.0, "group_size": 64}
     per_group = WeightPerGroupGPTQ.from_ext(4, True, ext, name="q_proj")
-    assert per_group.mse_options == MSEOptions(50, 0.3, 2.0)
+    assert per_group.options.mse == MSEOptions(50, 0.3, 2.0)
     assert "mse=MSEOptions(grid=50" in repr(per_group)
     per_channel = WeightPerChannelGPTQ.from_ext(8, True, {"mse": True, "group_size": 128})
-    assert per_channel.mse_options == MSEOptions()
-    assert WeightPerChannelGPTQ.from_ext(8, True, {"mse": None}).mse_options is None
+    assert per_channel.options.mse == MSEOptions()
+    assert WeightPerChannelGPTQ.from_ext(8, True, {"mse": None}).options.mse is None
     with pytest.raises(QuantizationError, match=r"o_proj: invalid GPTQ options: .*mse_grid.*0"):
         WeightPerChannelGPTQ(mse=True, mse_grid=0, name="o_proj")
     with pytest.raises(QuantizationError, match=r"mse_maxshrink must be a number in \(0, 1\)"):
@@ -364,15 +366,15 @@ def test_yaml_accepts_mse(method: str) -> None:
     registry = msquant.default_registry()
     text = _linear_quant(f"{{method: {method}, scope: per_group, ext: {{mse: true}}}}")
     weight = msquant.load_config_text(text, registry).spec.process[0].qconfig.weight
-    assert weight.ext == {"mse": True}
-    ext = msquant.WEIGHT_METHODS[method].ext_model.model_validate(weight.ext)
-    assert isinstance(ext, MinMaxExt | GPTQExt) and ext.mse_options() == MSEOptions()
+    ext = weight.ext
+    assert isinstance(ext, MinMaxExt | GPTQExt) and ext.model_fields_set == {"mse"}
+    assert ext.mse is True and (ext.mse_grid, ext.mse_maxshrink, ext.mse_norm) == (100, 0.2, 2.4)
     text = _linear_quant(
         f"{{method: {method}, ext: {{mse: true, mse_grid: 40, mse_maxshrink: 0.5, mse_norm: 2}}}}"
     )
-    weight = msquant.load_config_text(text, registry).spec.process[0].qconfig.weight
-    ext = msquant.WEIGHT_METHODS[method].ext_model.model_validate(weight.ext)
-    assert isinstance(ext, MinMaxExt | GPTQExt) and ext.mse_options() == MSEOptions(40, 0.5, 2.0)
+    ext = msquant.load_config_text(text, registry).spec.process[0].qconfig.weight.ext
+    assert isinstance(ext, MinMaxExt | GPTQExt) and ext.mse is True
+    assert (ext.mse_grid, ext.mse_maxshrink, ext.mse_norm) == (40, 0.5, 2.0)
 
 
 @pytest.mark.parametrize("method", ["minmax", "gptq"])

@@ -99,7 +99,7 @@ def test_override_keys() -> None:
         }
     )
     q = resolve_module_scheme(Q, BASE, found)
-    assert (q.group_size, q.group_size_or_none, q.desc_act, q.percdamp) == (-1, None, True, 0.1)
+    assert (q.group_size, q.desc_act, q.percdamp) == (None, True, 0.1)  # -1: per-channel
     assert q.mse == 2.4  # mse: true turns the search on with the base norm
     assert q.describe() == "int4 per-channel sym act-order"
     k = resolve_module_scheme(K, BASE, found)
@@ -154,7 +154,9 @@ def test_invalid_rules_are_reported_with_their_path(
 
 def test_gptq_only_keys_are_refused_where_not_allowed() -> None:
     allowed = [k for k in msquant.DYNAMIC_KEYS if k not in msquant.GPTQ_ONLY_KEYS]
-    _, issues = parse_dynamic({".*": {"desc_act": True, "bits": 8}}, allowed)
+    _, issues = parse_dynamic(
+        {".*": {"desc_act": True, "bits": 8}}, allowed, {"desc_act": ["gptq"]}
+    )
     assert [(i.path, i.message.split(";")[0]) for i in issues] == [
         ('dynamic[".*"].desc_act', "applies to method gptq only")
     ]
@@ -302,6 +304,6 @@ def test_resolution_agrees_with_vllm_on_random_rule_sets() -> None:
                 continue
             assert not scheme.skipped, (dynamic, name)
             assert scheme.bits == expected_bits, (dynamic, name)
-            assert scheme.group_size == vllm_dynamic_override(
-                saved, name, "group_size", BASE.group_size
-            )
+            group_size = -1 if scheme.group_size is None else scheme.group_size  # vLLM's -1
+            base_group = -1 if BASE.group_size is None else BASE.group_size
+            assert group_size == vllm_dynamic_override(saved, name, "group_size", base_group)

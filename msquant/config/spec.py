@@ -22,7 +22,7 @@ import logging
 from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
@@ -256,11 +256,20 @@ def _schema_issues(
 ) -> list[ConfigIssue]:
     issues = []
     for err in exc.errors(include_url=False):
-        loc = _strip_tags(err["loc"], registry)
+        loc, _ = _walk(model_cls, err["loc"], registry)
         message = validation_message(err)
+        nested_union = bool(loc) and isinstance(loc[-1], str)  # a field's union, not a list entry's
         if err["type"] == "extra_forbidden":
-            valid = _valid_keys(model_cls, err["loc"][:-1], registry)
-            message = "unknown key" + (f"; valid keys here: {', '.join(valid)}" if valid else "")
+            _, parent = _walk(model_cls, err["loc"][:-1], registry)
+            message = _unknown_key_message(parent)
+        elif err["type"] in ("union_tag_invalid", "union_tag_not_found") and nested_union:
+            key = str(err.get("ctx", {}).get("discriminator", "")).strip("'")
+            if err["type"] == "union_tag_invalid":
+                valid = str(err.get("ctx", {}).get("expected_tags", "")).replace("'", "")
+                message = f"unknown {key} {err.get('ctx', {}).get('tag')!r}; valid: {valid}"
+            else:
+                message = "Field required"
+            loc = (*loc, key)
         elif err["type"] in ("union_tag_invalid", "union_tag_not_found"):
             stage = "save" if "save" in loc else "process"
             known = ", ".join(registry.names(stage)) or "(none)"  # type: ignore[arg-type]
@@ -279,14 +288,15 @@ def _schema_issues(
     return issues
 
 
-def _strip_tags(loc: tuple[int | str, ...], registry: ProcessorRegistry) -> tuple[int | str, ...]:
-    """Drop the discriminator tags pydantic inserts after list indices (``process.0.linear_quant``)."""
-    kept: list[int | str] = []
-    for i, part in enumerate(loc):
-        if isinstance(part, str) and i > 0 and isinstance(loc[i - 1], int) and part in registry:
-            continue
-        kept.append(part)
-    return tuple(kept)
+def _unknown_key_message(model: Any) -> str:
+    """``unknown key; valid keys here: ...``, or the model's own wording (a method's ``ext``
+    names its method: ``unknown gptq option; valid: ...``)."""
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return "unknown key"
+    own = getattr(model, "unknown_key_message", None)
+    if callable(own):
+        return str(own())
+    return f"unknown key; valid keys here: {', '.join(model.model_fields)}"
 
 
 def _format_loc(loc: tuple[int | str, ...]) -> str:
@@ -296,27 +306,54 @@ def _format_loc(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def _valid_keys(
+def _walk(
     model_cls: type[BaseModel], loc: tuple[int | str, ...], registry: ProcessorRegistry
-) -> list[str] | None:
-    """Field names of the model found at ``loc`` (pydantic's raw location), if it can be resolved."""
+) -> tuple[tuple[int | str, ...], Any]:
+    """pydantic's raw location without the tags it inserts after a discriminated union
+    (``process.0.linear_quant``, ``qconfig.weight.gptq``), and the model found there (None when
+    it cannot be resolved)."""
+    kept: list[int | str] = []
     current: Any = model_cls
+    tags: dict[str, Any] | None = None
     for part in loc:
+        if tags is not None and isinstance(part, str) and part in tags:
+            current, tags = tags[part], None
+            continue
+        if tags is not None and isinstance(part, str) and part in registry:
+            current, tags = registry.get(part).config_class, None
+            continue
+        kept.append(part)
         if isinstance(part, int):
             continue
+        field = None
         if isinstance(current, type) and issubclass(current, BaseModel):
-            if part in registry and part not in current.model_fields:
-                current = registry.get(part).config_class
-                continue
             field = current.model_fields.get(part)
-            if field is None:
-                return None
-            current = _model_in(field.annotation)
-        else:
-            return None
-    if isinstance(current, type) and issubclass(current, BaseModel):
-        return list(current.model_fields)
-    return None
+        if field is None:
+            current, tags = None, None
+            continue
+        current, tags = _model_in(field.annotation), _union_tags(field)
+    return tuple(kept), current
+
+
+def _union_tags(field: Any) -> dict[str, Any] | None:
+    """``{tag: model}`` of a field holding a union discriminated on a key (``qconfig.weight``
+    on ``method``) or a list of one (``spec.process`` on ``type``); None for any other field."""
+    discriminator = field.discriminator
+    annotation = field.annotation
+    if discriminator is None and get_origin(annotation) is list:
+        (annotation,) = get_args(annotation)
+        if get_origin(annotation) is Annotated:
+            annotation, *metadata = get_args(annotation)
+            found = [m.discriminator for m in metadata if getattr(m, "discriminator", None)]
+            discriminator = found[0] if found else None
+    if not isinstance(discriminator, str):
+        return None
+    tags: dict[str, Any] = {}
+    for member in get_args(annotation):
+        member_field = getattr(member, "model_fields", {}).get(discriminator)
+        if member_field is not None and get_origin(member_field.annotation) is Literal:
+            tags.update({str(tag): member for tag in get_args(member_field.annotation)})
+    return tags
 
 
 def _model_in(annotation: Any) -> Any:

@@ -80,7 +80,9 @@ def _row(
         return PlanRow(
             name,
             scheme.bits,
-            scheme.group_size,
+            -1
+            if scheme.group_size is None
+            else scheme.group_size,  # the plan's JSON: GPTQModel's -1
             scheme.sym,
             scheme.desc_act,
             decision.method,

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,6 +44,7 @@ from msquant.backends.base import Backend
 from msquant.backends.cpu import CpuBackend
 from msquant.backends.device import DeviceSpec
 from msquant.errors import QuantizationError
+from msquant.quant.gptq_options import GPTQOptions
 from msquant.quant.int_quant import qrange
 from msquant.quant.minmax import check_weight
 from msquant.quant.mse_clip import MSEOptions, range_qparams
@@ -114,41 +116,34 @@ def resolve_block_size(block_size: int, weight_shape: tuple[int, int], name: str
 def gptq_quantize(
     weight: torch.Tensor,
     hessian: torch.Tensor,
+    options: GPTQOptions | None = None,
     *,
-    bits: int = 8,
-    symmetric: bool = True,
-    group_size: int | None = None,
-    percdamp: float = 0.01,
-    block_size: int = 128,
-    desc_act: bool = False,
-    static_groups: bool = False,
-    damp_auto_increment: float = 0.01,
-    max_damp_retries: int = 10,
     name: str = "layer",
     backend: Backend | None = None,
     hessian_scale: float = 1.0,
     nsamples: int = 0,
     solve_dtype: torch.dtype = torch.float32,
-    mse: MSEOptions | None = None,
-    full_range: bool = False,
+    **fields: Any,
 ) -> GPTQResult:
     """Quantize one ``[out, in]`` weight by GPTQ given its Hessian (neither is modified).
 
     :param hessian: ``[in, in]`` Hessian, or a multiple of it with ``hessian_scale`` saying which
         (e.g. the raw ``X^T X`` with ``hessian_scale = 2 / n``, which spares a copy).
-    :param group_size: input columns per group, ``None`` for per-channel parameters.
-    :param desc_act: act-order: quantize columns by descending Hessian diagonal. Per-group, this
-        forces static groups so that the group of column ``i`` stays ``i // group_size``.
-    :param static_groups: per-group parameters from the (dead-column-zeroed) original weight.
+    :param options: the solve's options (:class:`GPTQOptions`: grid, groups, act-order, damping,
+        MSE search). ``desc_act`` per-group forces static groups so that the group of column ``i``
+        stays ``i // group_size``.
+    :param fields: instead of ``options``, its fields as keywords (for Python callers and tests).
     :param backend: runs the Cholesky and triangular solves (``CpuBackend`` when None).
     :param solve_dtype: float32 (default) or float64 for the linear algebra and the sweep.
-    :param mse: MSE clipping search options for every scale/offset computed from weights; None
-        (default) for plain min/max, msModelSlim's numerics.
-    :param full_range: symmetric scales ``max|w| / (2^(b-1) - 0.5)`` (GPTQModel / llm-compressor)
-        instead of msModelSlim's ``/ (2^(b-1) - 1)``.
     :raises QuantizationError: bad weight/Hessian shapes or values, bad ``block_size``, or a
         Cholesky that still fails after ``max_damp_retries`` damping increases.
     """
+    if options is None:
+        options = GPTQOptions(**fields)
+    elif fields:
+        raise TypeError(f"gptq_quantize: pass options or its fields, not both ({sorted(fields)})")
+    bits, symmetric, group_size = options.bits, options.symmetric, options.group_size
+    mse, full_range, desc_act = options.mse, options.full_range, options.desc_act
     started = time.perf_counter()
     backend = backend if backend is not None else CpuBackend(DeviceSpec("cpu"))
     # 1. Checks: weight (2-D, floating, finite, group divisibility), Hessian shape, block size.
@@ -160,9 +155,9 @@ def gptq_quantize(
             f"{name}: GPTQ Hessian has shape {tuple(hessian.shape)} but the weight {shape} needs "
             f"({in_features}, {in_features}); the activations fed to add_batch belong to another layer"
         )
-    block = resolve_block_size(block_size, shape, name)
+    block = resolve_block_size(options.block_size, shape, name)
     device = weight.device
-    static = group_size is not None and (static_groups or desc_act)
+    static = options.static
 
     # 2. Working copy of the weight, transposed: row i holds input column i.
     work = torch.empty((in_features, out_features), dtype=solve_dtype, device=device)
@@ -208,9 +203,9 @@ def gptq_quantize(
         hdiag,
         dead,
         perm,
-        percdamp=percdamp,
-        increment=damp_auto_increment,
-        max_retries=max_damp_retries,
+        percdamp=options.percdamp,
+        increment=options.damp_auto_increment,
+        max_retries=options.max_damp_retries,
         backend=backend,
         name=name,
         shape=shape,

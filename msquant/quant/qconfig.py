@@ -48,17 +48,21 @@ class QScope(str, Enum):
 
 
 class WeightQConfig(BaseModel):
-    """How the weights of the matched linear layers are quantized (``qconfig.weight``)."""
+    """How the weights of the matched linear layers are quantized (``qconfig.weight``).
+
+    The common fields; ``qconfig.weight`` itself is a union of one subclass per registered method,
+    discriminated on ``method``, each narrowing ``ext`` to that method's typed options (see
+    :meth:`msquant.plugin.method.MethodRegistry.weight_config_type`).
+    """
 
     model_config = ConfigDict(extra="forbid", use_enum_values=False)
 
     dtype: QDType = Field(QDType.INT8, description="Quantized data type.")
     scope: QScope = Field(QScope.PER_CHANNEL, description="Granularity of scales and offsets.")
     symmetric: bool = Field(True, description="Symmetric (offset 0) or asymmetric quantization.")
-    method: str = Field(description="Algorithm computing the quantized weights: minmax or gptq.")
-    ext: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Method-specific options, e.g. percdamp, block_size, group_size.",
+    method: str = Field(description="Algorithm computing the quantized weights.")
+    ext: BaseModel = Field(
+        description="Method-specific options, e.g. percdamp, block_size, group_size."
     )
 
 

@@ -99,17 +99,17 @@ class DynamicOverrides(BaseModel):
     bits: StrictInt | None = Field(None, ge=2, le=8, description="Code width, 2 to 8.")
     group_size: GroupSize | None = None
     sym: StrictBool | None = Field(None, description="Symmetric (true) or asymmetric (false).")
-    desc_act: StrictBool | None = Field(None, description="GPTQ act-order (gptq only).")
+    desc_act: StrictBool | None = Field(None, description="GPTQ act-order (GPTQ only).")
     damp_percent: StrictFloat | None = Field(
-        None, gt=0, allow_inf_nan=False, description="GPTQ damping (gptq only)."
+        None, gt=0, allow_inf_nan=False, description="GPTQ damping (GPTQ only)."
     )
     percdamp: StrictFloat | None = Field(
-        None, gt=0, allow_inf_nan=False, description="Same as damp_percent (gptq only)."
+        None, gt=0, allow_inf_nan=False, description="Same as damp_percent (GPTQ only)."
     )
     mse: bool | float | None = Field(
         None, description="MSE scale search: false/0 off, true on, a number = its norm."
     )
-    static_groups: StrictBool | None = Field(None, description="GPTQ static groups (gptq only).")
+    static_groups: StrictBool | None = Field(None, description="GPTQ static groups (GPTQ only).")
 
     @field_validator("mse", mode="before")
     @classmethod
@@ -122,10 +122,13 @@ class DynamicOverrides(BaseModel):
         raise ValueError(f"expected true, false or a norm >= 0, got {value!r}")
 
     def normalized(self) -> dict[str, Any]:
-        """The keys set, with ``damp_percent`` renamed to ``percdamp``."""
+        """The keys set, with ``damp_percent`` renamed to ``percdamp`` and GPTQModel's
+        ``group_size: -1`` turned into msquant's per-channel encoding, None."""
         values = self.model_dump(exclude_none=True)
         if "damp_percent" in values:
             values["percdamp"] = values.pop("damp_percent")
+        if values.get("group_size") == -1:
+            values["group_size"] = None
         return values
 
 
@@ -189,7 +192,7 @@ def _split_key(key: str) -> tuple[bool, str]:
 
 
 def _override_issues(
-    key: str, overrides: Any, allowed: Sequence[str]
+    key: str, overrides: Any, allowed: Sequence[str], accepted_by: Mapping[str, Sequence[str]]
 ) -> tuple[dict[str, Any], list[ConfigIssue]]:
     """Validate one rule's override mapping; issue paths are ``dynamic["key"].field``."""
     path = rule_source(key)
@@ -210,7 +213,8 @@ def _override_issues(
             issues.append(
                 ConfigIssue(
                     f"{path}.{name}",
-                    f"applies to method gptq only; valid here: {', '.join(allowed)}",
+                    f"applies to method {' or '.join(accepted_by.get(name, ())) or '(none)'} "
+                    f"only; valid here: {', '.join(allowed)}",
                 )
             )
     if issues:
@@ -239,12 +243,16 @@ def _override_issues(
 
 
 def parse_dynamic(
-    dynamic: Mapping[str, Any], allowed: Sequence[str] = DYNAMIC_KEYS
+    dynamic: Mapping[str, Any],
+    allowed: Sequence[str] = DYNAMIC_KEYS,
+    accepted_by: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[tuple[DynamicRule, ...], list[ConfigIssue]]:
     """Validate a ``dynamic`` mapping into rules in evaluation order (negatives first).
 
     :param dynamic: rule key -> overrides, in the order written.
-    :param allowed: the override keys valid for the entry (without the GPTQ-only ones for minmax).
+    :param allowed: the override keys valid for the entry's method.
+    :param accepted_by: for a key not in ``allowed``, the methods that accept it (named in the
+        message).
     :returns: the rules (only when there is no issue) and the issues, each located at
         ``dynamic["<key>"]`` or ``dynamic["<key>"].<override>`` (relative to the entry).
     """
@@ -278,7 +286,7 @@ def parse_dynamic(
                 continue
             rules.append(DynamicRule(key, True, regex))
             continue
-        values, problems = _override_issues(key, overrides, allowed)
+        values, problems = _override_issues(key, overrides, allowed, accepted_by or {})
         issues.extend(problems)
         if not problems:
             rules.append(DynamicRule(key, False, regex, values))
@@ -296,7 +304,7 @@ class BaseScheme:
     """An entry's own scheme (its ``qconfig``), which positive rules override key by key.
 
     :param bits: code width.
-    :param group_size: input columns per group, -1 for per-channel.
+    :param group_size: input columns per group, None for per-channel.
     :param sym: symmetric quantization.
     :param desc_act: GPTQ act-order (always False for minmax).
     :param percdamp: GPTQ damping (None for minmax).
@@ -306,7 +314,7 @@ class BaseScheme:
     """
 
     bits: int
-    group_size: int
+    group_size: int | None
     sym: bool
     desc_act: bool = False
     percdamp: float | None = None
@@ -338,7 +346,7 @@ class ResolvedScheme:
     """
 
     bits: int
-    group_size: int
+    group_size: int | None
     sym: bool
     desc_act: bool
     percdamp: float | None
@@ -346,11 +354,6 @@ class ResolvedScheme:
     static_groups: bool
     skipped: bool
     decided_by: str
-
-    @property
-    def group_size_or_none(self) -> int | None:
-        """The group width, or None for per-channel (msquant's numerics convention)."""
-        return None if self.group_size == -1 else self.group_size
 
     def signature(self) -> tuple[object, ...]:
         """What the shards of a fused layer must share: skip decision, bits, group size, sym,
@@ -363,7 +366,7 @@ class ResolvedScheme:
         """e.g. ``int4 group 32 sym``, ``int8 per-channel asym act-order``, ``not quantized``."""
         if self.skipped:
             return "not quantized"
-        scope = "per-channel" if self.group_size == -1 else f"group {self.group_size}"
+        scope = "per-channel" if self.group_size is None else f"group {self.group_size}"
         text = f"int{self.bits} {scope} {'sym' if self.sym else 'asym'}"
         return text + (" act-order" if self.desc_act else "")
 

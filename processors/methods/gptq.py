@@ -1,96 +1,53 @@
-"""Weight quantization methods known to ``linear_quant`` and the option schema (``ext``) of each.
+"""``method: gptq``: GPTQ (Hessian-based error compensation), msModelSlim's options plus the
+numerics switch (``ext.numerics``), act-order, static groups, the grid, how layers are calibrated,
+the Cholesky retry policy and the MSE scale search.
 
-This table is what decides, before any model is loaded, whether a ``(dtype, scope, method)``
-combination is implemented and whether its ``ext`` options are valid.
+:class:`GPTQExt` is the typed ``ext``; :class:`GPTQMethod` resolves it, per module, into the one
+:class:`msquant.GPTQOptions` value the solver takes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Annotated, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+import torch
+from pydantic import Field, StrictInt, model_validator
+from pydantic_core import PydanticCustomError
 
-from msquant.model.moe import DEFAULT_EXPERT_TOKEN_RATIO
-from msquant.quant.mse_clip import MSEOptions
-from msquant.quant.qconfig import QDType, QScope
+from msquant import (
+    DYNAMIC_KEYS,
+    Backend,
+    BaseScheme,
+    CalibratedQuantizer,
+    ConfigIssue,
+    DynamicRule,
+    GPTQOptions,
+    GPTQQuantizer,
+    MethodOptions,
+    MSEOptions,
+    QDType,
+    QScope,
+    QuantizedWeight,
+    QuantMethod,
+    ResolvedScheme,
+)
+from msquant.processors.methods.options import (
+    EXPERT_MIN_TOKENS,
+    ExpertMinTokens,
+    GroupSize,
+    MseGrid,
+    MseMaxShrink,
+    MseNorm,
+    round_to_nearest,
+)
 
-__all__ = [
-    "MinMaxExt",
-    "GPTQExt",
-    "GPTQDefaults",
-    "GPTQ_NUMERICS",
-    "GPTQNumerics",
-    "CalibInputs",
-    "WeightMethod",
-    "WEIGHT_METHODS",
-]
+__all__ = ["GPTQExt", "GPTQDefaults", "GPTQ_NUMERICS", "GPTQNumerics", "CalibInputs", "GPTQMethod"]
 
-# The MSE clipping search options, shared by minmax and gptq (see msquant.quant.mse_clip).
-MseFlag = Annotated[
-    bool,
-    Field(
-        description="Search each row's (or group's) scale by shrinking its min/max range to "
-        "minimise sum |w - w_q|^mse_norm, instead of plain min/max (off: msModelSlim's numerics)."
-    ),
-]
-MseGrid = Annotated[
-    StrictInt, Field(gt=0, description="MSE search: the range shrinks in steps of 1 / mse_grid.")
-]
-MseMaxShrink = Annotated[
-    float,
-    Field(
-        gt=0,
-        lt=1,
-        allow_inf_nan=False,
-        description="MSE search: the largest fraction of the range that may be cut.",
-    ),
-]
-MseNorm = Annotated[
-    float,
-    Field(
-        gt=0,
-        allow_inf_nan=False,
-        description="MSE search: exponent of the error measured, sum |w - w_q|^mse_norm.",
-    ),
-]
-FullRange = Annotated[
-    bool,
-    Field(
-        description="Symmetric only: scale = max|w| / (2^(b-1) - 0.5), using the code -2^(b-1) "
-        "(GPTQModel's and llm-compressor's convention: a 7 % finer step at int4, 0.4 % at int8) "
-        "instead of msModelSlim's max|w| / (2^(b-1) - 1). Pays off at int4; at int8 with small "
-        "groups it can cost more than it saves. Default false: msModelSlim's numerics."
-    ),
-]
-
-
-class MinMaxExt(BaseModel):
-    """``ext`` options of ``method: minmax`` (round-to-nearest)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    group_size: StrictInt = Field(
-        128, gt=0, description="Input columns per group (per_group only)."
-    )
-    mse: MseFlag = False
-    mse_grid: MseGrid = 100
-    mse_maxshrink: MseMaxShrink = 0.2
-    mse_norm: MseNorm = 2.4
-    full_range: FullRange = False
-    expert_min_tokens: float = Field(
-        DEFAULT_EXPERT_TOKEN_RATIO,
-        ge=0,
-        description="MoE experts whose Hessian got fewer calibration tokens than this times their "
-        "in_features are rounded to nearest instead of solved by GPTQ (listed in the run report).",
-    )
-
-    def mse_options(self) -> MSEOptions | None:
-        """The MSE search options, or None when ``mse`` is off (plain min/max)."""
-        return MSEOptions.from_flags(self.mse, self.mse_grid, self.mse_maxshrink, self.mse_norm)
-
+logger = logging.getLogger(__name__)
 
 GPTQNumerics = Literal["msquant", "msmodelslim"]
 CalibInputs = Literal["quantized", "float"]
@@ -142,15 +99,13 @@ GPTQ_NUMERICS: Mapping[str, GPTQDefaults] = MappingProxyType(
 )
 
 
-class GPTQExt(BaseModel):
+class GPTQExt(MethodOptions):
     """``ext`` options of ``method: gptq``: msModelSlim's (percdamp, block_size, group_size), plus
     the numerics switch, act-order, static groups, the grid, how layers are calibrated, the
     Cholesky retry policy and the MSE clipping search. Options left unset take the defaults of
     ``numerics``."""
 
     # The defaults are in GPTQ_NUMERICS; the resolved_* methods return the values a run uses.
-
-    model_config = ConfigDict(extra="forbid")
 
     numerics: GPTQNumerics = Field(
         "msquant",
@@ -172,9 +127,7 @@ class GPTQExt(BaseModel):
         gt=0,
         description="Lazy-batch width over input columns (the last block may be shorter).",
     )
-    group_size: StrictInt = Field(
-        128, gt=0, description="Input columns per group (per_group only)."
-    )
+    group_size: GroupSize = 128
     desc_act: bool | None = Field(
         None,
         description="Act-order: process columns by descending Hessian diagonal, with static "
@@ -208,7 +161,7 @@ class GPTQExt(BaseModel):
     )
     damp_auto_increment: float = Field(
         0.01,
-        ge=0,
+        gt=0,
         allow_inf_nan=False,
         description="Added to percdamp after each failed Cholesky factorisation.",
     )
@@ -224,12 +177,7 @@ class GPTQExt(BaseModel):
     mse_grid: MseGrid = 100
     mse_maxshrink: MseMaxShrink = 0.2
     mse_norm: MseNorm = 2.4
-    expert_min_tokens: float = Field(
-        DEFAULT_EXPERT_TOKEN_RATIO,
-        ge=0,
-        description="MoE experts whose Hessian got fewer calibration tokens than this times their "
-        "in_features are rounded to nearest instead of solved by GPTQ (listed in the run report).",
-    )
+    expert_min_tokens: ExpertMinTokens = EXPERT_MIN_TOKENS
     experts_per_pass: StrictInt | None = Field(
         None,
         gt=0,
@@ -249,11 +197,12 @@ class GPTQExt(BaseModel):
                 if self.desc_act
                 else f"desc_act, on by default with numerics: {self.numerics}"
             )
-            raise ValueError(
+            raise PydanticCustomError(
+                "act_order_static_groups",
                 f"static_groups: false cannot go with {origin}: msquant runs act-order with static "
                 "groups only (the group index stays trivial, the only act-order vLLM 0.33 and "
                 "compressed-tensors load); drop static_groups, or set desc_act: false for group "
-                "parameters computed during the sweep"
+                "parameters computed during the sweep",
             )
         return self
 
@@ -290,42 +239,119 @@ class GPTQExt(BaseModel):
             return self.defaults.true_sequential
         return self.true_sequential
 
-    def mse_options(self, bits: int = 8) -> MSEOptions | None:
-        """The MSE search options for ``bits``-wide ``qconfig``, or None when the search is off."""
-        return MSEOptions.from_flags(
-            self.resolved_mse(bits), self.mse_grid, self.mse_maxshrink, self.mse_norm
+
+class GPTQMethod(QuantMethod):
+    """GPTQ: each selected module's Hessian is gathered from calibration data, then solved."""
+
+    name = "gptq"
+    options_class = GPTQExt
+    dtypes = frozenset({QDType.INT8, QDType.INT4})
+    scopes = frozenset({QScope.PER_CHANNEL, QScope.PER_GROUP})
+    summary = "GPTQ (Hessian-based error compensation)"
+    calibrated = True
+    rule_keys = DYNAMIC_KEYS
+    options: GPTQExt
+
+    def base_scheme(self) -> BaseScheme:
+        options = self.options
+        mse = options.resolved_mse(self.bits)
+        return BaseScheme(
+            bits=self.bits,
+            group_size=self.group_size,
+            sym=self.weight.symmetric,
+            desc_act=options.resolved_desc_act(),
+            percdamp=options.percdamp,
+            mse=options.mse_norm if mse else 0.0,
+            static_groups=options.resolved_static_groups(),
+            mse_norm=options.mse_norm,
         )
 
+    def config_issues(self, rules: Sequence[DynamicRule]) -> list[ConfigIssue]:
+        """A positive rule setting ``static_groups: false`` for modules that run act-order (its
+        own ``desc_act: true``, or the entry's): refused, since act-order runs with static groups
+        only (a non-trivial group index, which vLLM refuses, would be needed)."""
+        issues = []
+        for rule in rules:
+            overrides = rule.overrides
+            if rule.negative or overrides.get("static_groups") is not False:
+                continue
+            if not overrides.get("desc_act", self.options.resolved_desc_act()):
+                continue
+            origin = "desc_act: true" if "desc_act" in overrides else "the entry's act-order"
+            issues.append(
+                ConfigIssue(
+                    f"{rule.source}.static_groups",
+                    f"static_groups: false cannot go with {origin}: act-order runs with static "
+                    "groups only (the group index stays trivial, as vLLM requires); drop "
+                    "static_groups from the rule, or add desc_act: false to it",
+                )
+            )
+        return issues
 
-@dataclass(frozen=True)
-class WeightMethod:
-    """A weight quantization algorithm selectable by ``qconfig.weight.method``."""
+    def quantize_rtn(
+        self, weight: torch.Tensor, scheme: ResolvedScheme, name: str
+    ) -> QuantizedWeight:
+        options = self.options
+        full_range = options.resolved_full_range(scheme.bits)
+        return round_to_nearest(
+            weight, scheme, name, options.mse_grid, options.mse_maxshrink, full_range
+        )
 
-    name: str
-    ext_model: type[BaseModel]
-    dtypes: frozenset[QDType]
-    scopes: frozenset[QScope]
-    implemented: bool
-    summary: str
+    @property
+    def calibrate_on_quantized(self) -> bool:
+        return self.options.resolved_calib_inputs() == "quantized"
 
+    @property
+    def true_sequential(self) -> bool:
+        return self.options.resolved_true_sequential()
 
-WEIGHT_METHODS: Mapping[str, WeightMethod] = MappingProxyType(
-    {
-        "minmax": WeightMethod(
-            name="minmax",
-            ext_model=MinMaxExt,
-            dtypes=frozenset({QDType.INT8, QDType.INT4}),
-            scopes=frozenset({QScope.PER_CHANNEL, QScope.PER_GROUP}),
-            implemented=True,
-            summary="round-to-nearest with min/max scales",
-        ),
-        "gptq": WeightMethod(
-            name="gptq",
-            ext_model=GPTQExt,
-            dtypes=frozenset({QDType.INT8, QDType.INT4}),
-            scopes=frozenset({QScope.PER_CHANNEL, QScope.PER_GROUP}),
-            implemented=True,
-            summary="GPTQ (Hessian-based error compensation)",
-        ),
-    }
-)
+    @property
+    def experts_per_pass(self) -> int | None:
+        return self.options.experts_per_pass
+
+    def solve_options(self, scheme: ResolvedScheme) -> GPTQOptions:
+        """The solve's options for one module: the entry's ``ext`` with the module's resolved
+        overrides (bits, group, sym, act-order, damping, static groups, MSE norm)."""
+        options = self.options
+        mse = None
+        if scheme.mse:
+            mse = MSEOptions(
+                grid=options.mse_grid, maxshrink=options.mse_maxshrink, norm=scheme.mse
+            )
+        return GPTQOptions(
+            bits=scheme.bits,
+            symmetric=scheme.sym,
+            group_size=scheme.group_size,
+            percdamp=options.percdamp if scheme.percdamp is None else scheme.percdamp,
+            block_size=options.block_size,
+            desc_act=scheme.desc_act,
+            static_groups=scheme.static_groups and scheme.group_size is not None,
+            damp_auto_increment=options.damp_auto_increment,
+            max_damp_retries=options.max_damp_retries,
+            mse=mse,
+            full_range=options.resolved_full_range(scheme.bits),
+        )
+
+    def new_quantizer(
+        self, name: str, in_features: int, scheme: ResolvedScheme
+    ) -> CalibratedQuantizer:
+        return GPTQQuantizer(self.solve_options(scheme), name, in_features)
+
+    def solve(
+        self, quantizer: CalibratedQuantizer, weight: torch.Tensor, backend: Backend
+    ) -> tuple[QuantizedWeight, Mapping[str, Any]]:
+        assert isinstance(quantizer, GPTQQuantizer)
+        result = quantizer.quantize(weight, backend=backend)
+        logger.debug(
+            "%s: GPTQ loss %.4g, percdamp %.4g (%d retries), %d dead columns, %.2f s",
+            quantizer.name, result.loss, result.percdamp, result.damp_retries,
+            result.dead_columns, result.seconds,
+        )  # fmt: skip
+        return result.quantized, {
+            "gptq_loss": result.loss,
+            "percdamp": result.percdamp,
+            "damp_retries": result.damp_retries,
+            "dead_columns": result.dead_columns,
+            "solve_seconds": result.seconds,
+            "tokens": result.nsamples,
+        }
