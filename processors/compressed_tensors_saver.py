@@ -90,7 +90,6 @@ from msquant import (
     Saver,
     SaverConfig,
     SaverState,
-    moe_routers,
     write_hf_config,
 )
 from msquant.processors.formats.compressed_tensors.config import (
@@ -169,7 +168,7 @@ class CompressedTensorsSaver(Saver):
 
     def write_config(self, ctx: RunContext) -> None:
         schemes, head = self.state.schemes, self.state.head
-        routers = moe_routers(ctx.model)
+        routers = self.adapter.routers(ctx.model)
         ignore = [
             name
             for name, module in ctx.model.named_modules()
