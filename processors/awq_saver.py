@@ -34,7 +34,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import Field
 from torch import nn
 
 from msquant import (
@@ -63,7 +62,6 @@ class AWQSaverConfig(SaverConfig):
     """Config of ``awq_saver``."""
 
     type: Literal["awq_saver"] = "awq_saver"
-    part_file_size: int = Field(4, ge=0, description="Shard size in GiB; 0 writes a single file.")
 
 
 class AWQSaverState(SaverState):

@@ -114,7 +114,6 @@ class CompressedTensorsSaverConfig(SaverConfig):
     """Config of ``compressed_tensors``."""
 
     type: Literal["compressed_tensors"] = "compressed_tensors"
-    part_file_size: int = Field(4, ge=0, description="Shard size in GiB; 0 writes a single file.")
 
 
 class CompressedTensorsSaverState(SaverState):

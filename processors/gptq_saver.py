@@ -142,7 +142,6 @@ class GPTQSaverConfig(SaverConfig):
     """Config of ``gptq_saver``."""
 
     type: Literal["gptq_saver"] = "gptq_saver"
-    part_file_size: int = Field(4, ge=0, description="Shard size in GiB; 0 writes a single file.")
     checkpoint_format: CheckpointFormatChoice = Field(
         "auto",
         description="`gptq` (v1, AutoGPTQ legacy: qzeros store zero - 1), `gptq_v2` (qzeros "
