@@ -121,8 +121,10 @@ class Saver(Processor):
     directory: Path
     writer: ShardedSafetensorsWriter
     state: SaverState
-    #: The model's adapter (:func:`msquant.adapter_for`): which linears engines fuse, MoE layout.
-    adapter: ModelAdapter
+    #: The model's adapter (:func:`msquant.adapter_for`, asked in :meth:`setup`): which linears
+    #: engines fuse, the MoE routers. Before ``setup`` (a saver's checks called on their own) the
+    #: default adapter answers, with the generic heuristics.
+    adapter: ModelAdapter = ModelAdapter()
 
     # --- the template --------------------------------------------------------------------
 
