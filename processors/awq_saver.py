@@ -34,7 +34,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import Field
 from torch import nn
 
 from msquant import (
@@ -48,8 +47,7 @@ from msquant import (
     Saver,
     SaverConfig,
     SaverState,
-    find_output_head,
-    moe_routers,
+    adapter_for,
     write_hf_config,
 )
 from msquant.processors.formats.awq.config import build_quantization_config
@@ -64,7 +62,6 @@ class AWQSaverConfig(SaverConfig):
     """Config of ``awq_saver``."""
 
     type: Literal["awq_saver"] = "awq_saver"
-    part_file_size: int = Field(4, ge=0, description="Shard size in GiB; 0 writes a single file.")
 
 
 class AWQSaverState(SaverState):
@@ -98,7 +95,7 @@ class AWQSaver(Saver):
             problems.append(
                 f"an AWQ config holds one group_size, the plan uses {sizes}; use one group size"
             )
-        found = find_output_head(model)
+        found = adapter_for(model).output_head(model)
         if found is not None and any(r.module == found[0] for r in rows):
             problems.append(f"AWQ checkpoints keep the output head in float ({found[0]})")
         return PlanReview(errors=[f"{self.type_name}: {message}" for message in problems])
@@ -126,14 +123,14 @@ class AWQSaver(Saver):
                 f"{self.type_name}: no linear layer was quantized, so there is nothing to export "
                 "as AWQ; add a linear_quant step that selects some layers"
             )
-        routers = moe_routers(ctx.model)
+        routers = self.adapter.routers(ctx.model)
         float_linears = [
             ctx.disk_name(name)
             for name, module in ctx.model.named_modules()
             if (isinstance(module, nn.Linear) or name in routers)
             and name not in self.state.quantized
         ]
-        config = build_quantization_config(self.state.group_size, float_linears)
+        config = build_quantization_config(self.state.group_size, float_linears, self.adapter)
         write_hf_config(ctx.model_path, self.directory, config)
 
 

@@ -90,7 +90,6 @@ from msquant import (
     Saver,
     SaverConfig,
     SaverState,
-    moe_routers,
     write_hf_config,
 )
 from msquant.processors.formats.compressed_tensors.config import (
@@ -115,7 +114,6 @@ class CompressedTensorsSaverConfig(SaverConfig):
     """Config of ``compressed_tensors``."""
 
     type: Literal["compressed_tensors"] = "compressed_tensors"
-    part_file_size: int = Field(4, ge=0, description="Shard size in GiB; 0 writes a single file.")
 
 
 class CompressedTensorsSaverState(SaverState):
@@ -169,7 +167,7 @@ class CompressedTensorsSaver(Saver):
 
     def write_config(self, ctx: RunContext) -> None:
         schemes, head = self.state.schemes, self.state.head
-        routers = moe_routers(ctx.model)
+        routers = self.adapter.routers(ctx.model)
         ignore = [
             name
             for name, module in ctx.model.named_modules()

@@ -35,7 +35,8 @@ other tensor keeps its dtype; tied weights are stored once.
 The base ``quantization_config`` is the most common scheme (bits, group size, symmetry); modules
 quantized otherwise get a positive ``dynamic`` rule, linear layers of the decoder layers left in
 float a negative (``-:``) one. Rules are full-name regexes written so that they also match the
-names vLLM matches them against: the fused ``qkv_proj`` / ``gate_up_proj``, and the experts
+names vLLM matches them against: the fused ``qkv_proj`` / ``gate_up_proj`` (and the fused
+matrices the model's adapter names, :func:`msquant.adapter_for`), and the experts
 module of an MoE layer (``model.layers.N.mlp.experts``, Mixtral's
 ``...block_sparse_moe.experts``), which vLLM loads as one FusedMoE layer and looks up by that
 name only; one rule per experts module matches that name and every expert linear in it
@@ -101,7 +102,7 @@ from msquant import (
     Saver,
     SaverConfig,
     SaverState,
-    find_output_head,
+    adapter_for,
     write_hf_config,
 )
 from msquant.processors.formats.gptq.config import (
@@ -141,7 +142,6 @@ class GPTQSaverConfig(SaverConfig):
     """Config of ``gptq_saver``."""
 
     type: Literal["gptq_saver"] = "gptq_saver"
-    part_file_size: int = Field(4, ge=0, description="Shard size in GiB; 0 writes a single file.")
     checkpoint_format: CheckpointFormatChoice = Field(
         "auto",
         description="`gptq` (v1, AutoGPTQ legacy: qzeros store zero - 1), `gptq_v2` (qzeros "
@@ -210,7 +210,7 @@ class GPTQSaver(Saver):
             if scheme is not None:
                 check_bits(name, scheme.bits)
         self.check_fused(layer.module, layer.name)
-        units = disk_units(ctx.disk_name, layer.name, linears)
+        units = disk_units(ctx.disk_name, layer.name, linears, self.adapter)
         self._check_strict(units)
         self.state.units.extend(units)
 
@@ -295,7 +295,7 @@ class GPTQSaver(Saver):
             f"gptq_saver: {message}"
             for message in sglang_plan_warnings(plan, model, compressed_tensors=False)
         ]
-        found = find_output_head(model)
+        found = adapter_for(model).output_head(model)
         if found is None:
             return review
         name, module = found

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from msquant import FusedGroup, ModelPlan, PlanRow, find_output_head, fused_groups
+from msquant import FusedGroup, ModelAdapter, ModelPlan, PlanRow, adapter_for
 
 __all__ = ["sglang_plan_warnings"]
 
@@ -48,8 +48,8 @@ def _scheme(row: PlanRow) -> tuple[object, ...]:
     return ("float",) if row.skipped else (row.bits, row.group_size, row.sym)
 
 
-def _mixtral_head(rows: dict[str, PlanRow], model: nn.Module) -> list[str]:
-    found = find_output_head(model)
+def _mixtral_head(rows: dict[str, PlanRow], model: nn.Module, adapter: ModelAdapter) -> list[str]:
+    found = adapter.output_head(model)
     if found is None or found[0] not in rows or not _quantized(rows[found[0]]):
         return []
     return [
@@ -77,7 +77,9 @@ def _deepseek_joined(rows: dict[str, PlanRow]) -> list[str]:
     ]
 
 
-def _fused_outside_linear_group(rows: dict[str, PlanRow], model_type: str) -> list[str]:
+def _fused_outside_linear_group(
+    rows: dict[str, PlanRow], model_type: str, adapter: ModelAdapter
+) -> list[str]:
     """compressed-tensors: fused layers whose shards are not in the most common (``Linear``)
     scheme, which SGLang's unmapped model classes give them anyway."""
     counts = Counter(_scheme(row) for row in rows.values() if _quantized(row))
@@ -85,7 +87,9 @@ def _fused_outside_linear_group(rows: dict[str, PlanRow], model_type: str) -> li
         return []
     base = counts.most_common(1)[0][0]
     # MoE experts are loaded through SGLang's FusedMoE, not its packed-module lookup
-    groups: list[FusedGroup] = [g for g in fused_groups(rows) if ".experts." not in g.fused_name]
+    groups: list[FusedGroup] = [
+        g for g in adapter.fused_groups(rows) if ".experts." not in g.fused_name
+    ]
     odd = [g.fused_name for g in groups if any(_scheme(rows[m]) != base for m in g.members)]
     if not odd:
         return []
@@ -123,13 +127,14 @@ def sglang_plan_warnings(plan: ModelPlan, model: nn.Module, compressed_tensors: 
     """
     rows = {row.module: row for row in plan.rows}
     model_type = plan.model_type
+    adapter = adapter_for(model)  # the model's head and fused matrices
     warnings = []
     if model_type == "mixtral":
-        warnings += _mixtral_head(rows, model)
+        warnings += _mixtral_head(rows, model, adapter)
     if model_type in DEEPSEEK_MODEL_TYPES:
         warnings += _deepseek_joined(rows)
     if compressed_tensors and model_type in UNMAPPED_MODEL_TYPES:
-        warnings += _fused_outside_linear_group(rows, model_type)
+        warnings += _fused_outside_linear_group(rows, model_type, adapter)
     if compressed_tensors and model_type == "mixtral":
         warnings += _mixtral_float_experts(rows)
     return warnings

@@ -308,7 +308,7 @@ def test_rules_match_exact_names_only() -> None:
             f"model.layers.{layer}.{leaf}": (scheme(layer, leaf), torch.nn.Linear(128, 128))
             for leaf in leaves
         }
-        units += layer_units(f"model.layers.{layer}", linears)
+        units += layer_units(f"model.layers.{layer}", linears, msquant.ModelAdapter())
     qc = build_quantization_config(units, "gptq", ["minmax"])
     assert len(qc["dynamic"]) == 3  # -: layer 1 gate; +: layer 10 gate, layer 10 down
     for layer in range(12):

@@ -8,14 +8,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
-from msquant import SAVER_STATE_FORMAT, SaverState
+from msquant import SAVER_STATE_FORMAT, SaverConfig, SaverState
 from msquant.processors.ascendv1_saver import AscendSaverState, AscendV1Saver, AscendV1SaverConfig
-from msquant.processors.compressed_tensors_saver import CompressedTensorsSaverState
+from msquant.processors.awq_saver import AWQSaverConfig
+from msquant.processors.compressed_tensors_saver import (
+    CompressedTensorsSaverConfig,
+    CompressedTensorsSaverState,
+)
 from msquant.processors.formats.compressed_tensors.config import WeightScheme
 from msquant.processors.formats.gptq.config import RuleUnit
 from msquant.processors.formats.gptq.scheme import GPTQScheme
-from msquant.processors.gptq_saver import GPTQSaverState
+from msquant.processors.gptq_saver import GPTQSaverConfig, GPTQSaverState
 
 
 def _through_json(state: SaverState) -> dict[str, Any]:
@@ -91,3 +96,16 @@ def test_a_state_of_the_older_layout_is_refused(tmp_path: Path) -> None:
 def test_a_state_with_unknown_keys_is_refused() -> None:
     with pytest.raises(ValueError, match="extra_key"):
         GPTQSaverState.model_validate({"extra_key": 1})
+
+
+@pytest.mark.parametrize(
+    "config_class",
+    [GPTQSaverConfig, CompressedTensorsSaverConfig, AWQSaverConfig],
+    ids=["gptq", "compressed_tensors", "awq"],
+)
+def test_savers_take_part_file_size_from_the_base(config_class: type[SaverConfig]) -> None:
+    """One definition of the shard size (``msquant.SaverConfig``), not one copy per saver."""
+    assert "part_file_size" not in config_class.__annotations__
+    assert config_class().part_file_size == 4 and config_class(part_file_size=0).part_file_size == 0
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        config_class(part_file_size=-1)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from msquant import ShardedSafetensorsWriter, hf_weights_writer, unique_state_items
-from msquant.export import shards
+from msquant.export import safetensors_file, shards
 
 
 def raw(tensor: torch.Tensor) -> bytes:
@@ -320,7 +320,7 @@ def test_added_tensors_are_not_held_in_memory(tmp_path: Path) -> None:
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < 4 * shards.COPY_CHUNK_BYTES  # Python-side peak: a few chunks at most
+    assert peak < 4 * safetensors_file.COPY_CHUNK_BYTES  # Python-side peak: a few chunks at most
     path = tmp_path / "w.safetensors"
     assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
     assert path.stat().st_size > count * numel * 4

@@ -828,6 +828,13 @@ CT_CORRUPTIONS: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
         lambda f: edit_tensors(f, lambda t: t.pop(f"{GATE}.weight_zero_point")),
         (f"{GATE}.weight_zero_point", "missing"),
     ),
+    "extra_float_weight": (
+        lambda f: edit_tensors(f, lambda t: t.update({f"{K}.weight": torch.zeros(32, 64)})),
+        (
+            f"{K}.weight: unexpected tensor for compressed layer {K} (expected weight_packed, "
+            "weight_scale, weight_shape, weight_zero_point, bias)",
+        ),
+    ),
     "flipped_code": (
         set_tensor(f"{O_PROJ}.weight_packed", _flip_code),
         (f"{O_PROJ}.weight_packed", "differ from the in-memory"),

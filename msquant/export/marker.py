@@ -30,6 +30,7 @@ __all__ = [
     "ExportMarker",
     "file_digests",
     "read_export_marker",
+    "read_json_object",
     "sha256_file",
     "write_export_marker",
 ]
@@ -149,16 +150,23 @@ def _ancestors(name: str) -> list[str]:
     return ["/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
-def read_export_marker(directory: Path) -> ExportMarker | None:
-    """The marker at the top of ``directory``, or None when there is none or it is not a JSON
-    object written by msquant (it then does not mark an export msquant may replace)."""
-    path = directory / EXPORT_MARKER
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """The JSON object msquant wrote at ``path`` (the export marker, the swap journal); None when
+    there is none, it is a symbolic link (never followed: it was not msquant's), or it is not a
+    readable JSON object."""
     if path.is_symlink() or not path.is_file():
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         return None
-    if not isinstance(data, dict) or "msquant_version" not in data:
+    return data if isinstance(data, dict) else None
+
+
+def read_export_marker(directory: Path) -> ExportMarker | None:
+    """The marker at the top of ``directory``, or None when there is none or it is not a JSON
+    object written by msquant (it then does not mark an export msquant may replace)."""
+    data = read_json_object(directory / EXPORT_MARKER)
+    if data is None or "msquant_version" not in data:
         return None
     return ExportMarker(directory, data)

@@ -39,6 +39,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from msquant.errors import OutputPathError
+from msquant.export.marker import read_json_object
 
 __all__ = [
     "OWNER_FILE",
@@ -212,14 +213,7 @@ def _fsync_directory(directory: Path) -> None:
 
 
 def _read_journal(target: Path) -> dict[str, Any] | None:
-    path = journal_path(target)
-    if path.is_symlink() or not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    return read_json_object(journal_path(target))
 
 
 def _swap_done(target: Path, journal: dict[str, Any]) -> bool:

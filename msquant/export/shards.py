@@ -27,7 +27,8 @@ files instead of renaming the hidden ones, so even a kill while the files are fi
 last checkpoint intact. The hidden files left behind are removed with :func:`remove_temporaries`
 once the run no longer needs them.
 
-The safetensors library has no streaming writer, hence this implementation of its (small) format.
+The safetensors library has no streaming writer, hence this implementation of its (small) format;
+the bytes of one file are :mod:`msquant.export.safetensors_file`'s.
 """
 
 from __future__ import annotations
@@ -35,8 +36,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,12 @@ from typing import Any
 import torch
 
 from msquant.errors import QuantizationError
+from msquant.export.safetensors_file import (
+    METADATA_KEY,
+    require_little_endian,
+    safetensors_dtype,
+    write_shard_file,
+)
 from msquant.quant.finite import non_finite_count
 
 __all__ = [
@@ -52,8 +57,6 @@ __all__ = [
     "ShardedSafetensorsWriter",
     "WriterStateError",
     "remove_temporaries",
-    "safetensors_dtype",
-    "write_shard_file",
 ]
 
 logger = logging.getLogger(__name__)
@@ -61,63 +64,6 @@ logger = logging.getLogger(__name__)
 #: Names of the hidden files a writer creates beside its outputs (data files of a shard being
 #: filled, shards assembled before their final name is known).
 TEMPORARY_GLOB = ".*-part*.tmp"
-
-#: Bytes copied at a time from a shard's data file into the final file.
-COPY_CHUNK_BYTES = 16 * 1024**2
-
-_METADATA_KEY = "__metadata__"
-_METADATA = {"format": "pt"}
-_HEADER_ALIGNMENT = 8
-
-
-def _dtype_names() -> dict[torch.dtype, str]:
-    """Torch dtypes and their names in the safetensors format (those this torch build has)."""
-    names = {
-        "float64": "F64",
-        "float32": "F32",
-        "float16": "F16",
-        "bfloat16": "BF16",
-        "int64": "I64",
-        "int32": "I32",
-        "int16": "I16",
-        "int8": "I8",
-        "uint8": "U8",
-        "bool": "BOOL",
-        "float8_e4m3fn": "F8_E4M3",
-        "float8_e4m3fnuz": "F8_E4M3FNUZ",
-        "float8_e5m2": "F8_E5M2",
-        "float8_e5m2fnuz": "F8_E5M2FNUZ",
-        "complex64": "C64",
-        "uint16": "U16",
-        "uint32": "U32",
-        "uint64": "U64",
-    }
-    return {getattr(torch, attr): name for attr, name in names.items() if hasattr(torch, attr)}
-
-
-_DTYPE_NAMES = _dtype_names()
-
-
-def safetensors_dtype(dtype: torch.dtype) -> str:
-    """The safetensors name of ``dtype`` (``torch.bfloat16`` -> ``"BF16"``).
-
-    :raises ValueError: the format has no name for it (e.g. complex128, quantized dtypes).
-    """
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        supported = ", ".join(sorted(str(d).removeprefix("torch.") for d in _DTYPE_NAMES))
-        raise ValueError(
-            f"safetensors cannot store dtype {dtype}; supported: {supported}"
-        ) from None
-
-
-def _require_little_endian() -> None:
-    """safetensors stores little-endian bytes; raw tensor bytes of a big-endian host are not."""
-    if sys.byteorder != "little":
-        raise RuntimeError(
-            f"writing safetensors files needs a little-endian host; this one is {sys.byteorder}-endian"
-        )
 
 
 @dataclass
@@ -159,31 +105,6 @@ class _Shard:
             offset = base[self.stream_of[name]]
             entries[name] = {**entry, "data_offsets": [begin + offset, end + offset]}
         return entries, [self.streams[size].path for size in order]
-
-
-def _header_bytes(entries: dict[str, dict[str, Any]]) -> bytes:
-    """The shard header: JSON with metadata first, space-padded to a multiple of 8 bytes."""
-    header = {_METADATA_KEY: _METADATA, **entries}
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-len(text) % _HEADER_ALIGNMENT)
-    return text
-
-
-def write_shard_file(
-    path: Path, entries: dict[str, dict[str, Any]], data_paths: Sequence[Path]
-) -> None:
-    """Write the safetensors file ``path``: header ``entries``, then the ``data_paths`` bytes.
-
-    ``entries`` hold offsets into the concatenation of ``data_paths``; the data is copied in
-    chunks of :data:`COPY_CHUNK_BYTES`, never whole.
-    """
-    header = _header_bytes(entries)
-    with open(path, "wb") as out:
-        out.write(len(header).to_bytes(8, "little"))
-        out.write(header)
-        for data_path in data_paths:
-            with open(data_path, "rb") as data:
-                shutil.copyfileobj(data, out, COPY_CHUNK_BYTES)
 
 
 class WriterStateError(ValueError):
@@ -235,7 +156,7 @@ class ShardedSafetensorsWriter:
         plain_when_single: bool = False,
         rename: Callable[[str], str] | None = None,
     ) -> None:
-        _require_little_endian()
+        require_little_endian()
         self.directory = directory
         self.prefix = prefix
         self.max_shard_bytes = max_shard_bytes
@@ -263,8 +184,8 @@ class ShardedSafetensorsWriter:
             shown = repr(name) if stored == name else f"{name!r} (stored as {stored!r})"
             raise ValueError(f"tensor {shown} written twice")
         name = stored
-        if name == _METADATA_KEY:
-            raise ValueError(f"{_METADATA_KEY!r} is reserved by the safetensors format")
+        if name == METADATA_KEY:
+            raise ValueError(f"{METADATA_KEY!r} is reserved by the safetensors format")
         if tensor.is_meta:
             raise ValueError(
                 f"tensor {name!r} is on the meta device (a layer a streamed run already released): "

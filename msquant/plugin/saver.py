@@ -4,7 +4,8 @@ Every saver of a weight export does the same things around its format: it opens 
 safetensors writer in its output folder (``part_file_size`` GiB per shard), writes each decoder
 layer's tensors when the layer is done (the quantized linears through the format's packer, every
 other tensor as it is), remembers which tensors it wrote and whether the output head was
-quantized, refuses fused layers (q/k/v, gate/up) whose shards differ, keeps that record in a
+quantized, refuses fused layers (q/k/v, gate/up; the model's adapter,
+:func:`msquant.adapter_for`, says which) whose shards differ, keeps that record in a
 checkpoint so a killed run resumes, and at the end writes the tensors outside the layers, closes
 the writer and writes the format's metadata. :class:`Saver` does all of that; a format's saver
 implements only:
@@ -43,7 +44,8 @@ from torch import nn
 from msquant.errors import QuantizationError
 from msquant.export.hf_checkpoint import unique_state_items
 from msquant.export.shards import ShardedSafetensorsWriter
-from msquant.model.fused import fused_group_problems
+from msquant.model.adapter import ModelAdapter
+from msquant.model.adapter_registry import adapter_for
 from msquant.model.head import OutputHeadStage
 from msquant.plugin.processor import Processor, ProcessorConfig
 from msquant.quant.quantized_linear import QuantizedLinear
@@ -119,10 +121,15 @@ class Saver(Processor):
     directory: Path
     writer: ShardedSafetensorsWriter
     state: SaverState
+    #: The model's adapter (:func:`msquant.adapter_for`, asked in :meth:`setup`): which linears
+    #: engines fuse, the MoE routers. Before ``setup`` (a saver's checks called on their own) the
+    #: default adapter answers, with the generic heuristics.
+    adapter: ModelAdapter = ModelAdapter()
 
     # --- the template --------------------------------------------------------------------
 
     def setup(self, ctx: RunContext) -> None:
+        self.adapter = adapter_for(ctx.model)
         self.directory = self.output_dir(ctx)
         size = self.config.part_file_size
         # tensors are recorded under the model's names and stored under the checkpoint's
@@ -197,8 +204,9 @@ class Saver(Processor):
         self.state.written.add(name)
 
     def check_fused(self, root: nn.Module, prefix: str) -> None:
-        """Refuse fused groups (q/k/v, gate/up) under ``root`` whose shards differ: vLLM and
-        vLLM-Ascend load each group as one matrix with one scheme.
+        """Refuse fused groups (q/k/v, gate/up, and what the model's adapter fuses) under
+        ``root`` whose shards differ: vLLM and vLLM-Ascend load each group as one matrix with
+        one scheme.
 
         :raises QuantizationError: with :meth:`fused_message`.
         """
@@ -209,7 +217,7 @@ class Saver(Processor):
                 schemes[name], describe[name] = self.fused_scheme(name, module)
             elif isinstance(module, nn.Linear):
                 schemes[name], describe[name] = self.fused_scheme(name, None)
-        problems = fused_group_problems(schemes, describe)
+        problems = self.adapter.fused_group_problems(schemes, describe)
         if problems:
             raise QuantizationError(self.fused_message(prefix, problems))
 

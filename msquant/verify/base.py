@@ -5,16 +5,26 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from msquant.model.adapter import ModelAdapter
+from msquant.model.adapter_registry import default_adapter_registry
 from msquant.verify.layer import DecodedLayer
 from msquant.verify.report import Findings, LayerReport
 from msquant.verify.tensors import TensorStore
 
-__all__ = ["ExportReader", "read_json", "module_of", "ties_word_embeddings", "FLOAT"]
+__all__ = [
+    "ExportReader",
+    "read_json",
+    "module_of",
+    "ties_word_embeddings",
+    "export_config",
+    "FLOAT",
+]
 
 FLOAT = "FLOAT"  # scheme of an unquantized module in the fused-shard check
 
@@ -34,6 +44,16 @@ def read_json(path: Path, findings: Findings, required: bool = True) -> dict[str
         findings.error(f"{path.name}: expected a JSON object, got {type(data).__name__}")
         return None
     return data
+
+
+def export_config(directory: Path) -> dict[str, Any] | None:
+    """``config.json`` of an export folder, None when absent or unreadable (the format's reader
+    reports that; callers here only want what it says of the model)."""
+    try:
+        data = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def module_of(tensor_name: str, suffixes: tuple[str, ...]) -> str | None:
@@ -73,6 +93,14 @@ class ExportReader(ABC):
         self.store: TensorStore | None = None
         self.packed: set[str] = set()  # tensors holding quantized data (codes, scales, zeros, ...)
 
+    @cached_property
+    def adapter(self) -> ModelAdapter:
+        """The exported model's adapter, chosen by ``config.json``'s ``model_type`` (the default
+        one when it has none): which stored linears engines load as one fused matrix."""
+        config = export_config(self.directory) or {}
+        model_type = config.get("model_type")
+        return default_adapter_registry().get(model_type if isinstance(model_type, str) else None)
+
     @abstractmethod
     def quantized_modules(self) -> list[str]:
         """Names of the modules stored quantized, sorted."""
@@ -108,6 +136,27 @@ class ExportReader(ABC):
             schemes[module] = scheme.key() if scheme is not None else FLOAT
             describe[module] = scheme.describe() if scheme is not None else FLOAT
         return schemes, describe
+
+    def find_packed_modules(
+        self, parts: tuple[str, ...], expected: tuple[str, ...], layer_kind: str
+    ) -> list[str]:
+        """The modules storing any tensor named ``<module>.<part>`` for one of ``parts``, sorted;
+        every other tensor stored under such a module (besides ``expected`` and ``bias``) is
+        recorded as an error naming the ``layer_kind`` (``GPTQ layer``)."""
+        if self.store is None:
+            return []
+        names = self.store.names()
+        modules = sorted({m for n in names if (m := module_of(n, parts)) is not None})
+        for module in modules:
+            for name in names:
+                if not name.startswith(f"{module}."):
+                    continue
+                if name[len(module) + 1 :] not in (*expected, "bias"):
+                    self.findings.error(
+                        f"{name}: unexpected tensor for {layer_kind} {module} "
+                        f"(expected {', '.join(expected)}, bias)"
+                    )
+        return modules
 
     def consumer_notes(self, layer: DecodedLayer) -> None:
         """Record the consumer rules one decoded layer falls under (default: none)."""

@@ -4,21 +4,19 @@ Every file is first compared with the sha256 msquant recorded when it wrote the 
 (:mod:`msquant.verify.checksums`). Layers are then decoded one at a time (only one layer's tensors
 are in memory), each by the reader of its format, and checked the same way whatever the format:
 parameter values, the consumer rules of the format, the in-memory reference (codes bit for bit),
-the original weights (relative error), and the fused-shard rule (q/k/v and gate/up must share a
-scheme).
+the original weights (relative error), and the fused-shard rule (q/k/v, gate/up and whatever
+else the exported model's adapter fuses must share a scheme).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
 
-from msquant.model.fused import fused_group_problems
 from msquant.plugin.format import FormatRegistry
 from msquant.quant.quantized_weight import QuantizedWeight
-from msquant.verify.base import ExportReader, ties_word_embeddings
+from msquant.verify.base import ExportReader, export_config, ties_word_embeddings
 from msquant.verify.checksums import check_checksums
 from msquant.verify.compare import (
     compare_float_tensor,
@@ -73,7 +71,7 @@ def verify_export(
             missing_modules(modules, reference, findings)
         for module in modules:
             report.layers.append(_check_layer(reader, module, reference, original, findings))
-        for problem in fused_group_problems(*reader.schemes()):
+        for problem in reader.adapter.fused_group_problems(*reader.schemes()):
             findings.error(problem)
         reader.finish()
         if original is not None:
@@ -133,21 +131,13 @@ def _check_float_tensors(
         if name in original:
             compare_float_tensor(name, reader.store.get(name), original.get(name), findings)
     quantized = {f"{m}.weight" for m in reader.quantized_modules()}
-    tied = ties_word_embeddings(_config(path))
+    tied = ties_word_embeddings(export_config(path))
     for name in original.names():
         if name in reader.store or name in quantized:
             continue
         if tied and name.endswith("lm_head.weight"):
             continue
         findings.error(f"{name} of the original model is missing from the export")
-
-
-def _config(path: Path) -> dict[str, object] | None:
-    try:
-        data = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def check_export(

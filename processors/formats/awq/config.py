@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from msquant import fused_groups
+from msquant import ModelAdapter
 
 __all__ = ["QUANT_METHOD", "VERSION", "build_quantization_config"]
 
@@ -17,13 +17,17 @@ QUANT_METHOD = "awq"
 VERSION = "gemm"
 
 
-def build_quantization_config(group_size: int, float_linears: Iterable[str]) -> dict[str, Any]:
+def build_quantization_config(
+    group_size: int, float_linears: Iterable[str], adapter: ModelAdapter
+) -> dict[str, Any]:
     """The ``quantization_config`` for 4-bit weights in groups of ``group_size``.
 
     :param float_linears: the linear layers (and MoE routers) left in float, as stored.
+    :param adapter: the model's adapter (:func:`msquant.adapter_for`): which float linears vLLM
+        loads as one fused matrix, whose fused name is listed too.
     """
     names = list(dict.fromkeys(float_linears))
-    fused = [group.fused_name for group in fused_groups(names)]
+    fused = [group.fused_name for group in adapter.fused_groups(names)]
     return {
         "quant_method": QUANT_METHOD,
         "bits": 4,

@@ -31,7 +31,6 @@ from msquant import (
     ExportReader,
     Findings,
     LayerReport,
-    module_of,
     open_weights,
     trivial_g_idx,
     unpack_int32_stream,
@@ -263,18 +262,7 @@ class CompressedTensorsReader(ExportReader):
         return any(self._matches(module, entry, by_class) for entry in self.ignore)
 
     def _find_modules(self) -> list[str]:
-        if self.store is None:
-            return []
-        modules = sorted({m for n in self.store.names() if (m := module_of(n, PARTS)) is not None})
-        for module in modules:
-            for name in self.store.names():
-                leaf = name[len(module) + 1 :] if name.startswith(f"{module}.") else None
-                if leaf is not None and leaf not in (*PARTS[:4], "bias"):
-                    self.findings.error(
-                        f"{name}: unexpected tensor for compressed layer {module} "
-                        f"(expected {', '.join(PARTS[:4])}, bias)"
-                    )
-        return modules
+        return self.find_packed_modules(PARTS, PARTS[:4], "compressed layer")
 
     def _check_float_modules(self) -> None:
         """Float linears that a target names must be quantized (or listed in ``ignore``)."""

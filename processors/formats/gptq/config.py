@@ -3,8 +3,9 @@
 ``modules_in_block_to_quantize`` for transformers + optimum (pure functions over rule units).
 
 Rules are full-name regexes written so that they also match the names vLLM matches them against:
-the fused ``qkv_proj`` / ``gate_up_proj``, and the experts module of an MoE layer, which vLLM
-loads as one FusedMoE layer and looks up by that name only.
+the fused ``qkv_proj`` / ``gate_up_proj`` (and the fused matrices the model's adapter names), and
+the experts module of an MoE layer, which vLLM loads as one FusedMoE layer and looks up by that
+name only.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msquant
-from msquant import QuantizationError, QuantizedLinear, fused_groups, parse_expert_linear
+from msquant import ModelAdapter, QuantizationError, QuantizedLinear, parse_expert_linear
 from msquant.processors.formats.gptq.scheme import (
     CheckpointFormat,
     GPTQScheme,
@@ -88,17 +89,22 @@ def layers_pattern(layer_names: list[str]) -> str:
 
 
 def layer_units(
-    layer_name: str, linears: Mapping[str, tuple[MaybeScheme, LinearLike]]
+    layer_name: str,
+    linears: Mapping[str, tuple[MaybeScheme, LinearLike]],
+    adapter: ModelAdapter,
 ) -> list[RuleUnit]:
     """The rule units of one decoder layer (fused groups and single linear layers), in module order.
 
     :param linears: full module name -> (scheme, module) of every linear layer of the layer;
         fused members must already be known to agree.
+    :param adapter: the model's adapter (:func:`msquant.adapter_for`): which linears vLLM loads as
+        one fused matrix, so that a group gets one rule matching the fused name too (Qwen3.5's
+        ``in_proj_qkvz`` as well as ``qkv_proj``).
     """
     prefix = f"{layer_name}."
     units = []
     grouped: set[str] = set()
-    for group in fused_groups(linears):
+    for group in adapter.fused_groups(linears):
         parent, _, fused_leaf = group.fused_name.rpartition(".")
         leaves = [m.rpartition(".")[2] for m in group.members] + [fused_leaf]
         relative_parent = parent[len(prefix) :] if parent.startswith(prefix) else ""
@@ -139,9 +145,11 @@ def disk_units(
     disk_name: Callable[[str], str],
     layer_name: str,
     linears: Mapping[str, tuple[MaybeScheme, LinearLike]],
+    adapter: ModelAdapter,
 ) -> list[RuleUnit]:
     """The rule units of one decoder layer under the checkpoint's names (what the ``dynamic``
-    rules of the exported config must match: vLLM and GPTQModel name modules as the checkpoint).
+    rules of the exported config must match: vLLM and GPTQModel name modules as the checkpoint);
+    ``adapter`` as in :func:`layer_units`.
 
     :raises QuantizationError: a linear layer's disk name is outside the layer's disk name (the
         rules are written relative to the layer).
@@ -154,7 +162,7 @@ def disk_units(
             f"gptq_saver: {layer_name}: the checkpoint names {listing(outside)} outside the "
             f"layer's own name {disk_layer}, so no `dynamic` rule can be written for them"
         )
-    return layer_units(disk_layer, disk_linears)
+    return layer_units(disk_layer, disk_linears, adapter)
 
 
 def _features(module: LinearLike) -> tuple[int, int]:

@@ -17,9 +17,9 @@ the experts module's name (``model.layers.N.mlp.experts``) only, so both must re
 linears for transformers + optimum (a name ending with an entry) and vLLM (an entry inside the
 name).
 
-Longer than 500 lines on purpose: besides decoding, it checks each loader rule above (dynamic
-rules against fused and MoE experts names, modules_in_block_to_quantize) next to the layout they
-constrain; split, the rules would be read apart from what they check.
+The checks of the loaders' rules on the checkpoint as a whole (``dynamic`` against fused and MoE
+experts names, ``modules_in_block_to_quantize``, what transformers mis-loads) are in
+:mod:`~msquant.processors.formats.gptq.loader_rules`; this module decodes and checks each layer.
 """
 
 from __future__ import annotations
@@ -36,18 +36,15 @@ from msquant import (
     ExportReader,
     Findings,
     LayerReport,
-    expert_groups,
-    fused_groups,
-    module_of,
     open_weights,
-    parse_expert_linear,
     read_json,
     trivial_g_idx,
     unpack_int32_stream,
     words_needed,
 )
+from msquant.processors.formats.gptq.loader_rules import check_loader_rules
 
-__all__ = ["GPTQReader", "GPTQScheme"]
+__all__ = ["GPTQReader", "GPTQStoredScheme"]
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -80,24 +77,12 @@ MARLIN_SHAPE_NOTE = (
     "counted whole, at tensor-parallel size 1): vLLM 0.33 zero-pads them and loads them; SGLang "
     "0.5.23 runs Marlin on them unchecked, so do not serve this with SGLang"
 )
-SGLANG_MOE = (
-    "SGLang's GPTQ MoE method ignores quantization_config.dynamic and builds every experts module "
-    "in the base scheme ({base}), skipping the tensors that do not fit: it cannot serve the "
-    "experts stored otherwise ({experts})"
-)
-TRANSFORMERS_RANDOM = (
-    "transformers + optimum load {what} of a GPTQ checkpoint without an error but randomly "
-    "initialised; GPTQModel.load and vLLM load {them}, transformers loads {them} from "
-    "compressed-tensors"
-)
-TRANSFORMERS_SKIPPED = (
-    "quantization_config.dynamic keeps some layers in float but modules_in_block_to_quantize is "
-    "missing: transformers + optimum build those layers quantized and fail at the first forward"
-)
 
 
-class GPTQScheme(NamedTuple):
-    """The scheme of one module after ``dynamic`` overrides."""
+class GPTQStoredScheme(NamedTuple):
+    """The scheme one module is stored in, as a loader reads it: the base ``quantization_config``
+    after ``dynamic`` overrides, ``desc_act`` included (the writer's scheme is
+    :class:`msquant.processors.formats.gptq.scheme.GPTQScheme`)."""
 
     bits: int
     group_size: int
@@ -123,7 +108,7 @@ class GPTQReader(ExportReader):
     def __init__(self, directory: Path, findings: Findings, config: dict[str, Any]) -> None:
         super().__init__(directory, findings)
         self.qconfig: dict[str, Any] = dict(config.get("quantization_config") or {})
-        self._overridden: dict[str, GPTQScheme | None] = {}
+        self._overridden: dict[str, GPTQStoredScheme | None] = {}
         self.base = self._base_scheme()
         self.v2 = self._checkpoint_version()
         self.dynamic = self._dynamic_rules()
@@ -135,7 +120,7 @@ class GPTQReader(ExportReader):
 
     # --- config ----------------------------------------------------------------------------
 
-    def _base_scheme(self) -> GPTQScheme | None:
+    def _base_scheme(self) -> GPTQStoredScheme | None:
         missing = [key for key in REQUIRED_KEYS if key not in self.qconfig]
         for key in missing:
             self.findings.error(
@@ -146,7 +131,7 @@ class GPTQReader(ExportReader):
             return None
         return self._scheme(self.qconfig, "config.json quantization_config")
 
-    def _scheme(self, values: dict[str, Any], where: str) -> GPTQScheme | None:
+    def _scheme(self, values: dict[str, Any], where: str) -> GPTQStoredScheme | None:
         bits, group_size = values.get("bits"), values.get("group_size")
         sym, desc_act = values.get("sym"), values.get("desc_act")
         ok = True
@@ -164,7 +149,7 @@ class GPTQReader(ExportReader):
                 self.findings.error(f"{where}: {key} {value!r} must be true or false")
                 ok = False
         if ok and _is_int(bits) and _is_int(group_size):
-            return GPTQScheme(bits, group_size, bool(sym), bool(desc_act))
+            return GPTQStoredScheme(bits, group_size, bool(sym), bool(desc_act))
         return None
 
     def _checkpoint_version(self) -> bool:
@@ -216,7 +201,7 @@ class GPTQReader(ExportReader):
             rules.append((pattern, negative, compiled, overrides))
         return rules
 
-    def resolve(self, module: str) -> GPTQScheme | None:
+    def resolve(self, module: str) -> GPTQStoredScheme | None:
         """The scheme vLLM / GPTQModel give ``module`` (first matching ``dynamic`` rule wins);
         None when a negative rule excludes it or the config is unusable."""
         if self.base is None:
@@ -228,7 +213,7 @@ class GPTQReader(ExportReader):
                 return self._override(pattern, overrides)
         return self.base
 
-    def _override(self, pattern: str, overrides: dict[str, Any]) -> GPTQScheme | None:
+    def _override(self, pattern: str, overrides: dict[str, Any]) -> GPTQStoredScheme | None:
         """The base scheme with one positive rule's overrides (validated once per rule)."""
         if pattern not in self._overridden:
             assert self.base is not None
@@ -255,20 +240,7 @@ class GPTQReader(ExportReader):
                 )
 
     def _find_modules(self) -> list[str]:
-        if self.store is None:
-            return []
-        modules = sorted({m for n in self.store.names() if (m := module_of(n, PARTS)) is not None})
-        for module in modules:
-            for name in self.store.names():
-                if not name.startswith(f"{module}."):
-                    continue
-                leaf = name[len(module) + 1 :]
-                if leaf not in (*PARTS, "bias"):
-                    self.findings.error(
-                        f"{name}: unexpected tensor for GPTQ layer {module} "
-                        f"(expected {', '.join(PARTS)}, bias)"
-                    )
-        return modules
+        return self.find_packed_modules(PARTS, PARTS, "GPTQ layer")
 
     def _check_lm_head(self) -> None:
         quantized_head = "lm_head" in self.modules
@@ -313,7 +285,7 @@ class GPTQReader(ExportReader):
         return self._decode_checked(module, scheme, names)
 
     def _decode_checked(
-        self, module: str, scheme: GPTQScheme, names: dict[str, str]
+        self, module: str, scheme: GPTQStoredScheme, names: dict[str, str]
     ) -> DecodedLayer | None:
         assert self.store is not None
         bits = scheme.bits
@@ -379,7 +351,9 @@ class GPTQReader(ExportReader):
             },
         )
 
-    def _check_zeros(self, name: str, fields: torch.Tensor, scheme: GPTQScheme) -> torch.Tensor:
+    def _check_zeros(
+        self, name: str, fields: torch.Tensor, scheme: GPTQStoredScheme
+    ) -> torch.Tensor:
         """Zero points from the stored fields (v1: ``field + 1``), checked; returns them."""
         limit = 2**scheme.bits
         if self.v2:
@@ -403,7 +377,9 @@ class GPTQReader(ExportReader):
             )
         return zeros
 
-    def _check_g_idx(self, name: str, g_idx: torch.Tensor, width: int, scheme: GPTQScheme) -> None:
+    def _check_g_idx(
+        self, name: str, g_idx: torch.Tensor, width: int, scheme: GPTQStoredScheme
+    ) -> None:
         trivial = torch.equal(g_idx, trivial_g_idx(g_idx.numel(), width))
         if not trivial and not scheme.desc_act:
             self.findings.error(
@@ -424,7 +400,7 @@ class GPTQReader(ExportReader):
         if scheme.desc_act and scheme.group_size != -1:
             self.findings.note(VLLM_DESC_ACT, layer.name)
         out_features, in_features = layer.shape
-        if parse_expert_linear(layer.name) is not None:
+        if self.adapter.expert_linear(layer.name) is not None:
             return  # vLLM picks MoE kernels per experts module (Marlin MoE or MoE WNA16)
         if scheme.group_size not in MARLIN_GROUPS:
             self.findings.note(MARLIN_GROUP_NOTE, layer.name)
@@ -434,55 +410,20 @@ class GPTQReader(ExportReader):
     def _engine_out_features(self, name: str, out_features: int) -> int:
         """The output width of the Marlin layer vLLM and SGLang build for ``name`` at
         tensor-parallel size 1: the whole fused layer's for a q/k/v or gate/up shard."""
-        for group in fused_groups(self.modules):
+        for group in self.adapter.fused_groups(self.modules):
             if name in group.members and self.store is not None:
                 return sum(self.store.infos[f"{m}.qweight"].shape[1] for m in group.members)
         return out_features
 
     def finish(self) -> None:
-        self._check_asym_v1_meta()
-        self._check_fused_prefixes()
-        sglang_moe = self._check_experts_modules()
-        self._check_modules_in_block()
-        self._note_transformers(sglang_moe)
+        check_loader_rules(self)
 
-    def _check_asym_v1_meta(self) -> None:
-        if self.v2 or not any(
-            (s := self.resolve(m)) is not None and not s.sym for m in self.modules
-        ):
-            return
-        meta = self.qconfig.get("meta")
-        quantizer = meta.get("quantizer") if isinstance(meta, dict) else None
-        names = quantizer if isinstance(quantizer, list) else [quantizer]
-        if not any(isinstance(n, str) and n.startswith("gptqmodel:") for n in names):
-            self.findings.warn(
-                "GPTQModel refuses asymmetric v1 'gptq' checkpoints unless meta.quantizer names "
-                "gptqmodel >= 0.9.0; write checkpoint_format gptq_v2"
-            )
-
-    def _check_fused_prefixes(self) -> None:
-        """vLLM matches ``dynamic`` against the fused name (``qkv_proj``), not the shards'."""
-        if not self.dynamic:
-            return
-        for group in fused_groups(self.modules):
-            shard = self.resolve(group.members[0])
-            if shard is None or not all(self.resolve(m) == shard for m in group.members):
-                continue  # differing shards are reported by the fused-shard check
-            fused = self.resolve(group.fused_name)
-            if fused != shard:
-                seen = "excluded" if fused is None else fused.describe()
-                self.findings.error(
-                    f"{group.fused_name}: vLLM matches quantization_config.dynamic against the "
-                    f"fused name and gets {seen}, but its shards {list(group.members)} are stored "
-                    f"as {shard.describe()}"
-                )
-
-    def _stored(self, module: str) -> GPTQScheme | None:
+    def stored_scheme(self, module: str) -> GPTQStoredScheme | None:
         """The scheme ``module`` is stored in: its resolved scheme when its GPTQ tensors are
         stored, None (float) otherwise."""
         return self.resolve(module) if module in self.modules else None
 
-    def _linear_names(self) -> list[str]:
+    def linear_names(self) -> list[str]:
         """Every linear layer stored: the quantized modules and every 2-D float ``.weight``."""
         if self.store is None:
             return list(self.modules)
@@ -493,97 +434,8 @@ class GPTQReader(ExportReader):
         ]
         return sorted({*self.modules, *floats})
 
-    def _check_experts_modules(self) -> bool:
-        """vLLM looks ``dynamic`` up by the experts module's name: it must resolve as the experts
-        are stored. Returns whether SGLang (base scheme for every experts module) cannot serve
-        them, after noting it."""
-        if self.base is None:
-            return False
-        odd = []
-        for group in expert_groups(self._linear_names()):
-            stored = {self._stored(member) for member in group.members}
-            if len(stored) > 1:
-                continue  # experts differing among themselves: the FusedMoE rule is broken anyway
-            (scheme,) = stored
-            seen = self.resolve(group.fused_name)
-            if seen != scheme:
-                self.findings.error(
-                    f"{group.fused_name}: vLLM matches quantization_config.dynamic against the "
-                    f"experts module's name and resolves it {_describe(seen)}, but its "
-                    f"{len(group.members)} expert linear layers are stored {_describe(scheme)} "
-                    "(a rule matching the experts module name is missing)"
-                )
-            if scheme != self.base:
-                odd.append(f"{group.fused_name}: {_describe(scheme)}")
-        if odd:
-            self.findings.warn(
-                SGLANG_MOE.format(base=self.base.describe(), experts="; ".join(odd[:4]))
-            )
-        return bool(odd)
-
-    def _check_modules_in_block(self) -> None:
-        """``modules_in_block_to_quantize``: a list of lists of names; transformers + optimum keep
-        a decoder linear float unless its name ends with an entry, vLLM unless an entry is in it
-        (the head too, with ``lm_head: true``); MoE experts are matched by ``dynamic`` in vLLM."""
-        if "modules_in_block_to_quantize" not in self.qconfig:
-            if any(negative for _, negative, _, _ in self.dynamic):
-                self.findings.warn(TRANSFORMERS_SKIPPED)
-            return
-        value = self.qconfig["modules_in_block_to_quantize"]
-        if not isinstance(value, list) or not all(
-            isinstance(inner, list) and all(isinstance(n, str) for n in inner) for inner in value
-        ):
-            self.findings.error(
-                "quantization_config.modules_in_block_to_quantize must be a list of lists of "
-                f"module names (transformers + optimum concatenate the inner lists), got {value!r}"
-            )
-            return
-        entries = [name for inner in value for name in inner]
-        for module in self._linear_names():
-            if parse_expert_linear(module) is not None:
-                continue  # vLLM resolves experts by `dynamic`; transformers 5 experts are no Linear
-            listed = any(entry in module for entry in entries)
-            ends = any(module.endswith(entry) for entry in entries)
-            quantized = module in self.modules
-            if quantized and not listed:
-                self.findings.error(
-                    f"{module} is stored quantized but no modules_in_block_to_quantize entry "
-                    "names it: vLLM and transformers + optimum load it as a float layer"
-                )
-            elif quantized and not ends and module != "lm_head":
-                self.findings.error(
-                    f"{module} is stored quantized but no modules_in_block_to_quantize entry is "
-                    "a suffix of its name: transformers + optimum load it as a float layer"
-                )
-            elif not quantized and (listed or ends):
-                self.findings.error(
-                    f"{module} is stored in float but modules_in_block_to_quantize names it: "
-                    "vLLM and transformers + optimum expect its GPTQ tensors"
-                )
-
-    def _note_transformers(self, sglang_moe: bool) -> None:
-        """What transformers + optimum mis-load: ``dynamic`` scheme overrides (ignored), a
-        quantized head and MoE experts (random weights)."""
-        if any(not negative and overrides for _, negative, _, overrides in self.dynamic):
-            where = "GPTQModel and vLLM" if sglang_moe else "GPTQModel, vLLM and SGLang"
-            self.findings.warn(
-                "transformers + optimum ignore the bits / group_size / sym overrides of "
-                f"quantization_config.dynamic: this checkpoint loads correctly only in {where}"
-            )
-        experts = any(parse_expert_linear(m) for m in self.modules)
-        what = [name for name, found in (("the MoE experts", experts),) if found]
-        if "lm_head" in self.modules:
-            what.append("the quantized lm_head")
-        if what:
-            them = "them" if experts else "it"
-            self.findings.warn(TRANSFORMERS_RANDOM.format(what=" and ".join(what), them=them))
-
     def schemes(self) -> tuple[dict[str, Hashable], dict[str, str]]:
         return self.hf_schemes(self.modules, self.resolve)
-
-
-def _describe(scheme: GPTQScheme | None) -> str:
-    return "in float" if scheme is None else f"as {scheme.describe()}"
 
 
 def _is_int(value: object) -> TypeGuard[int]:
