@@ -154,6 +154,8 @@ class AscendV1Saver(Saver):
     weights_prefix = WEIGHTS_PREFIX
     #: Written when a config's ``spec.save`` is empty (msModelSlim's default format).
     default_saver = True
+    #: W8A8 and W8A8_DYNAMIC (msModelSlim's layout).
+    writes_activations = True
 
     def check_model(self, model: nn.Module, layers: list[DecoderLayer]) -> list[str]:
         model_type = str(getattr(getattr(model, "config", None), "model_type", "unknown"))
@@ -188,7 +190,7 @@ class AscendV1Saver(Saver):
     # --- the format ------------------------------------------------------------------------
 
     def pack(self, ctx: RunContext, name: str, module: QuantizedLinear) -> dict[str, torch.Tensor]:
-        return ascend_module_tensors(name, module)
+        return ascend_module_tensors(name, module, model_float_dtype(ctx.model))
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         super().add(name, tensor)
@@ -284,6 +286,15 @@ class AscendV1Saver(Saver):
             kind = self.state.types[f"{head}.weight"]
             logger.warning("%s: %s", self.type_name, HEAD_WARNING.format(head=head, kind=kind))
         return description_globals(self.model_quant_type(), sizes)
+
+
+def model_float_dtype(model: nn.Module) -> torch.dtype:
+    """The model's floating dtype (its first floating parameter's; float32 if none): W8A8's
+    ``deq_scale`` is float32 for bf16 models and int64-encoded otherwise."""
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            return parameter.dtype
+    return torch.float32
 
 
 def _grouped(row: PlanRow) -> bool:

@@ -5,25 +5,59 @@ two signed int4 codes per byte along the input dimension (W4A16: column ``2i`` i
 ``2i+1`` in the high nibble, as msModelSlim packs int4); ``P.weight_scale`` and
 ``P.weight_offset`` float32 ``[out, 1]`` (per-channel) or ``[out, in/group_size]``; ``P.bias``
 float32 (``FLOAT``). Dequantization: ``w = (weight - weight_offset) * weight_scale``.
+
+With quantized activations (``module.act``), msModelSlim's W8A8 family (docs/ascend-format.md,
+"Activation schemes"; established on msModelSlim 26.1.0's exports by ``tests/oracle``):
+
+* ``W8A8`` (static per-tensor activations): ``P.weight`` int8 ``[out, in]``, ``P.input_scale`` and
+  ``P.input_offset`` float32 ``[1]``, ``P.deq_scale`` ``[out]`` (``input_scale * weight_scale``;
+  float32 for bf16 models, else int64 holding the float32's bits), ``P.quant_bias`` int32
+  ``[out]`` (``-input_offset * sum_j weight[i, j]``); no ``weight_scale`` / ``weight_offset``;
+* ``W8A8_DYNAMIC`` (per-token activations): ``P.weight``, ``P.weight_scale``, ``P.weight_offset``
+  as for W8A16 (per-channel, offset 0);
+* the float bias beside them in the model's dtype, ``P.bias`` (``FLOAT``), not folded in.
 """
 
 from __future__ import annotations
 
 import torch
 
-from msquant import QuantizationError, QuantizedLinear, pack_int4_pairs
+from msquant import (
+    QuantizationError,
+    QuantizedLinear,
+    deq_scale,
+    encode_deq_scale,
+    pack_int4_pairs,
+    quant_bias,
+)
 
-__all__ = ["QUANT_TYPES_BY_BITS", "FLOAT", "quant_type", "ascend_module_tensors"]
+__all__ = [
+    "QUANT_TYPES_BY_BITS",
+    "FLOAT",
+    "quant_type",
+    "ascend_module_tensors",
+    "activation_module_tensors",
+]
 
 QUANT_TYPES_BY_BITS = {8: "W8A16", 4: "W4A16"}
 FLOAT = "FLOAT"
 
 
 def quant_type(module: QuantizedLinear, name: str) -> str:
-    """``W8A16`` or ``W4A16`` from the module's bit width; other widths have no Ascend type.
+    """``W8A16`` or ``W4A16`` from the module's bit width, ``W8A8`` / ``W8A8_DYNAMIC`` with
+    quantized activations; other widths have no Ascend type.
 
     :raises QuantizationError: naming the module and the format that stores other widths.
     """
+    if module.act is not None:
+        if module.bits != 8 or module.group_size is not None or not module.symmetric:
+            raise QuantizationError(
+                f"{name}: the Ascend format stores quantized activations with int8 per-channel "
+                f"symmetric weights only (W8A8, W8A8_DYNAMIC), got int{module.bits} "
+                f"{'per-channel' if module.group_size is None else 'per-group'} "
+                f"{'sym' if module.symmetric else 'asym'}"
+            )
+        return "W8A8_DYNAMIC" if module.act.dynamic else "W8A8"
     found = QUANT_TYPES_BY_BITS.get(module.bits)
     if found is None:
         raise QuantizationError(
@@ -33,13 +67,18 @@ def quant_type(module: QuantizedLinear, name: str) -> str:
     return found
 
 
-def ascend_module_tensors(name: str, module: QuantizedLinear) -> dict[str, torch.Tensor]:
+def ascend_module_tensors(
+    name: str, module: QuantizedLinear, model_dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """The stored tensors of the quantized linear ``name``, in the order they are written.
 
+    :param model_dtype: the model's floating dtype (sets W8A8's ``deq_scale`` encoding).
     :raises QuantizationError: for a width without an Ascend type, or W4A16 with an odd
         ``in_features`` (two codes per byte).
     """
     kind = quant_type(module, name)
+    if module.act is not None:
+        return activation_module_tensors(name, module, kind, model_dtype)
     weight = module.weight
     if kind == "W4A16":
         if weight.shape[1] % 2:
@@ -55,4 +94,26 @@ def ascend_module_tensors(name: str, module: QuantizedLinear) -> dict[str, torch
     }
     if module.bias is not None:
         tensors[f"{name}.bias"] = module.bias.float()
+    return tensors
+
+
+def activation_module_tensors(
+    name: str, module: QuantizedLinear, kind: str, model_dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The W8A8 / W8A8_DYNAMIC tensors of the quantized linear ``name`` (module docstring)."""
+    act = module.act
+    assert act is not None
+    tensors = {f"{name}.weight": module.weight}
+    if kind == "W8A8":
+        assert act.scale is not None and act.offset is not None
+        tensors[f"{name}.input_scale"] = torch.tensor([act.scale], dtype=torch.float32)
+        tensors[f"{name}.input_offset"] = torch.tensor([act.offset], dtype=torch.float32)
+        deq = deq_scale(act.scale, module.weight_scale)
+        tensors[f"{name}.deq_scale"] = encode_deq_scale(deq, model_dtype)
+        tensors[f"{name}.quant_bias"] = quant_bias(module.weight, act.offset)
+    else:
+        tensors[f"{name}.weight_scale"] = module.weight_scale
+        tensors[f"{name}.weight_offset"] = module.weight_offset
+    if module.bias is not None:
+        tensors[f"{name}.bias"] = module.bias.detach()
     return tensors

@@ -15,6 +15,12 @@ globals (msModelSlim's ``ext.json_append`` merges user keys in) and are not tens
   dimension (column ``2i`` in the low nibble, ``2i+1`` in the high nibble);
 * ``P.weight_scale`` and ``P.weight_offset`` float32 ``[out, 1]`` (per-channel) or
   ``[out, in/group_size]``; ``w = (weight - weight_offset) * weight_scale``; ``P.bias`` FLOAT.
+* W8A8_DYNAMIC (per-token activations): as W8A16 per-channel (offset 0);
+* W8A8 (static activations): ``P.weight`` int8 ``[out, in]``, ``P.input_scale`` /
+  ``P.input_offset`` float32 ``[1]``, ``P.deq_scale`` ``[out]`` (float32 for bf16 models, else
+  int64 holding float32 bits; ``= input_scale * weight_scale``, so the weight scale read back is
+  ``deq_scale / input_scale``), ``P.quant_bias`` int32 ``[out]`` (``-input_offset * sum_j
+  weight[i, j]``, checked exactly).
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ from msquant import (
     ExportReader,
     Findings,
     LayerReport,
+    decode_deq_scale,
     open_weights,
+    quant_bias,
     read_json,
     ties_word_embeddings,
     trivial_g_idx,
@@ -49,9 +57,13 @@ __all__ = ["AscendReader", "GLOBAL_KEYS", "TYPE_BITS"]
 FLOAT = "FLOAT"  # the description type of a float tensor, also its scheme in the fused check
 
 GLOBAL_KEYS = ("version", "model_quant_type", "metadata", "group_size", "optional")
-TYPE_BITS = {"W8A16": 8, "W4A16": 4}
+TYPE_BITS = {"W8A16": 8, "W4A16": 4, "W8A8_DYNAMIC": 8, "W8A8": 8}
 PARTS = ("weight", "weight_scale", "weight_offset")
-ALLOWED_LEAVES = (*PARTS, "bias")
+W8A8_PARTS = ("weight", "input_scale", "input_offset", "deq_scale", "quant_bias")
+#: The stored tensors of a quantized linear of each type (the bias aside).
+TYPE_PARTS = {"W8A16": PARTS, "W4A16": PARTS, "W8A8_DYNAMIC": PARTS, "W8A8": W8A8_PARTS}
+#: Every tensor name ending that belongs to a quantized linear's parameters.
+PARAMETER_LEAVES = tuple(dict.fromkeys(p for parts in TYPE_PARTS.values() for p in parts[1:]))
 DESCRIPTION_NAME = re.compile(rf"^{DESCRIPTION_STEM}(?:_([A-Za-z0-9_]+))?\.json$")
 
 VLLM_ASCEND_PER_GROUP = (
@@ -99,7 +111,9 @@ class AscendReader(ExportReader):
                     f"{self.description_path.name}: {key} has a non-string type {value!r}"
                 )
         self.modules = self._quantized_from_description()
-        self.packed = {f"{m}.{part}" for m in self.modules for part in PARTS}
+        self.packed = {
+            f"{m}.{part}" for m in self.modules for part in TYPE_PARTS[self.types[f"{m}.weight"]]
+        }
         self._check_inventory()
         self._check_globals()
         self._check_config_json()
@@ -180,7 +194,7 @@ class AscendReader(ExportReader):
         modules = set(self.modules)
         for module in self.modules:
             kind = self.types[f"{module}.weight"]
-            for part in PARTS[1:]:
+            for part in TYPE_PARTS[kind][1:]:
                 tensor = f"{module}.{part}"
                 if tensor in self.types and self.types[tensor] != kind:
                     self.findings.error(
@@ -193,12 +207,15 @@ class AscendReader(ExportReader):
                 self.findings.error(f"{name} types {bias} as {self.types[bias]}, expected FLOAT")
         for key in sorted(set(self.types) | stored):
             module, _, leaf = key.rpartition(".")
-            if module in modules and leaf not in ALLOWED_LEAVES:
+            allowed = (
+                (*TYPE_PARTS[self.types[f"{module}.weight"]], "bias") if module in modules else ()
+            )
+            if module in modules and leaf not in allowed:
                 self.findings.error(
                     f"{key}: unexpected tensor for quantized layer {module} "
-                    f"(expected {', '.join(ALLOWED_LEAVES)})"
+                    f"(expected {', '.join(allowed)})"
                 )
-            elif module not in modules and leaf in PARTS[1:]:
+            elif module not in modules and leaf in PARAMETER_LEAVES:
                 self.findings.error(
                     f"{key}: quantization parameter of {module}, whose weight is not typed quantized"
                 )
@@ -208,8 +225,9 @@ class AscendReader(ExportReader):
                 and self.types.get(key, FLOAT) != FLOAT
             ):
                 self.findings.error(
-                    f"{name} types {key} as {self.types[key]}, but only {', '.join(PARTS)} of a "
-                    "quantized layer may carry a quant type"
+                    f"{name} types {key} as {self.types[key]}, but only the weight and "
+                    f"parameters ({', '.join(PARAMETER_LEAVES)}) of a quantized layer may carry "
+                    "a quant type"
                 )
 
     def _check_globals(self) -> None:
@@ -296,6 +314,8 @@ class AscendReader(ExportReader):
     def decode(self, module: str) -> DecodedLayer | None:
         kind = self.types[f"{module}.weight"]
         bits = TYPE_BITS[kind]
+        if kind == "W8A8":
+            return self._decode_w8a8(module)
         names = {part: f"{module}.{part}" for part in PARTS}
         present = [
             self.expect(names[part], (dtype,), None)
@@ -350,6 +370,83 @@ class AscendReader(ExportReader):
                 "scale": names["weight_scale"],
                 "offset": names["weight_offset"],
                 "g_idx": f"{module} (implicit groups)",
+            },
+        )
+
+    def _model_dtype(self) -> str | None:
+        """The model's dtype named by config.json (``torch_dtype``, or transformers 5's ``dtype``)."""
+        config = self.config or {}
+        found = config.get("torch_dtype", config.get("dtype"))
+        return found if isinstance(found, str) else None
+
+    def _decode_w8a8(self, module: str) -> DecodedLayer | None:
+        """A W8A8 (static activations) layer: the activation parameters and the derived tensors
+        checked, the weight scale recovered as ``deq_scale / input_scale``."""
+        names = {part: f"{module}.{part}" for part in W8A8_PARTS}
+        if self.store is None or not self.expect(names["weight"], (torch.int8,), None):
+            return None
+        weight_shape = self.store.infos[names["weight"]].shape
+        if len(weight_shape) != 2:
+            self.findings.error(
+                f"{names['weight']}: shape {list(weight_shape)}, expected [out, in]"
+            )
+            return None
+        out_features, in_features = weight_shape
+        bf16 = self._model_dtype() == "bfloat16"
+        deq_dtype = torch.float32 if bf16 else torch.int64
+        checks = [
+            self.expect(names["input_scale"], (torch.float32,), (1,)),
+            self.expect(names["input_offset"], (torch.float32,), (1,)),
+            self.expect(names["deq_scale"], (torch.float32, torch.int64), (out_features,)),
+            self.expect(names["quant_bias"], (torch.int32,), (out_features,)),
+        ]
+        if not all(checks):
+            return None
+        deq = self.store.get(names["deq_scale"])
+        if deq.dtype != deq_dtype:
+            self.findings.error(
+                f"{names['deq_scale']}: {str(deq.dtype).replace('torch.', '')}, but the model is "
+                f"{self._model_dtype() or 'not bfloat16'}: vLLM-Ascend's W8A8 scheme creates it "
+                f"{'float32 for bf16 models' if bf16 else 'int64 (float32 bits) for fp16 models'}"
+            )
+            return None
+        input_scale = float(self.store.get(names["input_scale"])[0])
+        input_offset = float(self.store.get(names["input_offset"])[0])
+        if not input_scale > 0 or input_offset != round(input_offset) or abs(input_offset) > 128:
+            self.findings.error(
+                f"{names['input_scale']} / {names['input_offset']}: {input_scale} / {input_offset}; "
+                "expected a positive scale and an integral int8 zero point"
+            )
+            return None
+        try:
+            deq_float = decode_deq_scale(deq)
+        except ValueError as error:
+            self.findings.error(f"{names['deq_scale']}: {error}")
+            return None
+        codes = self.store.get(names["weight"])
+        stored_bias = self.store.get(names["quant_bias"])
+        if not torch.equal(stored_bias, quant_bias(codes, input_offset)):
+            count = int((stored_bias != quant_bias(codes, input_offset)).sum())
+            self.findings.error(
+                f"{names['quant_bias']}: {count} value(s) differ from -input_offset * sum of the "
+                "weight codes of their row"
+            )
+        scale = (deq_float.double() / input_scale).to(torch.float32).reshape(out_features, 1)
+        return DecodedLayer(
+            name=module,
+            scheme="W8A8",
+            bits=8,
+            group_size=None,
+            codes=codes.to(torch.int32),
+            scale=scale,
+            offset=torch.zeros_like(scale),
+            g_idx=trivial_g_idx(in_features, in_features),
+            scale_dtype=torch.float32,
+            tensors={
+                "codes": names["weight"],
+                "scale": f"{names['deq_scale']} / {names['input_scale']}",
+                "offset": f"{module} (symmetric weights: zero)",
+                "g_idx": f"{module} (per-channel)",
             },
         )
 
