@@ -138,7 +138,10 @@ from msquant.quant.w8a8_params import (
     decode_deq_scale,
     deq_scale,
     encode_deq_scale,
+    pack_int4_rows,
     quant_bias,
+    scale_bias,
+    unpack_int4_rows,
 )
 from msquant.report.document import load_report, report_from_dict, strip_timings
 from msquant.report.hashes import calibration_sha256, config_sha256
@@ -250,6 +253,9 @@ __all__ = [
     "deq_scale",
     "encode_deq_scale",
     "quant_bias",
+    "scale_bias",
+    "pack_int4_rows",
+    "unpack_int4_rows",
     "replace_module",
     "quantize_weight_minmax",
     "quantize_weight_hessian_clip",

@@ -137,8 +137,8 @@ class LinearQuantProcessor(Processor):
         super().__init__(config)
         weight = self.config.qconfig.weight
         self.method = METHODS.get(weight.method)(weight)
-        #: W8A8 / W8A8_DYNAMIC, or None for float activations (:mod:`.linear_quant_act`).
-        self.act_scheme = act_scheme(self.config.qconfig.act)
+        #: W8A8 / W8A8_DYNAMIC / W4A8_DYNAMIC, or None for float activations (:mod:`.linear_quant_act`).
+        self.act_scheme = act_scheme(self.config.qconfig.act, weight)
         static = self.act_scheme == "W8A8"
         self.requires_calibration = self.method.calibrated or static
         self.calibrate_on_quantized = self.method.calibrated and self.method.calibrate_on_quantized
@@ -194,7 +194,9 @@ class LinearQuantProcessor(Processor):
         if _glob_match(name, self.config.include) is None:
             return ModuleDecision(None, self.method.name)
         return ModuleDecision(
-            resolve_module_scheme(name, self.base_scheme, self.rules, groups), self.method.name
+            resolve_module_scheme(name, self.base_scheme, self.rules, groups),
+            self.method.name,
+            act=self.act_scheme,
         )
 
     def selected(self, layer: DecoderLayer) -> list[tuple[str, nn.Linear, ResolvedScheme]]:
@@ -407,7 +409,7 @@ class LinearQuantProcessor(Processor):
         """The activation scheme of module ``name`` (calibrated for W8A8), None for float."""
         if self._act_calibration is not None:
             return self._act_calibration.take(name)
-        if self.act_scheme == "W8A8_DYNAMIC":
+        if self.act_scheme in ("W8A8_DYNAMIC", "W4A8_DYNAMIC"):
             return ActivationQuant("per_token")
         return None
 

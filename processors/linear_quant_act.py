@@ -14,6 +14,8 @@ Implemented (msModelSlim's W8A8 family, the schemes vLLM-Ascend serves for dense
 * **W8A8_DYNAMIC**: ``act: {dtype: int8, scope: per_token, symmetric: true, method: minmax}`` with
   int8 per-channel symmetric ``minmax`` weights; nothing is calibrated (each token is scaled at
   run time), so the weights are quantized without calibration data.
+* **W4A8_DYNAMIC**: the same activations with int4 per-channel symmetric ``minmax`` weights
+  (msModelSlim 26.1.0 has no per-group W4A8_DYNAMIC layer either).
 
 Everything else with quantized activations is refused with the list above.
 """
@@ -46,23 +48,26 @@ __all__ = [
     "act_scheme",
 ]
 
-ActScheme = Literal["W8A8", "W8A8_DYNAMIC"]
+ActScheme = Literal["W8A8", "W8A8_DYNAMIC", "W4A8_DYNAMIC"]
 
 #: The activation schemes implemented, as named in the refusal message.
 ACT_SCHEMES = (
     "W8A8 = act {dtype: int8, scope: per_tensor, symmetric: true or false, method: minmax} with "
     "weight {dtype: int8, scope: per_channel, symmetric: true, method: minmax}; "
     "W8A8_DYNAMIC = act {dtype: int8, scope: per_token, symmetric: true, method: minmax} with the "
-    "same weight"
+    "same weight; W4A8_DYNAMIC = the same act with weight {dtype: int4, scope: per_channel, "
+    "symmetric: true, method: minmax}"
 )
 
 
-def act_scheme(act: ActQConfig) -> ActScheme | None:
-    """The scheme ``qconfig.act`` asks for (None: float activations); assumes :func:`act_issues`
-    found nothing."""
+def act_scheme(act: ActQConfig, weight: WeightQConfig) -> ActScheme | None:
+    """The scheme ``qconfig.act`` (with these weights) asks for (None: float activations);
+    assumes :func:`act_issues` found nothing."""
     if act.dtype is QDType.FLOAT:
         return None
-    return "W8A8" if act.scope is QScope.PER_TENSOR else "W8A8_DYNAMIC"
+    if act.scope is QScope.PER_TENSOR:
+        return "W8A8"
+    return "W4A8_DYNAMIC" if weight.dtype is QDType.INT4 else "W8A8_DYNAMIC"
 
 
 def act_issues(
@@ -97,8 +102,9 @@ def act_issues(
                 f"no ext option is implemented for activations, got {sorted(act.ext)}",
             )
         )
+    int4_ok = weight.dtype is QDType.INT4 and act.scope is QScope.PER_TOKEN
     weight_ok = (
-        weight.dtype is QDType.INT8
+        (weight.dtype is QDType.INT8 or int4_ok)
         and weight.scope is QScope.PER_CHANNEL
         and weight.symmetric
         and weight.method == "minmax"

@@ -41,6 +41,7 @@ from msquant.run.runner import batch_token_limit
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WEIGHT = {"dtype": "int8", "scope": "per_channel", "symmetric": True, "method": "minmax"}
+WEIGHT_INT4 = {**WEIGHT, "dtype": "int4"}
 #: Calibration samples truncated to this many tokens: all of equal length, so the runner would
 #: stack them into one batch if the online schedule did not ask for one sample at a time.
 CALIB_TOKENS = 16
@@ -50,12 +51,17 @@ def act(scope: str = "per_tensor", symmetric: bool = False) -> dict[str, Any]:
     return {"dtype": "int8", "scope": scope, "symmetric": symmetric, "method": "minmax"}
 
 
-def config(act_cfg: dict[str, Any], saver: str = "ascendv1_saver", **entry: Any) -> dict[str, Any]:
+def config(
+    act_cfg: dict[str, Any],
+    saver: str = "ascendv1_saver",
+    weight: dict[str, Any] = WEIGHT,
+    **entry: Any,
+) -> dict[str, Any]:
     return {
         "apiversion": "modelslim_v1",
         "spec": {
             "process": [
-                {"type": "linear_quant", "qconfig": {"act": act_cfg, "weight": WEIGHT}, **entry}
+                {"type": "linear_quant", "qconfig": {"act": act_cfg, "weight": weight}, **entry}
             ],
             "save": [{"type": saver, "part_file_size": 0}],
         },
@@ -124,6 +130,13 @@ def test_w8a8_and_w8a8_dynamic_configs_validate() -> None:
         (act(), {"scope": "per_group"}, {}, "qconfig.weight", "scope: per_group"),
         (act(), {"symmetric": False}, {}, "qconfig.weight", "symmetric: false"),
         (act(), {"dtype": "int4"}, {}, "qconfig.weight", "dtype: int4"),
+        (
+            act("per_token", True),
+            {"dtype": "int4", "scope": "per_group"},
+            {},
+            "qconfig.weight",
+            "scope: per_group",
+        ),
         (act(), {}, {"lm_head": True}, "lm_head", "lm_head: true"),
         (act(), {}, {"dynamic": {".*": {"bits": 4}}}, "dynamic", "include / exclude"),
     ],
@@ -293,6 +306,62 @@ def test_w8a8_dynamic_export_layout_and_numerics(
             assert torch.equal(tensors[f"{name}.bias"], module.bias.data)
 
 
+# --- W4A8_DYNAMIC ---------------------------------------------------------------------------
+
+
+def reference_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 per-channel symmetric codes and scales in float64."""
+    w = weight.double()
+    scale = w.abs().amax(dim=1, keepdim=True) / 7
+    return torch.clamp(torch.round(w / scale), -8, 7).to(torch.int8), scale
+
+
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    """Independent int4 row unpacking: byte ``[i, j]`` holds row ``2i`` (low) and ``2i + 1`` (high)."""
+    unsigned = packed.to(torch.int32) & 0xFF
+    low, high = unsigned & 0xF, unsigned >> 4
+    low, high = torch.where(low > 7, low - 16, low), torch.where(high > 7, high - 16, high)
+    return torch.stack([low, high], dim=1).reshape(-1, packed.shape[1]).to(torch.int8)
+
+
+def test_w4a8_dynamic_export_layout_and_numerics(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    model_dir = tiny_model_factory("qwen2")
+    tensors = run(model_dir, tmp_path / "out", config(act("per_token", True), weight=WEIGHT_INT4))
+    types = description(tmp_path / "out")
+    # W4A8_DYNAMIC is outside msModelSlim's priority list: its exports say FLOAT
+    assert types["model_quant_type"] == "FLOAT" and types["group_size"] == 0
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
+    for name, module in float_linears(model).items():
+        out_features, in_features = module.weight.shape
+        codes, scale = reference_int4(module.weight.data)
+        packed = tensors[f"{name}.weight"]
+        assert packed.dtype == torch.int8 and packed.shape == (out_features // 2, in_features)
+        assert torch.equal(unpack_rows(packed), codes), name
+        assert torch.allclose(tensors[f"{name}.weight_scale"].double(), scale, rtol=1e-7, atol=0)
+        assert not tensors[f"{name}.weight_offset"].any()
+        slices = 16 if name.endswith(("o_proj", "down_proj")) else 1
+        bias = tensors[f"{name}.scale_bias"]
+        assert bias.dtype == torch.float32 and bias.shape == (out_features, slices), name
+        stored_scale = tensors[f"{name}.weight_scale"].double()
+        want = 8 * (codes.double() * stored_scale).reshape(out_features, slices, -1).sum(dim=-1)
+        assert torch.allclose(bias.double(), want, rtol=0, atol=1e-5), name
+        for part in ("weight", "weight_scale", "weight_offset", "scale_bias"):
+            assert types[f"{name}.{part}"] == "W4A8_DYNAMIC"
+    report = verify_export(tmp_path / "out", model_path=model_dir)
+    assert report.ok, report.errors
+    assert not [w for w in report.warnings if "model_quant_type" in w]
+
+
+def test_w4a8_dynamic_dense_layers_warn_for_vllm_ascend(tiny_llama: Path) -> None:
+    plan = msquant.build_plan(tiny_llama, config(act("per_token", True), weight=WEIGHT_INT4))
+    warnings = [w for w in plan.warnings if "vLLM-Ascend" in w]
+    assert len(warnings) == 1 and "MoE experts only" in warnings[0]
+    assert "W4A16" not in warnings[0]
+    assert plan.rows[0].act == "W4A8_DYNAMIC"
+
+
 # --- the quantized module and resume --------------------------------------------------------
 
 
@@ -341,6 +410,18 @@ def test_checkpoint_store_keeps_the_activation_scheme(tmp_path: Path) -> None:
 # --- read back, and formats without activations ---------------------------------------------
 
 
+def test_verify_checks_scale_bias(tiny_llama: Path, tmp_path: Path) -> None:
+    save = tmp_path / "out"
+    run(tiny_llama, save, config(act("per_token", True), weight=WEIGHT_INT4))
+    (save / "msquant_export.json").unlink()
+    tensors = load_file(str(save / "quant_model_weights.safetensors"))
+    name = "model.layers.0.self_attn.o_proj"
+    tensors[f"{name}.scale_bias"][3, 5] += 0.25
+    save_file(tensors, str(save / "quant_model_weights.safetensors"))
+    report = verify_export(save, model_path=tiny_llama)
+    assert any(f"{name}.scale_bias: differs from 8 * the sum" in e for e in report.errors)
+
+
 def test_verify_checks_quant_bias_and_deq_scale(tiny_llama: Path, tmp_path: Path) -> None:
     save = tmp_path / "out"
     run(tiny_llama, save, config(act("per_tensor", False)))
@@ -364,10 +445,26 @@ def test_verify_checks_quant_bias_and_deq_scale(tiny_llama: Path, tmp_path: Path
         assert any(needle in error for error in report.errors), report.errors
 
 
-def test_formats_without_activations_refuse_them(tiny_llama: Path, tmp_path: Path) -> None:
+def test_formats_without_activations_refuse_them_before_weights_load(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
     cfg = config(act("per_token", True), saver="compressed_tensors")
-    with pytest.raises(
-        QuantizationError, match=r"compressed_tensors: model.layers.0.*a8 per_token.*does not store"
-    ):
+    with pytest.raises(msquant.MsquantInputError) as info:
         msquant.quantize(tiny_llama, tmp_path / "out", cfg, progress=False)
+    assert "compressed_tensors does not store quantized activations, which 14 layer(s)" in str(
+        info.value
+    )
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_saver_without_activations_refuses_such_a_layer(tmp_path: Path) -> None:
+    """The savers' own guard, behind the plan's check: never written as weight-only."""
+    registry = default_registry()
+    saver_cls = registry.get("compressed_tensors")
+    saver = saver_cls(saver_cls.config_class())
+    saver.state = saver.state_class()  # type: ignore[attr-defined]
+    module, _ = _qlinear(ActivationQuant("per_token"))
+    root = nn.Sequential(nn.Linear(8, 6))
+    root[0] = module
+    with pytest.raises(QuantizationError, match=r"compressed_tensors: x.0 has quantized act"):
+        saver.write_quantized(None, root, "x")  # type: ignore[arg-type]

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -298,8 +299,8 @@ def test_w4a8_per_group_is_refused_by_msmodelslim(tmp_path: Path) -> None:
 MSQUANT_CASES = [
     (arch, scheme)
     for arch in ("llama", "qwen2", "qwen3", "llama_bf16")
-    for scheme in ("w8a8_asym", "w8a8_sym", "w8a8_dynamic")
-    if arch != "llama_bf16" or scheme != "w8a8_sym"
+    for scheme in ("w8a8_asym", "w8a8_sym", "w8a8_dynamic", "w4a8_dynamic")
+    if arch != "llama_bf16" or scheme in ("w8a8_asym", "w8a8_dynamic")
 ]
 
 
@@ -348,14 +349,18 @@ def test_msquant_export_equals_msmodelslim(
     assert all(".layers." in name for name in differing)  # FLOAT tensors are identical
 
 
-def test_w4a8_dynamic_is_refused_by_msquant_with_the_implemented_schemes() -> None:
-    """msquant does not write W4A8_DYNAMIC yet: msModelSlim's config is refused before any work,
+def test_per_group_w4a8_dynamic_is_refused_by_msquant_too(tmp_path: Path) -> None:
+    """Per-group int4 weights with per-token activations, which msModelSlim 26.1.0 cannot export
+    (``test_w4a8_per_group_is_refused_by_msmodelslim``), are refused by msquant before any work,
     naming the schemes that are implemented."""
     import msquant
 
-    _export("llama", "w4a8_dynamic")
-    config = CACHE / "configs" / "w4a8_dynamic.yaml"
+    scheme = oracle.SCHEMES["w4a8_dynamic_g32"]
+    dataset = oracle.write_calibration(tmp_path / "calib.jsonl")
+    config = tmp_path / "w4a8_dynamic_g32.yaml"  # the YAML msModelSlim refuses in that test
+    config.write_text(yaml.safe_dump(oracle.config_for(scheme, dataset)), encoding="utf-8")
     with pytest.raises(msquant.ConfigError) as info:
         msquant.load_config(config, msquant.default_registry())
     message = str(info.value)
-    assert "qconfig.weight" in message and "dtype: int4" in message and "W8A8_DYNAMIC = " in message
+    assert "qconfig.weight" in message and "scope: per_group" in message
+    assert "W4A8_DYNAMIC = " in message

@@ -21,6 +21,9 @@ globals (msModelSlim's ``ext.json_append`` merges user keys in) and are not tens
   int64 holding float32 bits; ``= input_scale * weight_scale``, so the weight scale read back is
   ``deq_scale / input_scale``), ``P.quant_bias`` int32 ``[out]`` (``-input_offset * sum_j
   weight[i, j]``, checked exactly).
+* W4A8_DYNAMIC: ``P.weight`` int8 ``[out / 2, in]`` (int4 codes in pairs of rows: row ``2i`` in
+  the low nibble), ``P.weight_scale`` / ``P.weight_offset`` float32 ``[out, 1]``, ``P.scale_bias``
+  float32 ``[out, 1]`` or ``[out, 16]`` (row-parallel layers), checked exactly against the codes.
 """
 
 from __future__ import annotations
@@ -38,13 +41,17 @@ from msquant import (
     LayerReport,
     decode_deq_scale,
     open_weights,
+    parse_expert_linear,
     quant_bias,
     read_json,
+    scale_bias,
     ties_word_embeddings,
     trivial_g_idx,
     unpack_int4_pairs,
+    unpack_int4_rows,
     weight_files_present,
 )
+from msquant.processors.formats.ascend.config import model_quant_type
 from msquant.processors.formats.ascend.detect import (
     DESCRIPTION_STEM,
     MINDIE_WEIGHTS,
@@ -57,11 +64,17 @@ __all__ = ["AscendReader", "GLOBAL_KEYS", "TYPE_BITS"]
 FLOAT = "FLOAT"  # the description type of a float tensor, also its scheme in the fused check
 
 GLOBAL_KEYS = ("version", "model_quant_type", "metadata", "group_size", "optional")
-TYPE_BITS = {"W8A16": 8, "W4A16": 4, "W8A8_DYNAMIC": 8, "W8A8": 8}
+TYPE_BITS = {"W8A16": 8, "W4A16": 4, "W8A8_DYNAMIC": 8, "W8A8": 8, "W4A8_DYNAMIC": 4}
 PARTS = ("weight", "weight_scale", "weight_offset")
 W8A8_PARTS = ("weight", "input_scale", "input_offset", "deq_scale", "quant_bias")
 #: The stored tensors of a quantized linear of each type (the bias aside).
-TYPE_PARTS = {"W8A16": PARTS, "W4A16": PARTS, "W8A8_DYNAMIC": PARTS, "W8A8": W8A8_PARTS}
+TYPE_PARTS = {
+    "W8A16": PARTS,
+    "W4A16": PARTS,
+    "W8A8_DYNAMIC": PARTS,
+    "W8A8": W8A8_PARTS,
+    "W4A8_DYNAMIC": (*PARTS, "scale_bias"),
+}
 #: Every tensor name ending that belongs to a quantized linear's parameters.
 PARAMETER_LEAVES = tuple(dict.fromkeys(p for parts in TYPE_PARTS.values() for p in parts[1:]))
 DESCRIPTION_NAME = re.compile(rf"^{DESCRIPTION_STEM}(?:_([A-Za-z0-9_]+))?\.json$")
@@ -78,6 +91,12 @@ VLLM_ASCEND_ASYM = (
     "vLLM-Ascend passes weight_offset unchanged to npu_weight_quant_batchmatmul, documented as "
     "(weight + offset) * scale, while this format means (weight - offset) * scale: asymmetric "
     "layers may dequantize with the offset's sign flipped (unverified on hardware)"
+)
+
+VLLM_ASCEND_W4A8_LINEAR = (
+    "vLLM-Ascend serves W4A8_DYNAMIC for MoE experts only (no W4A8_DYNAMIC linear scheme): "
+    "these dense layers do not load there; msModelSlim's W4A8 practices quantize attention and "
+    "dense MLPs W8A8_DYNAMIC"
 )
 
 QUANTIZED_HEAD = (
@@ -240,7 +259,11 @@ class AscendReader(ExportReader):
                 self.findings.error(f"{name}: {key} must be an object")
         present = {self.types[f"{m}.weight"] for m in self.modules} or {FLOAT}
         model_type = self.description.get("model_quant_type")
-        if "model_quant_type" in self.description and model_type not in present:
+        if (
+            "model_quant_type" in self.description
+            and model_type not in present
+            and model_type != model_quant_type(present)  # FLOAT for W4A8_DYNAMIC (msModelSlim)
+        ):
             self.findings.warn(
                 f"{name}: model_quant_type {model_type!r} is not among the types of its tensors "
                 f"{sorted(present)} (set by ext.json_append?); consumers that pick kernels by "
@@ -316,6 +339,8 @@ class AscendReader(ExportReader):
         bits = TYPE_BITS[kind]
         if kind == "W8A8":
             return self._decode_w8a8(module)
+        if kind == "W4A8_DYNAMIC":
+            return self._decode_w4a8(module)
         names = {part: f"{module}.{part}" for part in PARTS}
         present = [
             self.expect(names[part], (dtype,), None)
@@ -450,7 +475,62 @@ class AscendReader(ExportReader):
             },
         )
 
+    def _decode_w4a8(self, module: str) -> DecodedLayer | None:
+        """A W4A8_DYNAMIC layer: int4 codes unpacked from pairs of rows, ``scale_bias`` checked
+        against them exactly."""
+        names = {part: f"{module}.{part}" for part in TYPE_PARTS["W4A8_DYNAMIC"]}
+        if self.store is None or not self.expect(names["weight"], (torch.int8,), None):
+            return None
+        rows, in_features = self.store.infos[names["weight"]].shape
+        out_features = rows * 2
+        checks = [
+            self.expect(names["weight_scale"], (torch.float32,), (out_features, 1)),
+            self.expect(names["weight_offset"], (torch.float32,), (out_features, 1)),
+            self.expect(names["scale_bias"], (torch.float32,), None),
+        ]
+        if not all(checks):
+            return None
+        stored_bias = self.store.get(names["scale_bias"])
+        slices = stored_bias.shape[1] if stored_bias.dim() == 2 else 0
+        if (
+            stored_bias.dim() != 2
+            or stored_bias.shape[0] != out_features
+            or slices < 1
+            or in_features % slices
+        ):
+            self.findings.error(
+                f"{names['scale_bias']}: shape {list(stored_bias.shape)}, expected "
+                f"[{out_features}, 1] or [{out_features}, 16]"
+            )
+            return None
+        codes = unpack_int4_rows(self.store.get(names["weight"]))
+        scale = self.store.get(names["weight_scale"])
+        if not torch.equal(stored_bias, scale_bias(codes, scale, slices)):
+            self.findings.error(
+                f"{names['scale_bias']}: differs from 8 * the sum of the dequantized weights "
+                f"over {slices} slice(s) of each row"
+            )
+        return DecodedLayer(
+            name=module,
+            scheme="W4A8_DYNAMIC",
+            bits=4,
+            group_size=None,
+            codes=codes.to(torch.int32),
+            scale=scale,
+            offset=self.store.get(names["weight_offset"]).to(torch.float32),
+            g_idx=trivial_g_idx(in_features, in_features),
+            scale_dtype=torch.float32,
+            tensors={
+                "codes": names["weight"],
+                "scale": names["weight_scale"],
+                "offset": names["weight_offset"],
+                "g_idx": f"{module} (per-channel)",
+            },
+        )
+
     def consumer_notes(self, layer: DecodedLayer) -> None:
+        if layer.scheme == "W4A8_DYNAMIC" and parse_expert_linear(layer.name) is None:
+            self.findings.note(VLLM_ASCEND_W4A8_LINEAR, layer.name)
         if layer.scheme == "W4A16":
             self.findings.note(VLLM_ASCEND_W4A16, layer.name)
         elif layer.group_size is not None:
