@@ -16,6 +16,16 @@ Implemented (msModelSlim's W8A8 family, the schemes vLLM-Ascend serves for dense
   run time), so the weights are quantized without calibration data.
 * **W4A8_DYNAMIC**: the same activations with int4 per-channel symmetric ``minmax`` weights
   (msModelSlim 26.1.0 has no per-group W4A8_DYNAMIC layer either).
+* **GPTQ weights** (``method: gptq``, per-channel symmetric int8 / int4) with per-token
+  activations (W8A8_DYNAMIC, W4A8_DYNAMIC), which msModelSlim cannot do. GPTQ's Hessian sees each
+  linear's input as it reaches the layer in the quantized model: the previous decoder layers
+  quantized, weights *and* per-token activations (their :class:`msquant.QuantizedLinear` fake-
+  quantizes its input), but the linear's own input not rounded to int8. Per-token rounding is
+  applied afresh to every token at run time and adds an error of at most half a step
+  (``max|x_token| / 254``) per entry, independent of the weight; GPTQ minimises ``||W X - Q X||``
+  over the activations the deployed layer receives before its own rounding. Static (per-tensor)
+  activations with GPTQ weights are not implemented (their online calibration runs on the
+  round-to-nearest weights).
 
 Everything else with quantized activations is refused with the list above.
 """
@@ -56,7 +66,7 @@ ACT_SCHEMES = (
     "weight {dtype: int8, scope: per_channel, symmetric: true, method: minmax}; "
     "W8A8_DYNAMIC = act {dtype: int8, scope: per_token, symmetric: true, method: minmax} with the "
     "same weight; W4A8_DYNAMIC = the same act with weight {dtype: int4, scope: per_channel, "
-    "symmetric: true, method: minmax}"
+    "symmetric: true, method: minmax}; with per_token act, method: gptq too"
 )
 
 
@@ -102,12 +112,12 @@ def act_issues(
                 f"no ext option is implemented for activations, got {sorted(act.ext)}",
             )
         )
-    int4_ok = weight.dtype is QDType.INT4 and act.scope is QScope.PER_TOKEN
+    per_token = act.scope is QScope.PER_TOKEN
     weight_ok = (
-        (weight.dtype is QDType.INT8 or int4_ok)
+        (weight.dtype is QDType.INT8 or (weight.dtype is QDType.INT4 and per_token))
         and weight.scope is QScope.PER_CHANNEL
         and weight.symmetric
-        and weight.method == "minmax"
+        and (weight.method == "minmax" or (weight.method == "gptq" and per_token))
     )
     if known_act and not weight_ok:
         issues.append(

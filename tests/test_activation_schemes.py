@@ -127,6 +127,7 @@ def test_w8a8_and_w8a8_dynamic_configs_validate() -> None:
         ({**act(), "method": "histogram"}, {}, {}, "qconfig.act", "method: histogram"),
         ({**act(), "ext": {"x": 1}}, {}, {}, "qconfig.act.ext", "['x']"),
         (act(), {"method": "gptq"}, {}, "qconfig.weight", "method: gptq"),
+        (act("per_token", True), {"method": "hessian_clip"}, {}, "qconfig.weight", "hessian_clip"),
         (act(), {"scope": "per_group"}, {}, "qconfig.weight", "scope: per_group"),
         (act(), {"symmetric": False}, {}, "qconfig.weight", "symmetric: false"),
         (act(), {"dtype": "int4"}, {}, "qconfig.weight", "dtype: int4"),
@@ -360,6 +361,43 @@ def test_w4a8_dynamic_dense_layers_warn_for_vllm_ascend(tiny_llama: Path) -> Non
     assert len(warnings) == 1 and "MoE experts only" in warnings[0]
     assert "W4A16" not in warnings[0]
     assert plan.rows[0].act == "W4A8_DYNAMIC"
+
+
+# --- GPTQ weights under per-token activations -----------------------------------------------
+
+
+def test_gptq_weights_under_per_token_activations(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """GPTQ's Hessian sees each linear's input unrounded, with the previous layers quantized
+    weights and activations: layer 0 (float inputs) gets exactly the weights of the weight-only
+    GPTQ run, layer 1 (inputs from the W8A8 layer 0) different ones; and GPTQ beats
+    round-to-nearest on every module's output error."""
+    model_dir = tiny_model_factory("qwen2")
+    weight = {**WEIGHT, "method": "gptq"}
+    results, tensors = {}, {}
+    for kind, act_cfg in (("act", act("per_token", True)), ("float", {"dtype": "float"})):
+        save = tmp_path / kind
+        results[kind] = msquant.quantize(
+            model_dir,
+            save,
+            config(act_cfg, weight=weight),
+            calib_path=CALIB_TXT,
+            progress=False,
+            max_calib_tokens=CALIB_TOKENS,
+        )
+        tensors[kind] = load_file(str(save / "quant_model_weights.safetensors"))
+    assert description(tmp_path / "act")["model_quant_type"] == "W8A8_DYNAMIC"
+    for proj in ("self_attn.q_proj", "mlp.down_proj"):
+        layer0, layer1 = f"model.layers.0.{proj}.weight", f"model.layers.1.{proj}.weight"
+        assert torch.equal(tensors["act"][layer0], tensors["float"][layer0]), layer0
+        assert not torch.equal(tensors["act"][layer1], tensors["float"][layer1]), layer1
+    report = json.loads((tmp_path / "act" / "quant_report.json").read_text(encoding="utf-8"))
+    modules = report["modules"]
+    assert len(modules) == 14
+    for module in modules:
+        assert module["method"] == "gptq"
+        assert module["output_error"] < module["rtn_output_error"], module["name"]
 
 
 # --- the quantized module and resume --------------------------------------------------------
