@@ -35,6 +35,7 @@ from msquant import (
     load_config_text,
     verify_export,
 )
+from msquant.evaluate.models import load_model_for_eval
 from msquant.load.calibration import read_calibration_texts
 from msquant.run.checkpoint.store import LayerStore
 from msquant.run.runner import batch_token_limit
@@ -398,6 +399,44 @@ def test_gptq_weights_under_per_token_activations(
     for module in modules:
         assert module["method"] == "gptq"
         assert module["output_error"] < module["rtn_output_error"], module["name"]
+
+
+# --- msquant eval: the export rebuilt with its activation scheme -----------------------------
+
+
+@pytest.mark.parametrize("scope", ["per_tensor", "per_token"])
+def test_eval_model_of_an_export_quantizes_activations(
+    scope: str, tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    model_dir = tiny_model_factory("qwen2")
+    save = tmp_path / "out"
+    tensors = run(model_dir, save, config(act(scope, scope == "per_token")))
+    model, kind = load_model_for_eval(save)
+    assert kind == "ascend"
+    name = "model.layers.1.self_attn.q_proj"  # has a bias
+    module = model.get_submodule(name)
+    codes = tensors[f"{name}.weight"].double()
+    if scope == "per_tensor":
+        in_scale = float(tensors[f"{name}.input_scale"])
+        in_offset = float(tensors[f"{name}.input_offset"])
+        weight = (
+            codes * (decode_deq_scale(tensors[f"{name}.deq_scale"]).double() / in_scale)[:, None]
+        )
+    else:
+        weight = codes * tensors[f"{name}.weight_scale"].double()
+    torch.manual_seed(1)
+    x = torch.randn(2, 5, module.in_features)
+    xd = x.double()
+    if scope == "per_tensor":
+        xq = (torch.clamp(torch.round(xd / in_scale + in_offset), -128, 127) - in_offset) * in_scale
+    else:
+        step = xd.abs().amax(dim=-1, keepdim=True) / 127
+        xq = torch.clamp(torch.round(xd / step), -128, 127) * step
+    bias = tensors[f"{name}.bias"].double()
+    with torch.no_grad():
+        got = module(x).double()
+    assert torch.allclose(got, xq @ weight.T + bias, atol=1e-5)
+    assert not torch.allclose(got, xd @ weight.T + bias, atol=1e-5)
 
 
 # --- the quantized module and resume --------------------------------------------------------

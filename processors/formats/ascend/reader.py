@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from msquant import (
+    ActivationQuant,
     DecodedLayer,
     ExportReader,
     Findings,
@@ -527,6 +528,19 @@ class AscendReader(ExportReader):
                 "g_idx": f"{module} (per-channel)",
             },
         )
+
+    def activation_of(self, module: str) -> ActivationQuant | None:
+        """How the deployed layer ``module`` quantizes its input (``msquant eval`` simulates it):
+        W8A8's stored per-tensor ``input_scale`` / ``input_offset``, per-token for the dynamic
+        types, None for weight-only types. Call after :meth:`decode` checked the layer."""
+        kind = self.types.get(f"{module}.weight")
+        if kind in ("W8A8_DYNAMIC", "W4A8_DYNAMIC"):
+            return ActivationQuant("per_token")
+        if kind != "W8A8" or self.store is None:
+            return None
+        scale = float(self.store.get(f"{module}.input_scale")[0])
+        offset = float(self.store.get(f"{module}.input_offset")[0])
+        return ActivationQuant("per_tensor", offset == 0, scale, offset)
 
     def consumer_notes(self, layer: DecodedLayer) -> None:
         if layer.scheme == "W4A8_DYNAMIC" and parse_expert_linear(layer.name) is None:
