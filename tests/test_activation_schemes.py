@@ -362,6 +362,11 @@ def test_w4a8_dynamic_dense_layers_warn_for_vllm_ascend(tiny_llama: Path) -> Non
     assert len(warnings) == 1 and "MoE experts only" in warnings[0]
     assert "W4A16" not in warnings[0]
     assert plan.rows[0].act == "W4A8_DYNAMIC"
+    table = msquant.render_plan(plan).splitlines()
+    assert table[0].split()[:6] == ["module", "bits", "group", "sym", "method", "act"]
+    assert table[1].split()[:6] == [
+        "model.layers.0.self_attn.q_proj", "4", "channel", "yes", "minmax", "W4A8_DYNAMIC"
+    ]  # fmt: skip
 
 
 # --- GPTQ weights under per-token activations -----------------------------------------------
