@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CALIB_TXT
+from conftest import CALIB_TXT, NEEDS_MOE_TRANSFORMERS
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -367,6 +367,47 @@ def test_w4a8_dynamic_dense_layers_warn_for_vllm_ascend(tiny_llama: Path) -> Non
     assert table[1].split()[:6] == [
         "model.layers.0.self_attn.q_proj", "4", "channel", "yes", "minmax", "W4A8_DYNAMIC"
     ]  # fmt: skip
+
+
+# --- MoE experts ---------------------------------------------------------------------------
+
+
+@NEEDS_MOE_TRANSFORMERS
+@pytest.mark.parametrize("weight", [WEIGHT, WEIGHT_INT4], ids=["W8A8_DYNAMIC", "W4A8_DYNAMIC"])
+def test_dynamic_schemes_on_moe_experts(
+    weight: dict[str, Any], tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Every expert is written under the checkpoint's per-expert names with the per-linear layout
+    (vLLM-Ascend's W8A8_DYNAMIC / W4A8_DYNAMIC MoE schemes); the router stays float."""
+    model_dir = tiny_model_factory("qwen3_moe", num_layers=2)
+    save = tmp_path / "out"
+    tensors = run(model_dir, save, config(act("per_token", True), weight=weight))
+    types = description(save)
+    kind = "W8A8_DYNAMIC" if weight is WEIGHT else "W4A8_DYNAMIC"
+    expert = "model.layers.0.mlp.experts.3.down_proj"
+    assert types[f"{expert}.weight"] == kind
+    assert types["model.layers.0.mlp.gate.weight"] == "FLOAT"
+    hidden = tensors["model.layers.0.mlp.gate.weight"].shape[1]
+    rows = hidden // 2 if kind == "W4A8_DYNAMIC" else hidden
+    assert tensors[f"{expert}.weight"].shape[0] == rows
+    if kind == "W4A8_DYNAMIC":
+        assert tensors[f"{expert}.scale_bias"].shape == (hidden, 16)
+    report = verify_export(save, model_path=model_dir)
+    assert report.ok, report.errors
+    plan = msquant.build_plan(model_dir, config(act("per_token", True), weight=weight))
+    assert not [w for w in plan.warnings if "MoE experts" in w and "cannot load" in w]
+
+
+@NEEDS_MOE_TRANSFORMERS
+def test_static_activations_on_moe_experts_are_refused(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    model_dir = tiny_model_factory("qwen3_moe", num_layers=2)
+    with pytest.raises(msquant.MsquantInputError) as info:
+        msquant.quantize(model_dir, tmp_path / "out", config(act()), progress=False)
+    assert "static per_tensor activations (W8A8) on MoE experts are not implemented" in str(
+        info.value
+    )
 
 
 # --- GPTQ weights under per-token activations -----------------------------------------------
