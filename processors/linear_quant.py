@@ -90,6 +90,7 @@ from msquant import (
     OutputHeadStage,
     Processor,
     ProcessorConfig,
+    QuantizationError,
     QuantizedLinear,
     QuantizedWeight,
     ResolvedScheme,
@@ -152,6 +153,17 @@ class LinearQuantProcessor(Processor):
         self._apply_after: dict[int, list[str]] = {}  # pass -> modules quantized after it
         self._collector = HessianCollector()
         self._solved: dict[str, tuple[QuantizedWeight, ModuleReport]] = {}  # this layer's
+
+    def setup(self, ctx: RunContext) -> None:
+        """Static activation ranges are calibrated online over the whole calibration set in
+        order; a ``dp_layer_wise`` group would give each process its share (refused)."""
+        if self._act_calibration is not None and ctx.dist.world_size > 1:
+            raise QuantizationError(
+                "linear_quant: static per_tensor activations (W8A8) are calibrated online, one "
+                "sample after the other over the whole calibration set, which a dp_layer_wise "
+                f"group of {ctx.dist.world_size} processes would split; run it in one process "
+                "(spec.runner: layer_wise, no --nproc / device list) or use per_token activations"
+            )
 
     @classmethod
     def check_config(cls, config: ProcessorConfig) -> list[ConfigIssue]:

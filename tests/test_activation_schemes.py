@@ -12,6 +12,7 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -169,6 +170,16 @@ def test_static_activations_calibrate_one_sample_at_a_time() -> None:
     # per-token activations need no calibration: the weights are round-to-nearest
     assert not processors["dynamic"].requires_calibration
     assert batch_token_limit([processors["dynamic"]]) > 0
+
+
+def test_static_activations_refuse_a_dp_group() -> None:
+    registry = default_registry()
+    entry = load_config_text(json.dumps(config(act())), registry).spec.process[0]
+    processor = registry.get(entry.type)(entry)
+    group = SimpleNamespace(dist=msquant.Distributed(rank=0, world_size=2))
+    with pytest.raises(QuantizationError, match="dp_layer_wise group of 2 processes"):
+        processor.setup(group)  # type: ignore[arg-type]
+    processor.setup(SimpleNamespace(dist=msquant.Distributed()))  # type: ignore[arg-type]
 
 
 # --- W8A8 static ----------------------------------------------------------------------------
