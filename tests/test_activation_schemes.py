@@ -602,3 +602,17 @@ def test_a_saver_without_activations_refuses_such_a_layer(tmp_path: Path) -> Non
     root[0] = module
     with pytest.raises(QuantizationError, match=r"compressed_tensors: x.0 has quantized act"):
         saver.write_quantized(None, root, "x")  # type: ignore[arg-type]
+
+
+def test_killed_w8a8_run_resumes_to_the_uninterrupted_export(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """The online-calibrated layer 0's outputs (the hidden states entering layer 1) and its
+    activation parameters come back from the checkpoint: the resumed export is byte-identical."""
+    from test_resume import _assert_same_export, _kill, _quantize
+
+    cfg = config(act("per_tensor", False))
+    _quantize(tiny_llama, tmp_path / "reference", cfg)
+    _kill(tiny_llama, tmp_path / "out", cfg, after=0)
+    _quantize(tiny_llama, tmp_path / "out", cfg, resume=True)
+    _assert_same_export(tmp_path / "out", tmp_path / "reference")
