@@ -106,6 +106,7 @@ from msquant.plugin.method import (
 from msquant.plugin.processor import OutputHeadUser, Processor, ProcessorConfig
 from msquant.plugin.registry import ENTRY_POINT_GROUP, ProcessorRegistry, default_registry
 from msquant.plugin.saver import SAVER_STATE_FORMAT, NameSet, Saver, SaverConfig, SaverState
+from msquant.quant.activation import ActivationQuant, OnlineMinMax
 from msquant.quant.clip_search import hessian_clip_qparams, quantize_weight_hessian_clip
 from msquant.quant.gptq import GPTQQuantizer, WeightPerChannelGPTQ, WeightPerGroupGPTQ
 from msquant.quant.gptq_options import GPTQOptions
@@ -132,6 +133,15 @@ from msquant.quant.rules import (
     parse_dynamic,
     resolve_module_scheme,
     written_for_engine_name,
+)
+from msquant.quant.w8a8_params import (
+    decode_deq_scale,
+    deq_scale,
+    encode_deq_scale,
+    pack_int4_rows,
+    quant_bias,
+    scale_bias,
+    unpack_int4_rows,
 )
 from msquant.report.document import load_report, report_from_dict, strip_timings
 from msquant.report.hashes import calibration_sha256, config_sha256
@@ -191,6 +201,7 @@ __all__ = [
     "LinearQConfig",
     "WeightQConfig",
     "ActQConfig",
+    "ActivationQuant",
     "QDType",
     "QScope",
     # processors and plugins
@@ -237,6 +248,14 @@ __all__ = [
     # numerics and quantized representation
     "QuantizedWeight",
     "QuantizedLinear",
+    "OnlineMinMax",
+    "decode_deq_scale",
+    "deq_scale",
+    "encode_deq_scale",
+    "quant_bias",
+    "scale_bias",
+    "pack_int4_rows",
+    "unpack_int4_rows",
     "replace_module",
     "quantize_weight_minmax",
     "quantize_weight_hessian_clip",

@@ -118,6 +118,11 @@ VLLM_ASCEND_W4A16 = (
     "there; for vLLM-Ascend use dtype: int8 (W8A16); the export is for MindIE and later "
     "releases: {names}"
 )
+VLLM_ASCEND_W4A8 = (
+    "vLLM-Ascend serves W4A8_DYNAMIC for MoE experts only (it has no W4A8_DYNAMIC linear scheme), "
+    "so these dense W4A8_DYNAMIC layers do not load there; msModelSlim's W4A8 practices quantize "
+    "attention and dense MLPs W8A8_DYNAMIC (int8 weights) and the experts W4A8_DYNAMIC: {names}"
+)
 VLLM_ASCEND_PER_GROUP = (
     "vLLM-Ascend's W8A16 scheme is per-channel only (weight_scale [out, 1]), so these per-group "
     "W8A16 layers do not load there; for vLLM-Ascend use scope: per_channel (msModelSlim writes "
@@ -154,6 +159,8 @@ class AscendV1Saver(Saver):
     weights_prefix = WEIGHTS_PREFIX
     #: Written when a config's ``spec.save`` is empty (msModelSlim's default format).
     default_saver = True
+    #: W8A8 and W8A8_DYNAMIC (msModelSlim's layout).
+    writes_activations = True
 
     def check_model(self, model: nn.Module, layers: list[DecoderLayer]) -> list[str]:
         model_type = str(getattr(getattr(model, "config", None), "model_type", "unknown"))
@@ -171,9 +178,14 @@ class AscendV1Saver(Saver):
         """
         rows = [row for row in plan.rows if not row.skipped and row.bits is not None]
         linears = [row for row in rows if parse_expert_linear(row.module) is None]
+        weight_only = [row for row in rows if row.act is None]
         found = (
-            (VLLM_ASCEND_MOE, [row for row in rows if parse_expert_linear(row.module)]),
-            (VLLM_ASCEND_W4A16, [row for row in linears if row.bits == 4]),
+            (
+                VLLM_ASCEND_MOE,
+                [row for row in weight_only if parse_expert_linear(row.module)],
+            ),
+            (VLLM_ASCEND_W4A16, [row for row in linears if row.bits == 4 and row.act is None]),
+            (VLLM_ASCEND_W4A8, [row for row in linears if row.act == "W4A8_DYNAMIC"]),
             (VLLM_ASCEND_PER_GROUP, [row for row in linears if row.bits == 8 and _grouped(row)]),
             (VLLM_ASCEND_ASYM, [row for row in rows if row.sym is False]),
         )
@@ -188,7 +200,7 @@ class AscendV1Saver(Saver):
     # --- the format ------------------------------------------------------------------------
 
     def pack(self, ctx: RunContext, name: str, module: QuantizedLinear) -> dict[str, torch.Tensor]:
-        return ascend_module_tensors(name, module)
+        return ascend_module_tensors(name, module, model_float_dtype(ctx.model))
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         super().add(name, tensor)
@@ -284,6 +296,15 @@ class AscendV1Saver(Saver):
             kind = self.state.types[f"{head}.weight"]
             logger.warning("%s: %s", self.type_name, HEAD_WARNING.format(head=head, kind=kind))
         return description_globals(self.model_quant_type(), sizes)
+
+
+def model_float_dtype(model: nn.Module) -> torch.dtype:
+    """The model's floating dtype (its first floating parameter's; float32 if none): W8A8's
+    ``deq_scale`` is float32 for bf16 models and int64-encoded otherwise."""
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            return parameter.dtype
+    return torch.float32
 
 
 def _grouped(row: PlanRow) -> bool:

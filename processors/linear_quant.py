@@ -79,6 +79,7 @@ from torch import nn
 
 from msquant import (
     BASE_SOURCE,
+    ActivationQuant,
     BaseScheme,
     ConfigIssue,
     DecoderLayer,
@@ -89,6 +90,7 @@ from msquant import (
     OutputHeadStage,
     Processor,
     ProcessorConfig,
+    QuantizationError,
     QuantizedLinear,
     QuantizedWeight,
     ResolvedScheme,
@@ -98,10 +100,12 @@ from msquant import (
     first_matching_pattern,
     moe_routers,
     parse_dynamic,
+    parse_expert_linear,
     replace_module,
     resolve_module_scheme,
     unmatched_patterns,
 )
+from msquant.processors.linear_quant_act import StaticActCalibration, act_scheme
 from msquant.processors.linear_quant_calibration import HessianCollector, plan_passes
 from msquant.processors.linear_quant_checks import divisor_problem, fused_problems, head_problems
 from msquant.processors.linear_quant_config import METHODS, LinearQuantConfig, config_issues
@@ -134,12 +138,32 @@ class LinearQuantProcessor(Processor):
         super().__init__(config)
         weight = self.config.qconfig.weight
         self.method = METHODS.get(weight.method)(weight)
-        self.requires_calibration = self.method.calibrated
+        #: W8A8 / W8A8_DYNAMIC / W4A8_DYNAMIC, or None for float activations (:mod:`.linear_quant_act`).
+        self.act_scheme = act_scheme(self.config.qconfig.act, weight)
+        static = self.act_scheme == "W8A8"
+        self.requires_calibration = self.method.calibrated or static
         self.calibrate_on_quantized = self.method.calibrated and self.method.calibrate_on_quantized
+        # static ranges are gathered online, sample by sample in the dataset's order (msModelSlim)
+        self.batch_calibration = not static
+        self._act_calibration = (
+            StaticActCalibration(self.config.qconfig.act.symmetric) if static else None
+        )
+        self._rtn: dict[str, QuantizedWeight] = {}  # this layer's weights, quantized to calibrate
         self._pass_plan: dict[str, int] = {}  # this layer's module -> calibration pass
         self._apply_after: dict[int, list[str]] = {}  # pass -> modules quantized after it
         self._collector = HessianCollector()
         self._solved: dict[str, tuple[QuantizedWeight, ModuleReport]] = {}  # this layer's
+
+    def setup(self, ctx: RunContext) -> None:
+        """Static activation ranges are calibrated online over the whole calibration set in
+        order; a ``dp_layer_wise`` group would give each process its share (refused)."""
+        if self._act_calibration is not None and ctx.dist.world_size > 1:
+            raise QuantizationError(
+                "linear_quant: static per_tensor activations (W8A8) are calibrated online, one "
+                "sample after the other over the whole calibration set, which a dp_layer_wise "
+                f"group of {ctx.dist.world_size} processes would split; run it in one process "
+                "(spec.runner: layer_wise, no --nproc / device list) or use per_token activations"
+            )
 
     @classmethod
     def check_config(cls, config: ProcessorConfig) -> list[ConfigIssue]:
@@ -182,7 +206,9 @@ class LinearQuantProcessor(Processor):
         if _glob_match(name, self.config.include) is None:
             return ModuleDecision(None, self.method.name)
         return ModuleDecision(
-            resolve_module_scheme(name, self.base_scheme, self.rules, groups), self.method.name
+            resolve_module_scheme(name, self.base_scheme, self.rules, groups),
+            self.method.name,
+            act=self.act_scheme,
         )
 
     def selected(self, layer: DecoderLayer) -> list[tuple[str, nn.Linear, ResolvedScheme]]:
@@ -294,6 +320,16 @@ class LinearQuantProcessor(Processor):
                     problems += divisor_problem(name, module, scheme, self.rules)
         if self.config.lm_head:
             problems += head_problems(model, layers, decisions, self.method, self.rules)
+        if self.act_scheme == "W8A8":
+            problems += [
+                f"linear_quant: {name}: static per_tensor activations (W8A8) on MoE experts are not "
+                "implemented (vLLM-Ascend has no W8A8 MoE scheme; its MoE schemes are dynamic): "
+                "use act scope per_token (W8A8_DYNAMIC) or exclude the experts ('*.experts.*')"
+                for name, decision in decisions.items()
+                if decision.scheme is not None
+                and not decision.scheme.skipped
+                and parse_expert_linear(name) is not None
+            ][:1]
         return problems + fused_problems(decisions)
 
     # -- calibration (methods that learn from data) ---------------------------------------------
@@ -318,7 +354,13 @@ class LinearQuantProcessor(Processor):
         )
 
     def before_pass(self, ctx: RunContext, layer: DecoderLayer, index: int) -> None:
-        """Hook the modules whose Hessians this pass gathers."""
+        """Hook the modules whose Hessians this pass gathers, or whose static activation ranges
+        it calibrates (W8A8: with their weights quantized, as msModelSlim calibrates)."""
+        if self._act_calibration is not None and index == 0:
+            for name, module, scheme in self.selected(layer):
+                qweight = self._rtn[name] = self.method.quantize_rtn(module.weight, scheme, name)
+                fake_weight = qweight.dequantize().to(module.weight.dtype)
+                self._act_calibration.hook(name, module, fake_weight)
         if not self.method.calibrated:
             return
         for name, module, scheme in self.selected(layer):
@@ -330,6 +372,8 @@ class LinearQuantProcessor(Processor):
         """Solve the modules of this pass and free their Hessians; the layer keeps its float
         weights (the next pass, and the next layer's inputs, are computed with them)."""
         self._collector.unhook()
+        if self._act_calibration is not None:
+            self._act_calibration.unhook()
         if not self.method.calibrated:
             return
         modules = [m for m in self.selected(layer) if self._pass_plan[m[0]] == index]
@@ -344,7 +388,10 @@ class LinearQuantProcessor(Processor):
 
     def after_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
         self._collector.unhook()
+        if self._act_calibration is not None:
+            self._act_calibration.unhook()
         self._apply(ctx, self.selected(layer))
+        self._rtn.clear()
 
     # -- quantization ---------------------------------------------------------------------------
 
@@ -355,7 +402,8 @@ class LinearQuantProcessor(Processor):
             if self.method.calibrated:
                 qweight, report = self._solved.pop(name)
             else:
-                qweight = self.method.quantize_rtn(module.weight, scheme, name)
+                calibrated_with = self._rtn.pop(name, None)  # W8A8: quantized to calibrate
+                qweight = calibrated_with or self.method.quantize_rtn(module.weight, scheme, name)
                 report = self._module_report(name, scheme)
             ctx.report.add_module(report)
             if scheme.decided_by != BASE_SOURCE:
@@ -364,8 +412,18 @@ class LinearQuantProcessor(Processor):
             replace_module(
                 ctx.model,
                 name,
-                QuantizedLinear.from_linear(module, qweight, self.method.name, act_order),
+                QuantizedLinear.from_linear(
+                    module, qweight, self.method.name, act_order, self._activation(name)
+                ),
             )
+
+    def _activation(self, name: str) -> ActivationQuant | None:
+        """The activation scheme of module ``name`` (calibrated for W8A8), None for float."""
+        if self._act_calibration is not None:
+            return self._act_calibration.take(name)
+        if self.act_scheme in ("W8A8_DYNAMIC", "W4A8_DYNAMIC"):
+            return ActivationQuant("per_token")
+        return None
 
     def _module_report(self, name: str, scheme: ResolvedScheme) -> ModuleReport:
         """The scheme part of a module's report entry (a solve adds its statistics)."""

@@ -17,12 +17,12 @@ from msquant import (
     ConfigIssue,
     LinearQConfig,
     ProcessorConfig,
-    QDType,
     QScope,
     default_method_registry,
     parse_dynamic,
     pattern_problem,
 )
+from msquant.processors.linear_quant_act import act_issues
 
 __all__ = ["METHODS", "MethodQConfig", "LinearQuantConfig", "config_issues"]
 
@@ -97,7 +97,7 @@ class LinearQuantConfig(ProcessorConfig):
 
 def config_issues(config: LinearQuantConfig) -> list[ConfigIssue]:
     """What the schema cannot say: include/exclude globs that cannot be matched (bad braces,
-    too many expansions), activations must be float (weight-only), the ``dynamic``
+    too many expansions), the activation scheme implemented (:mod:`.linear_quant_act`), the ``dynamic``
     rules valid for the method, the ``(dtype, scope)`` implemented by the method, and the
     method's own rule checks."""
     issues: list[ConfigIssue] = [
@@ -106,16 +106,8 @@ def config_issues(config: LinearQuantConfig) -> list[ConfigIssue]:
         for index, pattern in enumerate(getattr(config, key))
         if (problem := pattern_problem(pattern)) is not None
     ]
-    act = config.qconfig.act
-    if act.dtype is not QDType.FLOAT:
-        issues.append(
-            ConfigIssue(
-                "qconfig.act.dtype",
-                f"activation quantization ({act.dtype.value}) is not implemented; valid: float "
-                "(weight-only, e.g. W8A16) - or omit qconfig.act",
-            )
-        )
     weight = config.qconfig.weight
+    issues += act_issues(config.qconfig.act, weight, config.lm_head, bool(config.dynamic))
     method = METHODS.get(weight.method)
     rules, rule_issues = parse_dynamic(config.dynamic, method.rule_keys, RULE_KEY_METHODS)
     issues += rule_issues

@@ -68,7 +68,11 @@ FALLBACK_DESCRIPTIONS: dict[tuple[str, str], str] = {
     ("Spec", "save"): "Savers writing the output, in order; empty means `ascendv1_saver`.",
     ("PriorStage", "process"): "Processor entries of the stage.",
     ("PriorStage", "dataset"): "Calibration file of the stage.",
-    ("LinearQConfig", "act"): "Activation quantization (float only: weight-only quantization).",
+    ("LinearQConfig", "act"): (
+        "Activation quantization: `float` (weight-only, the default), or int8 `per_tensor` (W8A8, "
+        "static: calibrated, sym or asym) / `per_token` (W8A8_DYNAMIC, sym) with `method: minmax`, "
+        "both with int8 per-channel symmetric `minmax` weights."
+    ),
     ("LinearQConfig", "weight"): "Weight quantization.",
     ("LinearQuantConfig", "qconfig"): "How weights (and activations) are quantized.",
 }

@@ -518,10 +518,13 @@ def test_unimplemented_weight_combinations(weight: str, registry: ProcessorRegis
         assert combo in message
 
 
-def test_activation_quantization_is_not_implemented(registry: ProcessorRegistry) -> None:
-    text = linear_quant("{method: minmax}", qconfig_extra="act: {dtype: int8, method: minmax}, ")
-    message = issue_at(config_error(text, registry), "spec.process[0].qconfig.act.dtype").message
-    assert "not implemented" in message and "float" in message
+def test_unimplemented_activation_schemes_name_the_implemented_ones(
+    registry: ProcessorRegistry,
+) -> None:
+    text = linear_quant("{method: minmax}", qconfig_extra="act: {dtype: int4, method: minmax}, ")
+    message = issue_at(config_error(text, registry), "spec.process[0].qconfig.act").message
+    assert "act {dtype: int4, scope: per_tensor, symmetric: true, method: minmax}" in message
+    assert "not implemented" in message and "W8A8 = " in message and "W8A8_DYNAMIC = " in message
 
 
 def test_unknown_method_lists_methods(registry: ProcessorRegistry) -> None:
@@ -572,7 +575,7 @@ def test_semantic_errors_are_reported_together(registry: ProcessorRegistry) -> N
     text = linear_quant("{method: minmax, dtype: mxfp8}", qconfig_extra="act: {dtype: int8}, ")
     err = config_error(text, registry)
     assert len(err.issues) == 2
-    issue_at(err, "spec.process[0].qconfig.act.dtype")
+    issue_at(err, "spec.process[0].qconfig.act")
     issue_at(err, W)
 
 

@@ -6,6 +6,12 @@ The float model is built from the export's ``config.json``, its float tensors ar
 stored, and each quantized linear gets its dequantized weight ``(codes - offset) * scale`` cast
 to the model dtype. What is evaluated is thus exactly what a consumer that dequantizes the
 checkpoint computes, not msquant's in-memory result.
+
+Activation schemes (W8A8, W8A8_DYNAMIC, ...): a reader that knows them has an
+``activation_of(module) -> ActivationQuant | None`` method (optional; the Ascend reader's gives
+the stored per-tensor parameters or per-token); each such layer then fake-quantizes its input in a
+forward pre-hook, as the deployed kernel quantizes it, so the perplexity reflects W8A8, not only
+the weights.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,6 +28,7 @@ from msquant.errors import ModelLoadError
 from msquant.load.model_folder import load_model_config
 from msquant.model.adapter_registry import adapter_for
 from msquant.plugin.format import FormatRegistry
+from msquant.quant.activation import ActivationQuant
 from msquant.verify.base import ExportReader
 from msquant.verify.detect import open_reader
 from msquant.verify.errors import ExportReadError
@@ -71,12 +79,28 @@ def load_export(
             with torch.no_grad():
                 weight.copy_(layer.dequantize().to(dtype))
             covered.add(f"{module_name}.weight")
+            _simulate_activations(model, module_name, reader, stored_name)
     finally:
         if reader.store is not None:
             reader.store.close()
     _check_covered(model, covered, path)
     model.eval()
     return model
+
+
+def _simulate_activations(
+    model: nn.Module, module_name: str, reader: ExportReader, stored_name: str
+) -> None:
+    """Give the rebuilt layer its stored activation scheme, if the reader knows one."""
+    activation_of = getattr(reader, "activation_of", None)
+    act: ActivationQuant | None = activation_of(stored_name) if activation_of else None
+    if act is None:
+        return
+
+    def quantize_input(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (act.fake_quantize(args[0]), *args[1:])
+
+    model.get_submodule(module_name).register_forward_pre_hook(quantize_input)
 
 
 def _raise_on_errors(path: Path, reader: ExportReader, findings: Findings) -> None:

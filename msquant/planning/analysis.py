@@ -89,6 +89,7 @@ def _row(
             False,
             source_of(index, scheme),
             index,
+            decision.act,
         )
     for index, decision in decided:
         if decision.reason:
@@ -152,7 +153,18 @@ def analyse_plan(
         )
     model_type = str(getattr(getattr(model, "config", None), "model_type", "unknown"))
     result = ModelPlan(rows, errors, warnings, model_type)
+    with_act = [row.module for row in rows if row.act is not None and not row.skipped]
     for processor in processors:
+        if (
+            with_act
+            and processor.stage == "save"
+            and not getattr(processor, "writes_activations", False)
+        ):
+            result.errors.append(
+                f"{processor.type_name} does not store quantized activations, which "
+                f"{len(with_act)} layer(s) have ({with_act[0]}, ...): export activation schemes "
+                "with a saver that stores them (docs/ascend-format.md), or use float activations"
+            )
         if isinstance(processor, PlanReviewer):
             review = processor.review_plan(result, model)
             result.errors += review.errors

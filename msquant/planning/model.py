@@ -43,6 +43,9 @@ class ModuleDecision:
     scheme: ResolvedScheme | None
     method: str
     reason: str = ""
+    #: The activation scheme of a selected module (``W8A8``, ``W8A8_DYNAMIC``, ...); None when
+    #: its activations stay float.
+    act: str | None = None
 
 
 @runtime_checkable
@@ -94,6 +97,9 @@ class PlanRow:
     skipped: bool
     decided_by: str
     entry: int | None
+    #: The activation scheme (``W8A8``, ``W8A8_DYNAMIC``, ...) of a quantized module; None for
+    #: float activations.
+    act: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready mapping."""

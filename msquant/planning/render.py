@@ -17,21 +17,26 @@ def _cell(value: object) -> str:
 
 def render_plan(result: ModelPlan) -> str:
     """A plain-text table of the plan followed by a summary, the errors and the warnings."""
-    header = ("module", "bits", "group", "sym", "method", "skipped", "decided by")
+    # an "act" column only when a module quantizes its activations (weight-only plans unchanged)
+    with_act = any(row.act is not None for row in result.rows)
+    header: tuple[str, ...] = ("module", "bits", "group", "sym", "method", "skipped", "decided by")
+    if with_act:
+        header = (*header[:5], "act", *header[5:])
     table: list[tuple[str, ...]] = [header]
     for row in result.rows:
         group = "channel" if row.group_size == -1 else _cell(row.group_size)
-        table.append(
-            (
-                row.module,
-                _cell(row.bits),
-                group,
-                _cell(row.sym),
-                _cell(row.method),
-                _cell(row.skipped),
-                row.decided_by,
-            )
+        cells: tuple[str, ...] = (
+            row.module,
+            _cell(row.bits),
+            group,
+            _cell(row.sym),
+            _cell(row.method),
+            _cell(row.skipped),
+            row.decided_by,
         )
+        if with_act:
+            cells = (*cells[:5], _cell(row.act), *cells[5:])
+        table.append(cells)
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     lines = [
         "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()

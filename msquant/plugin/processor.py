@@ -95,6 +95,11 @@ class Processor(ABC):
     #: each decoder layer's inputs are the previous layer's outputs after every ``after_layer``
     #: (one more forward per layer), instead of the float outputs of its first calibration pass.
     calibrate_on_quantized: bool = False
+    #: Class default; an instance may set its own value. When a calibrating processor of a run
+    #: clears it, the calibration samples go through each layer one at a time, in the dataset's
+    #: order, instead of stacked in batches of equal length (statistics gathered online, where a
+    #: sample's treatment depends on the samples before it, e.g. static activation ranges).
+    batch_calibration: bool = True
 
     #: Set by the run when several savers share one save path: this saver then writes into
     #: ``save_path/<output_subdir>`` (see :meth:`output_dir`).

@@ -117,6 +117,9 @@ class Saver(Processor):
     plain_when_single: ClassVar[bool] = False
     state_class: ClassVar[type[SaverState]] = SaverState
     default_saver: ClassVar[bool] = False
+    #: Whether the format stores quantized activations (:attr:`QuantizedLinear.act`); a saver
+    #: without it refuses such a layer instead of writing it as weight-only.
+    writes_activations: ClassVar[bool] = False
 
     directory: Path
     writer: ShardedSafetensorsWriter
@@ -182,6 +185,13 @@ class Saver(Processor):
         for name, module in root.named_modules(prefix=prefix):
             if not isinstance(module, QuantizedLinear) or name in self.state.quantized:
                 continue
+            if module.act is not None and not self.writes_activations:
+                raise QuantizationError(
+                    f"{self.type_name}: {name} has quantized activations ({module.act.describe()}), "
+                    "which this format does not store; export activation schemes with a format that "
+                    "stores them (docs/ascend-format.md, activation schemes), or use float "
+                    "activations (omit qconfig.act)"
+                )
             packed = self.pack(ctx, name, module)
             for tensor_name, tensor in packed.items():
                 self.add(tensor_name, tensor)

@@ -21,6 +21,7 @@ Two activation schemes feed msModelSlim's W8A8 family:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
@@ -28,6 +29,7 @@ from msquant.quant.int_quant import compute_qparams, qrange
 
 __all__ = [
     "ACT_BITS",
+    "ActivationQuant",
     "OnlineMinMax",
     "fake_quantize_per_tensor",
     "fake_quantize_per_token",
@@ -99,7 +101,10 @@ class OnlineMinMax:
     batches: int = 0
 
     def observe(self, x: torch.Tensor) -> torch.Tensor:
-        """Widen the range with ``x``, then fake-quantize ``x`` with the updated parameters."""
+        """Widen the range with ``x``, then fake-quantize ``x`` with the updated parameters
+        (an empty batch, e.g. an MoE expert no token reached, is returned as it is)."""
+        if x.numel() == 0:
+            return x
         self.min_val = min(self.min_val, float(x.min()))
         self.max_val = max(self.max_val, float(x.max()))
         self.batches += 1
@@ -114,3 +119,83 @@ class OnlineMinMax:
         if self.batches == 0:
             raise ValueError("no activation was observed: run the calibration set through first")
         return per_tensor_qparams(self.min_val, self.max_val, self.symmetric, self.bits)
+
+
+#: The activation scopes implemented: one static range per layer, or one scale per token at run time.
+ActScope = Literal["per_tensor", "per_token"]
+
+
+@dataclass(frozen=True)
+class ActivationQuant:
+    """How a quantized linear layer's input is quantized (int8), as the exports need it.
+
+    ``per_tensor`` (W8A8, static): ``scale`` / ``offset`` are the calibrated ``input_scale`` /
+    ``input_offset`` (float32 values; the offset is the signed integral zero point, 0 when
+    symmetric). ``per_token`` (W8A8_DYNAMIC): symmetric, nothing calibrated (``scale`` and
+    ``offset`` None): each token is scaled by ``max|x_token| / 127`` at run time.
+
+    :raises ValueError: for a per-tensor scheme without its parameters, or an asymmetric or
+        parametrised per-token one.
+    """
+
+    scope: ActScope
+    symmetric: bool = True
+    scale: float | None = None
+    offset: float | None = None
+    bits: int = ACT_BITS
+
+    def __post_init__(self) -> None:
+        if self.scope == "per_tensor":
+            if self.scale is None or self.offset is None:
+                raise ValueError("a per_tensor activation scheme needs its input scale and offset")
+            if not self.scale > 0 or self.offset != round(self.offset):
+                raise ValueError(
+                    f"input scale {self.scale} must be > 0 and input offset {self.offset} integral"
+                )
+            if self.symmetric and self.offset != 0:
+                raise ValueError("a symmetric activation scheme has input offset 0")
+        elif self.scope == "per_token":
+            if not self.symmetric or self.scale is not None or self.offset is not None:
+                raise ValueError("per_token activations are symmetric and carry no parameters")
+        else:
+            raise ValueError(f"activation scope {self.scope!r}; valid: per_tensor, per_token")
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether the scale is computed at run time (per token) rather than calibrated."""
+        return self.scope == "per_token"
+
+    def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` quantized and dequantized as the deployed kernel quantizes it (in ``x``'s dtype)."""
+        if self.scope == "per_token":
+            return fake_quantize_per_token(x, self.bits)
+        assert self.scale is not None and self.offset is not None
+        return fake_quantize_per_tensor(x, self.scale, self.offset, self.bits)
+
+    def describe(self) -> str:
+        """``a8 per_tensor asym`` and the like (plans, module reprs)."""
+        kind = "sym" if self.symmetric else "asym"
+        return (
+            f"a{self.bits} {self.scope} {kind}" if not self.dynamic else f"a{self.bits} per_token"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready record (floats are float32 values, exact in JSON's doubles)."""
+        return {
+            "scope": self.scope,
+            "symmetric": self.symmetric,
+            "scale": self.scale,
+            "offset": self.offset,
+            "bits": self.bits,
+        }
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> ActivationQuant:
+        """Inverse of :meth:`to_json`."""
+        return cls(
+            scope=record["scope"],
+            symmetric=bool(record["symmetric"]),
+            scale=record["scale"],
+            offset=record["offset"],
+            bits=int(record["bits"]),
+        )

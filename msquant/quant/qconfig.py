@@ -67,7 +67,9 @@ class WeightQConfig(BaseModel):
 
 
 class ActQConfig(BaseModel):
-    """How activations are quantized (``qconfig.act``); only float (no activation quantization)."""
+    """How activations are quantized (``qconfig.act``): float (the default, weight-only), or
+    int8 ``per_tensor`` (static, W8A8) / ``per_token`` (dynamic, W8A8_DYNAMIC) with method
+    ``minmax``; which combinations a processor implements, it checks (``linear_quant``)."""
 
     model_config = ConfigDict(extra="forbid", use_enum_values=False)
 

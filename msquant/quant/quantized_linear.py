@@ -2,7 +2,10 @@
 
 Its state dict is the msModelSlim W8A16 layout (``weight`` int8, ``weight_scale`` and
 ``weight_offset`` float32, optional ``bias``), so savers read it directly. Its forward dequantizes
-the weight into the input's dtype, so later layers see the quantized model's behaviour.
+the weight into the input's dtype, so later layers see the quantized model's behaviour. With an
+activation scheme (``act``, W8A8 / W8A8_DYNAMIC) the forward also fake-quantizes its input as the
+deployed kernel quantizes it; ``act`` is a plain attribute, not a buffer, so the state dict (and
+every weight-only export) is unchanged, and the savers that write activation schemes read it.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from msquant.quant.activation import ActivationQuant
 from msquant.quant.quantized_weight import QuantizedWeight
 
 __all__ = ["QuantizedLinear", "replace_module"]
@@ -29,10 +33,12 @@ class QuantizedLinear(nn.Module):
         bias: torch.Tensor | None,
         method: str,
         act_order: bool = False,
+        act: ActivationQuant | None = None,
     ) -> None:
         """:param act_order: GPTQ quantized the input columns by descending Hessian diagonal
         (static groups: the group of column ``i`` is still ``i // group_size``); exporters that
-        record it (compressed-tensors ``actorder: "weight"``) read it here."""
+        record it (compressed-tensors ``actorder: "weight"``) read it here.
+        :param act: how the input is quantized (None: float activations, weight-only)."""
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.bits = qweight.bits
@@ -40,6 +46,7 @@ class QuantizedLinear(nn.Module):
         self.group_size = qweight.group_size
         self.method = method
         self.act_order = bool(act_order)
+        self.act = act
         self.register_buffer("weight", qweight.codes)
         self.register_buffer("weight_scale", qweight.scale)
         self.register_buffer("weight_offset", qweight.offset)
@@ -49,14 +56,19 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, qweight: QuantizedWeight, method: str, act_order: bool = False
+        cls,
+        linear: nn.Linear,
+        qweight: QuantizedWeight,
+        method: str,
+        act_order: bool = False,
+        act: ActivationQuant | None = None,
     ) -> QuantizedLinear:
         """Build from the float layer it replaces (keeps the bias in its dtype)."""
         if qweight.shape != tuple(linear.weight.shape):
             raise ValueError(
                 f"quantized weight {qweight.shape} does not fit linear {tuple(linear.weight.shape)}"
             )
-        return cls(qweight, linear.bias, method, act_order).to(linear.weight.device)
+        return cls(qweight, linear.bias, method, act_order, act).to(linear.weight.device)
 
     @property
     def qweight(self) -> QuantizedWeight:
@@ -76,6 +88,8 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.dequantized_weight().to(x.dtype)
+        if self.act is not None:
+            x = self.act.fake_quantize(x)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, weight, bias)
 
@@ -83,9 +97,10 @@ class QuantizedLinear(nn.Module):
         scope = "per_channel" if self.group_size is None else f"per_group({self.group_size})"
         kind = "sym" if self.symmetric else "asym"
         order = ", act-order" if self.act_order else ""
+        act = f", {self.act.describe()}" if self.act is not None else ""
         return (
             f"in={self.in_features}, out={self.out_features}, int{self.bits} {scope} {kind}, "
-            f"{self.method}{order}"
+            f"{self.method}{order}{act}"
         )
 
 

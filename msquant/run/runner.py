@@ -40,7 +40,12 @@ from msquant.run.capture import (
 from msquant.run.checkpoint.folder import RunCheckpoints
 from msquant.run.output_head import run_output_head
 
-__all__ = ["calibrates_on_quantized", "needs_calibration", "run_layer_wise"]
+__all__ = [
+    "batch_token_limit",
+    "calibrates_on_quantized",
+    "needs_calibration",
+    "run_layer_wise",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +83,14 @@ def run_layer_wise(
         started = time.perf_counter()
         if ctx.streamed is not None:  # capture runs the first layer once to learn its output type
             ctx.streamed.materialize(ctx.layers[0].module, ctx.layers[0].name)
-        _check_batches_for_processes(samples, ctx.dist.world_size)
+        batch_tokens = batch_token_limit(processors)
+        _check_batches_for_processes(samples, ctx.dist.world_size, batch_tokens)
         activations = capture_layer_inputs(
-            ctx.model, ctx.layers, samples, part=(ctx.dist.rank, ctx.dist.world_size)
+            ctx.model,
+            ctx.layers,
+            samples,
+            max_batch_tokens=batch_tokens,
+            part=(ctx.dist.rank, ctx.dist.world_size),
         )
         ctx.report.capture_seconds = time.perf_counter() - started
         logger.info(
@@ -138,6 +148,13 @@ def run_layer_wise(
         checkpoints.commit_finished(ctx)
 
 
+def batch_token_limit(processors: Sequence[Processor]) -> int:
+    """Tokens per calibration batch: 0 (one sample at a time, in order) when a calibrating
+    processor clears ``batch_calibration``, else :data:`DEFAULT_MAX_BATCH_TOKENS`."""
+    one_by_one = any(p.requires_calibration and not p.batch_calibration for p in processors)
+    return 0 if one_by_one else DEFAULT_MAX_BATCH_TOKENS
+
+
 def calibrates_on_quantized(processors: Sequence[Processor]) -> bool:
     """Whether a calibrating processor asks for layers calibrated on quantized outputs."""
     return any(p.requires_calibration and p.calibrate_on_quantized for p in processors)
@@ -170,9 +187,11 @@ def _calibrate(
     return outputs
 
 
-def _check_batches_for_processes(samples: Sequence[torch.Tensor], world_size: int) -> None:
+def _check_batches_for_processes(
+    samples: Sequence[torch.Tensor], world_size: int, batch_tokens: int
+) -> None:
     """Each process of a ``dp_layer_wise`` group needs at least one calibration batch."""
-    batches = len(batch_samples(samples))
+    batches = len(batch_samples(samples, batch_tokens))
     if batches < world_size:
         raise QuantizationError(
             f"dp_layer_wise: {world_size} processes but only {batches} calibration batch(es) "

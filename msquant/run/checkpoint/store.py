@@ -13,6 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from msquant.quant.activation import ActivationQuant
 from msquant.quant.quantized_linear import QuantizedLinear, replace_module
 from msquant.quant.quantized_weight import QuantizedWeight
 from msquant.run.checkpoint.durable import save_tensors_atomically
@@ -69,6 +70,7 @@ class LayerStore(Mapping[str, QuantizedWeight]):
                 "group_size": qweight.group_size,
                 "method": module.method,
                 "act_order": module.act_order,
+                "act": None if module.act is None else module.act.to_json(),
                 "shape": list(qweight.shape),
                 "bias": None if bias is None else str(bias.dtype).removeprefix("torch."),
             }
@@ -123,7 +125,13 @@ class LayerStore(Mapping[str, QuantizedWeight]):
             replace_module(
                 model,
                 name,
-                QuantizedLinear(qweight, bias, entry["method"], entry.get("act_order", False)),
+                QuantizedLinear(
+                    qweight,
+                    bias,
+                    entry["method"],
+                    entry.get("act_order", False),
+                    None if entry.get("act") is None else ActivationQuant.from_json(entry["act"]),
+                ),
             )
 
     @staticmethod

@@ -35,8 +35,9 @@ HEAD_WARNING = (
 
 
 def model_quant_type(types: Iterable[str]) -> str:
-    """The highest-priority type among the written tensors (msModelSlim's rule)."""
-    present = set(types)
+    """The highest-priority type among the written tensors (msModelSlim's rule: a type outside
+    its priority list, W4A8_DYNAMIC, is not counted, so a W4A8_DYNAMIC export says ``FLOAT``)."""
+    present = {kind for kind in types if kind in QUANT_TYPE_PRIORITY}
     return max(present, key=QUANT_TYPE_PRIORITY.index) if present else "FLOAT"
 
 

@@ -15,6 +15,15 @@ globals (msModelSlim's ``ext.json_append`` merges user keys in) and are not tens
   dimension (column ``2i`` in the low nibble, ``2i+1`` in the high nibble);
 * ``P.weight_scale`` and ``P.weight_offset`` float32 ``[out, 1]`` (per-channel) or
   ``[out, in/group_size]``; ``w = (weight - weight_offset) * weight_scale``; ``P.bias`` FLOAT.
+* W8A8_DYNAMIC (per-token activations): as W8A16 per-channel (offset 0);
+* W8A8 (static activations): ``P.weight`` int8 ``[out, in]``, ``P.input_scale`` /
+  ``P.input_offset`` float32 ``[1]``, ``P.deq_scale`` ``[out]`` (float32 for bf16 models, else
+  int64 holding float32 bits; ``= input_scale * weight_scale``, so the weight scale read back is
+  ``deq_scale / input_scale``), ``P.quant_bias`` int32 ``[out]`` (``-input_offset * sum_j
+  weight[i, j]``, checked exactly).
+* W4A8_DYNAMIC: ``P.weight`` int8 ``[out / 2, in]`` (int4 codes in pairs of rows: row ``2i`` in
+  the low nibble), ``P.weight_scale`` / ``P.weight_offset`` float32 ``[out, 1]``, ``P.scale_bias``
+  float32 ``[out, 1]`` or ``[out, 16]`` (row-parallel layers), checked exactly against the codes.
 """
 
 from __future__ import annotations
@@ -26,17 +35,24 @@ from pathlib import Path
 import torch
 
 from msquant import (
+    ActivationQuant,
     DecodedLayer,
     ExportReader,
     Findings,
     LayerReport,
+    decode_deq_scale,
     open_weights,
+    parse_expert_linear,
+    quant_bias,
     read_json,
+    scale_bias,
     ties_word_embeddings,
     trivial_g_idx,
     unpack_int4_pairs,
+    unpack_int4_rows,
     weight_files_present,
 )
+from msquant.processors.formats.ascend.config import model_quant_type
 from msquant.processors.formats.ascend.detect import (
     DESCRIPTION_STEM,
     MINDIE_WEIGHTS,
@@ -49,9 +65,19 @@ __all__ = ["AscendReader", "GLOBAL_KEYS", "TYPE_BITS"]
 FLOAT = "FLOAT"  # the description type of a float tensor, also its scheme in the fused check
 
 GLOBAL_KEYS = ("version", "model_quant_type", "metadata", "group_size", "optional")
-TYPE_BITS = {"W8A16": 8, "W4A16": 4}
+TYPE_BITS = {"W8A16": 8, "W4A16": 4, "W8A8_DYNAMIC": 8, "W8A8": 8, "W4A8_DYNAMIC": 4}
 PARTS = ("weight", "weight_scale", "weight_offset")
-ALLOWED_LEAVES = (*PARTS, "bias")
+W8A8_PARTS = ("weight", "input_scale", "input_offset", "deq_scale", "quant_bias")
+#: The stored tensors of a quantized linear of each type (the bias aside).
+TYPE_PARTS = {
+    "W8A16": PARTS,
+    "W4A16": PARTS,
+    "W8A8_DYNAMIC": PARTS,
+    "W8A8": W8A8_PARTS,
+    "W4A8_DYNAMIC": (*PARTS, "scale_bias"),
+}
+#: Every tensor name ending that belongs to a quantized linear's parameters.
+PARAMETER_LEAVES = tuple(dict.fromkeys(p for parts in TYPE_PARTS.values() for p in parts[1:]))
 DESCRIPTION_NAME = re.compile(rf"^{DESCRIPTION_STEM}(?:_([A-Za-z0-9_]+))?\.json$")
 
 VLLM_ASCEND_PER_GROUP = (
@@ -66,6 +92,12 @@ VLLM_ASCEND_ASYM = (
     "vLLM-Ascend passes weight_offset unchanged to npu_weight_quant_batchmatmul, documented as "
     "(weight + offset) * scale, while this format means (weight - offset) * scale: asymmetric "
     "layers may dequantize with the offset's sign flipped (unverified on hardware)"
+)
+
+VLLM_ASCEND_W4A8_LINEAR = (
+    "vLLM-Ascend serves W4A8_DYNAMIC for MoE experts only (no W4A8_DYNAMIC linear scheme): "
+    "these dense layers do not load there; msModelSlim's W4A8 practices quantize attention and "
+    "dense MLPs W8A8_DYNAMIC"
 )
 
 QUANTIZED_HEAD = (
@@ -99,7 +131,9 @@ class AscendReader(ExportReader):
                     f"{self.description_path.name}: {key} has a non-string type {value!r}"
                 )
         self.modules = self._quantized_from_description()
-        self.packed = {f"{m}.{part}" for m in self.modules for part in PARTS}
+        self.packed = {
+            f"{m}.{part}" for m in self.modules for part in TYPE_PARTS[self.types[f"{m}.weight"]]
+        }
         self._check_inventory()
         self._check_globals()
         self._check_config_json()
@@ -180,7 +214,7 @@ class AscendReader(ExportReader):
         modules = set(self.modules)
         for module in self.modules:
             kind = self.types[f"{module}.weight"]
-            for part in PARTS[1:]:
+            for part in TYPE_PARTS[kind][1:]:
                 tensor = f"{module}.{part}"
                 if tensor in self.types and self.types[tensor] != kind:
                     self.findings.error(
@@ -193,12 +227,15 @@ class AscendReader(ExportReader):
                 self.findings.error(f"{name} types {bias} as {self.types[bias]}, expected FLOAT")
         for key in sorted(set(self.types) | stored):
             module, _, leaf = key.rpartition(".")
-            if module in modules and leaf not in ALLOWED_LEAVES:
+            allowed = (
+                (*TYPE_PARTS[self.types[f"{module}.weight"]], "bias") if module in modules else ()
+            )
+            if module in modules and leaf not in allowed:
                 self.findings.error(
                     f"{key}: unexpected tensor for quantized layer {module} "
-                    f"(expected {', '.join(ALLOWED_LEAVES)})"
+                    f"(expected {', '.join(allowed)})"
                 )
-            elif module not in modules and leaf in PARTS[1:]:
+            elif module not in modules and leaf in PARAMETER_LEAVES:
                 self.findings.error(
                     f"{key}: quantization parameter of {module}, whose weight is not typed quantized"
                 )
@@ -208,8 +245,9 @@ class AscendReader(ExportReader):
                 and self.types.get(key, FLOAT) != FLOAT
             ):
                 self.findings.error(
-                    f"{name} types {key} as {self.types[key]}, but only {', '.join(PARTS)} of a "
-                    "quantized layer may carry a quant type"
+                    f"{name} types {key} as {self.types[key]}, but only the weight and "
+                    f"parameters ({', '.join(PARAMETER_LEAVES)}) of a quantized layer may carry "
+                    "a quant type"
                 )
 
     def _check_globals(self) -> None:
@@ -222,7 +260,11 @@ class AscendReader(ExportReader):
                 self.findings.error(f"{name}: {key} must be an object")
         present = {self.types[f"{m}.weight"] for m in self.modules} or {FLOAT}
         model_type = self.description.get("model_quant_type")
-        if "model_quant_type" in self.description and model_type not in present:
+        if (
+            "model_quant_type" in self.description
+            and model_type not in present
+            and model_type != model_quant_type(present)  # FLOAT for W4A8_DYNAMIC (msModelSlim)
+        ):
             self.findings.warn(
                 f"{name}: model_quant_type {model_type!r} is not among the types of its tensors "
                 f"{sorted(present)} (set by ext.json_append?); consumers that pick kernels by "
@@ -296,6 +338,10 @@ class AscendReader(ExportReader):
     def decode(self, module: str) -> DecodedLayer | None:
         kind = self.types[f"{module}.weight"]
         bits = TYPE_BITS[kind]
+        if kind == "W8A8":
+            return self._decode_w8a8(module)
+        if kind == "W4A8_DYNAMIC":
+            return self._decode_w4a8(module)
         names = {part: f"{module}.{part}" for part in PARTS}
         present = [
             self.expect(names[part], (dtype,), None)
@@ -353,7 +399,152 @@ class AscendReader(ExportReader):
             },
         )
 
+    def _model_dtype(self) -> str | None:
+        """The model's dtype named by config.json (``torch_dtype``, or transformers 5's ``dtype``)."""
+        config = self.config or {}
+        found = config.get("torch_dtype", config.get("dtype"))
+        return found if isinstance(found, str) else None
+
+    def _decode_w8a8(self, module: str) -> DecodedLayer | None:
+        """A W8A8 (static activations) layer: the activation parameters and the derived tensors
+        checked, the weight scale recovered as ``deq_scale / input_scale``."""
+        names = {part: f"{module}.{part}" for part in W8A8_PARTS}
+        if self.store is None or not self.expect(names["weight"], (torch.int8,), None):
+            return None
+        weight_shape = self.store.infos[names["weight"]].shape
+        if len(weight_shape) != 2:
+            self.findings.error(
+                f"{names['weight']}: shape {list(weight_shape)}, expected [out, in]"
+            )
+            return None
+        out_features, in_features = weight_shape
+        bf16 = self._model_dtype() == "bfloat16"
+        deq_dtype = torch.float32 if bf16 else torch.int64
+        checks = [
+            self.expect(names["input_scale"], (torch.float32,), (1,)),
+            self.expect(names["input_offset"], (torch.float32,), (1,)),
+            self.expect(names["deq_scale"], (torch.float32, torch.int64), (out_features,)),
+            self.expect(names["quant_bias"], (torch.int32,), (out_features,)),
+        ]
+        if not all(checks):
+            return None
+        deq = self.store.get(names["deq_scale"])
+        if deq.dtype != deq_dtype:
+            self.findings.error(
+                f"{names['deq_scale']}: {str(deq.dtype).replace('torch.', '')}, but the model is "
+                f"{self._model_dtype() or 'not bfloat16'}: vLLM-Ascend's W8A8 scheme creates it "
+                f"{'float32 for bf16 models' if bf16 else 'int64 (float32 bits) for fp16 models'}"
+            )
+            return None
+        input_scale = float(self.store.get(names["input_scale"])[0])
+        input_offset = float(self.store.get(names["input_offset"])[0])
+        if not input_scale > 0 or input_offset != round(input_offset) or abs(input_offset) > 128:
+            self.findings.error(
+                f"{names['input_scale']} / {names['input_offset']}: {input_scale} / {input_offset}; "
+                "expected a positive scale and an integral int8 zero point"
+            )
+            return None
+        try:
+            deq_float = decode_deq_scale(deq)
+        except ValueError as error:
+            self.findings.error(f"{names['deq_scale']}: {error}")
+            return None
+        codes = self.store.get(names["weight"])
+        stored_bias = self.store.get(names["quant_bias"])
+        if not torch.equal(stored_bias, quant_bias(codes, input_offset)):
+            count = int((stored_bias != quant_bias(codes, input_offset)).sum())
+            self.findings.error(
+                f"{names['quant_bias']}: {count} value(s) differ from -input_offset * sum of the "
+                "weight codes of their row"
+            )
+        scale = (deq_float.double() / input_scale).to(torch.float32).reshape(out_features, 1)
+        return DecodedLayer(
+            name=module,
+            scheme="W8A8",
+            bits=8,
+            group_size=None,
+            codes=codes.to(torch.int32),
+            scale=scale,
+            offset=torch.zeros_like(scale),
+            g_idx=trivial_g_idx(in_features, in_features),
+            scale_dtype=torch.float32,
+            tensors={
+                "codes": names["weight"],
+                "scale": f"{names['deq_scale']} / {names['input_scale']}",
+                "offset": f"{module} (symmetric weights: zero)",
+                "g_idx": f"{module} (per-channel)",
+            },
+        )
+
+    def _decode_w4a8(self, module: str) -> DecodedLayer | None:
+        """A W4A8_DYNAMIC layer: int4 codes unpacked from pairs of rows, ``scale_bias`` checked
+        against them exactly."""
+        names = {part: f"{module}.{part}" for part in TYPE_PARTS["W4A8_DYNAMIC"]}
+        if self.store is None or not self.expect(names["weight"], (torch.int8,), None):
+            return None
+        rows, in_features = self.store.infos[names["weight"]].shape
+        out_features = rows * 2
+        checks = [
+            self.expect(names["weight_scale"], (torch.float32,), (out_features, 1)),
+            self.expect(names["weight_offset"], (torch.float32,), (out_features, 1)),
+            self.expect(names["scale_bias"], (torch.float32,), None),
+        ]
+        if not all(checks):
+            return None
+        stored_bias = self.store.get(names["scale_bias"])
+        slices = stored_bias.shape[1] if stored_bias.dim() == 2 else 0
+        if (
+            stored_bias.dim() != 2
+            or stored_bias.shape[0] != out_features
+            or slices < 1
+            or in_features % slices
+        ):
+            self.findings.error(
+                f"{names['scale_bias']}: shape {list(stored_bias.shape)}, expected "
+                f"[{out_features}, 1] or [{out_features}, 16]"
+            )
+            return None
+        codes = unpack_int4_rows(self.store.get(names["weight"]))
+        scale = self.store.get(names["weight_scale"])
+        if not torch.equal(stored_bias, scale_bias(codes, scale, slices)):
+            self.findings.error(
+                f"{names['scale_bias']}: differs from 8 * the sum of the dequantized weights "
+                f"over {slices} slice(s) of each row"
+            )
+        return DecodedLayer(
+            name=module,
+            scheme="W4A8_DYNAMIC",
+            bits=4,
+            group_size=None,
+            codes=codes.to(torch.int32),
+            scale=scale,
+            offset=self.store.get(names["weight_offset"]).to(torch.float32),
+            g_idx=trivial_g_idx(in_features, in_features),
+            scale_dtype=torch.float32,
+            tensors={
+                "codes": names["weight"],
+                "scale": names["weight_scale"],
+                "offset": names["weight_offset"],
+                "g_idx": f"{module} (per-channel)",
+            },
+        )
+
+    def activation_of(self, module: str) -> ActivationQuant | None:
+        """How the deployed layer ``module`` quantizes its input (``msquant eval`` simulates it):
+        W8A8's stored per-tensor ``input_scale`` / ``input_offset``, per-token for the dynamic
+        types, None for weight-only types. Call after :meth:`decode` checked the layer."""
+        kind = self.types.get(f"{module}.weight")
+        if kind in ("W8A8_DYNAMIC", "W4A8_DYNAMIC"):
+            return ActivationQuant("per_token")
+        if kind != "W8A8" or self.store is None:
+            return None
+        scale = float(self.store.get(f"{module}.input_scale")[0])
+        offset = float(self.store.get(f"{module}.input_offset")[0])
+        return ActivationQuant("per_tensor", offset == 0, scale, offset)
+
     def consumer_notes(self, layer: DecodedLayer) -> None:
+        if layer.scheme == "W4A8_DYNAMIC" and parse_expert_linear(layer.name) is None:
+            self.findings.note(VLLM_ASCEND_W4A8_LINEAR, layer.name)
         if layer.scheme == "W4A16":
             self.findings.note(VLLM_ASCEND_W4A16, layer.name)
         elif layer.group_size is not None:

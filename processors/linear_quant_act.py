@@ -1,0 +1,199 @@
+"""Activation quantization in ``linear_quant`` (``qconfig.act``): which schemes are implemented,
+their config checks, and the online calibration of static (per-tensor) activation ranges.
+
+Implemented (msModelSlim's W8A8 family, the schemes vLLM-Ascend serves for dense layers):
+
+* **W8A8** (static): ``act: {dtype: int8, scope: per_tensor, symmetric: true|false, method:
+  minmax}`` with int8 per-channel symmetric ``minmax`` weights. ``input_scale`` / ``input_offset``
+  are calibrated as msModelSlim 26.1.0 calibrates them (established on its exports, see
+  docs/ascend-format.md): the samples go through each layer one at a time in the dataset's order;
+  every selected linear first widens its running min/max with the sample's input
+  (:class:`msquant.OnlineMinMax`), then computes its output from that input fake-quantized with the
+  range seen so far and from its fake-quantized weight; those outputs feed the rest of the layer
+  and the next layer.
+* **W8A8_DYNAMIC**: ``act: {dtype: int8, scope: per_token, symmetric: true, method: minmax}`` with
+  int8 per-channel symmetric ``minmax`` weights; nothing is calibrated (each token is scaled at
+  run time), so the weights are quantized without calibration data.
+* **W4A8_DYNAMIC**: the same activations with int4 per-channel symmetric ``minmax`` weights
+  (msModelSlim 26.1.0 has no per-group W4A8_DYNAMIC layer either).
+* **GPTQ weights** (``method: gptq``, per-channel symmetric int8 / int4) with per-token
+  activations (W8A8_DYNAMIC, W4A8_DYNAMIC), which msModelSlim cannot do. GPTQ's Hessian sees each
+  linear's input as it reaches the layer in the quantized model: the previous decoder layers
+  quantized, weights *and* per-token activations (their :class:`msquant.QuantizedLinear` fake-
+  quantizes its input), but the linear's own input not rounded to int8. Per-token rounding is
+  applied afresh to every token at run time and adds an error of at most half a step
+  (``max|x_token| / 254``) per entry, independent of the weight; GPTQ minimises ``||W X - Q X||``
+  over the activations the deployed layer receives before its own rounding. Static (per-tensor)
+  activations with GPTQ weights are not implemented (their online calibration runs on the
+  round-to-nearest weights).
+
+Everything else with quantized activations is refused with the list above.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from msquant import (
+    ActivationQuant,
+    ActQConfig,
+    ConfigIssue,
+    OnlineMinMax,
+    QDType,
+    QScope,
+    QuantizationError,
+    WeightQConfig,
+)
+
+__all__ = [
+    "ACT_SCHEMES",
+    "ActScheme",
+    "StaticActCalibration",
+    "act_issues",
+    "act_scheme",
+]
+
+ActScheme = Literal["W8A8", "W8A8_DYNAMIC", "W4A8_DYNAMIC"]
+
+#: The activation schemes implemented, as named in the refusal message.
+ACT_SCHEMES = (
+    "W8A8 = act {dtype: int8, scope: per_tensor, symmetric: true or false, method: minmax} with "
+    "weight {dtype: int8, scope: per_channel, symmetric: true, method: minmax}; "
+    "W8A8_DYNAMIC = act {dtype: int8, scope: per_token, symmetric: true, method: minmax} with the "
+    "same weight; W4A8_DYNAMIC = the same act with weight {dtype: int4, scope: per_channel, "
+    "symmetric: true, method: minmax}; with per_token act, method: gptq too"
+)
+
+
+def act_scheme(act: ActQConfig, weight: WeightQConfig) -> ActScheme | None:
+    """The scheme ``qconfig.act`` (with these weights) asks for (None: float activations);
+    assumes :func:`act_issues` found nothing."""
+    if act.dtype is QDType.FLOAT:
+        return None
+    if act.scope is QScope.PER_TENSOR:
+        return "W8A8"
+    return "W4A8_DYNAMIC" if weight.dtype is QDType.INT4 else "W8A8_DYNAMIC"
+
+
+def act_issues(
+    act: ActQConfig, weight: WeightQConfig, lm_head: bool, dynamic: bool
+) -> list[ConfigIssue]:
+    """Why ``qconfig.act`` (with this weight config) is not implemented, if it is not.
+
+    :param lm_head: the entry quantizes the output head (msModelSlim never quantizes it with
+        activations, and no Ascend scheme serves a quantized head with them).
+    :param dynamic: the entry has ``dynamic`` rules (per-module weight overrides).
+    """
+    if act.dtype is QDType.FLOAT:
+        return []
+    issues = []
+    given = (
+        f"act {{dtype: {act.dtype.value}, scope: {act.scope.value}, "
+        f"symmetric: {str(act.symmetric).lower()}, method: {act.method}}}"
+    )
+    known_act = (
+        act.dtype is QDType.INT8
+        and act.method == "minmax"
+        and (act.scope is QScope.PER_TENSOR or (act.scope is QScope.PER_TOKEN and act.symmetric))
+    )
+    if not known_act:
+        issues.append(
+            ConfigIssue("qconfig.act", f"{given} is not implemented; implemented: {ACT_SCHEMES}")
+        )
+    if act.ext:
+        issues.append(
+            ConfigIssue(
+                "qconfig.act.ext",
+                f"no ext option is implemented for activations, got {sorted(act.ext)}",
+            )
+        )
+    per_token = act.scope is QScope.PER_TOKEN
+    weight_ok = (
+        (weight.dtype is QDType.INT8 or (weight.dtype is QDType.INT4 and per_token))
+        and weight.scope is QScope.PER_CHANNEL
+        and weight.symmetric
+        and (weight.method == "minmax" or (weight.method == "gptq" and per_token))
+    )
+    if known_act and not weight_ok:
+        issues.append(
+            ConfigIssue(
+                "qconfig.weight",
+                f"weight {{dtype: {weight.dtype.value}, scope: {weight.scope.value}, symmetric: "
+                f"{str(weight.symmetric).lower()}, method: {weight.method}}} with quantized "
+                f"activations is not implemented; implemented: {ACT_SCHEMES}",
+            )
+        )
+    if lm_head:
+        issues.append(
+            ConfigIssue(
+                "lm_head",
+                "lm_head: true with quantized activations is not implemented (msModelSlim keeps "
+                "the head float); drop lm_head or use float activations",
+            )
+        )
+    if dynamic:
+        issues.append(
+            ConfigIssue(
+                "dynamic",
+                "dynamic rules with quantized activations are not implemented; select the modules "
+                "with include / exclude instead",
+            )
+        )
+    return issues
+
+
+class StaticActCalibration:
+    """Online calibration of the per-tensor input ranges of one layer's selected linears.
+
+    :meth:`hook` replaces a linear's forward (an instance attribute, removed by :meth:`unhook`)
+    by ``F.linear(observer.observe(x), fake_weight, bias)``: the running range widened with the
+    input, the input fake-quantized with it, the weight fake-quantized.
+    """
+
+    def __init__(self, symmetric: bool) -> None:
+        self.symmetric = symmetric
+        self.observers: dict[str, OnlineMinMax] = {}
+        self._hooked: list[nn.Linear] = []
+
+    def hook(self, name: str, module: nn.Linear, fake_weight: torch.Tensor) -> None:
+        """Calibrate ``module``'s input range from now on (``fake_weight``: its dequantized
+        quantized weight, in the weight's dtype)."""
+        observer = self.observers[name] = OnlineMinMax(self.symmetric)
+        module.forward = _observed_forward(observer, fake_weight, module.bias)  # type: ignore[method-assign, assignment]
+        self._hooked.append(module)
+
+    def unhook(self) -> None:
+        """Give the hooked linears their own forward back."""
+        for module in self._hooked:
+            del module.forward
+        self._hooked.clear()
+
+    def take(self, name: str) -> ActivationQuant:
+        """The calibrated scheme of ``name`` (its observer forgotten).
+
+        :raises QuantizationError: when no calibration token reached the module.
+        """
+        observer = self.observers.pop(name)
+        if observer.batches == 0:
+            raise QuantizationError(
+                f"{name}: no calibration token reached this layer, so its static activation range "
+                "is unknown; exclude it or use scope: per_token activations"
+            )
+        scale, offset = observer.qparams()
+        return ActivationQuant("per_tensor", self.symmetric, scale, offset)
+
+
+def _observed_forward(
+    observer: OnlineMinMax, weight: torch.Tensor, bias: torch.Tensor | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(
+            observer.observe(x), weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
+        )
+
+    return forward
