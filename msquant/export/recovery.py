@@ -42,6 +42,7 @@ from msquant.errors import OutputPathError
 from msquant.export.marker import read_json_object
 
 __all__ = [
+    "fsync_directory",
     "OWNER_FILE",
     "SavePathLock",
     "is_owned_dir",
@@ -189,17 +190,18 @@ def write_journal(target: Path, entry: dict[str, Any]) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-    _fsync_directory(target.parent)
+    fsync_directory(target.parent)
 
 
 def remove_journal(target: Path) -> None:
     """The swap and its clean-up are done."""
     journal_path(target).unlink(missing_ok=True)
-    _fsync_directory(target.parent)
+    fsync_directory(target.parent)
 
 
-def _fsync_directory(directory: Path) -> None:
-    """Make renames in ``directory`` durable (best effort: not every platform can)."""
+def fsync_directory(directory: Path) -> None:
+    """Make renames in ``directory`` durable (best effort: not every platform can); the run's
+    checkpoint writes use it too."""
     try:
         handle = os.open(directory, os.O_RDONLY)
     except OSError:

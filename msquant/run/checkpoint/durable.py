@@ -13,21 +13,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from msquant.export.recovery import fsync_directory
+
 __all__ = ["write_json_atomically", "save_tensors_atomically"]
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (best effort: not every platform can)."""
-    try:
-        handle = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(handle)
-    except OSError:
-        pass
-    finally:
-        os.close(handle)
 
 
 def _replace_durably(tmp: Path, path: Path) -> None:
@@ -35,7 +23,7 @@ def _replace_durably(tmp: Path, path: Path) -> None:
     with open(tmp, "rb") as handle:
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-    _fsync_directory(path.parent)
+    fsync_directory(path.parent)
 
 
 def write_json_atomically(path: Path, data: Mapping[str, Any]) -> None:
