@@ -31,6 +31,21 @@ format inference picks ``pack-quantized`` for every weight-only int scheme):
 Dequantization: ``w = (unsigned_code - unsigned_zero) * scale`` (zero ``2^(b-1)`` when symmetric).
 Other tensors keep their dtype; tied weights are stored once.
 
+With ``linear_quant``'s ``qconfig.act`` (int8 W8A8 for vLLM's ``CompressedTensorsW8A8Int8``: int8
+per-channel symmetric weights with per-token dynamic or calibrated per-tensor static activations,
+format ``int-quantized``, the layout llm-compressor 0.14 writes for the same scheme):
+
+* ``P.weight`` int8 ``[out, in]`` (signed codes), ``P.weight_scale`` float32 ``[out, 1]``;
+* static activations: ``P.input_scale`` float32 ``[1]`` and, when asymmetric,
+  ``P.input_zero_point`` int8 ``[1]`` (``x ~ (q_x - zero_point) * input_scale``);
+* the group's ``input_activations``: ``{num_bits: 8, type: int, symmetric, strategy: token,
+  dynamic: true}`` or ``{..., strategy: tensor, dynamic: false}``.
+
+vLLM loads one input scale (and zero point) per fused layer (q/k/v, gate/up): the shards must
+hold equal ones, which they do when they read the same input (checked; refused otherwise). int4
+weights with int8 activations (W4A8_DYNAMIC) are refused at plan time: export them with
+``ascendv1_saver``.
+
 ``quantization_config``: one ``config_groups`` entry per distinct scheme (bits, symmetry,
 channel/group, group size, and ``actorder: "weight"`` for modules GPTQ solved in act-order).
 The most common scheme targets the class ``Linear``; the others list
@@ -97,10 +112,14 @@ from msquant.processors.formats.compressed_tensors.config import (
     build_quantization_config,
 )
 from msquant.processors.formats.compressed_tensors.consumers import (
+    activation_warnings,
     consumer_warnings,
     transformers_loading_note,
 )
-from msquant.processors.formats.compressed_tensors.packer import pack_quantized_tensors
+from msquant.processors.formats.compressed_tensors.packer import (
+    pack_int_quantized_tensors,
+    pack_quantized_tensors,
+)
 from msquant.processors.sglang_limits import sglang_plan_warnings
 
 __all__ = ["CompressedTensorsSaverConfig", "CompressedTensorsSaver", "CompressedTensorsSaverState"]
@@ -131,6 +150,9 @@ class CompressedTensorsSaver(Saver):
     state_class = CompressedTensorsSaverState
     state: CompressedTensorsSaverState
     weights_prefix = "model"
+    #: int8 W8A8 (vLLM's CompressedTensorsW8A8Int8); W4A8_DYNAMIC is refused at plan time.
+    writes_activations = True
+    activation_schemes = ("W8A8", "W8A8_DYNAMIC")
 
     def prepare(self, ctx: RunContext) -> None:
         # The float dtype each linear had before quantization: scales and bias are stored in it.
@@ -144,6 +166,8 @@ class CompressedTensorsSaver(Saver):
 
     def pack(self, ctx: RunContext, name: str, module: QuantizedLinear) -> dict[str, torch.Tensor]:
         dtype = self.float_dtypes.get(name, self.default_dtype)
+        if module.act is not None:
+            return pack_int_quantized_tensors(name, module.qweight, module.act, module.bias, dtype)
         return pack_quantized_tensors(name, module.qweight, module.bias, dtype)
 
     def record_quantized(self, name: str, module: QuantizedLinear, packed: list[str]) -> None:
@@ -153,7 +177,13 @@ class CompressedTensorsSaver(Saver):
         if module is None:
             return UNQUANTIZED, UNQUANTIZED
         scheme = WeightScheme.of(module)
-        return scheme, str(scheme)
+        act = module.act
+        if act is None or act.dynamic:
+            return scheme, str(scheme)
+        # vLLM loads one static input scale / zero point per fused layer
+        return (scheme, act.scale, act.offset), (
+            f"{scheme} input_scale {act.scale:.6g} zero_point {act.offset:g}"
+        )
 
     def fused_message(self, prefix: str, problems: list[str]) -> str:
         return "compressed_tensors: vLLM requires one scheme per fused layer: " + "; ".join(
@@ -189,9 +219,8 @@ class CompressedTensorsSaver(Saver):
             self.writer.total_bytes / 2**20,
         )
         logger.info("compressed_tensors: %s", transformers_loading_note(schemes.values()))
-        for message in consumer_warnings(
-            {ctx.disk_name(name): scheme for name, scheme in schemes.items()}
-        ):
+        on_disk = {ctx.disk_name(name): scheme for name, scheme in schemes.items()}
+        for message in consumer_warnings(on_disk) + activation_warnings(on_disk):
             logger.warning("compressed_tensors: %s", message)
 
     def review_plan(self, plan: ModelPlan, model: nn.Module) -> PlanReview:

@@ -1,6 +1,12 @@
-"""The compressed-tensors ``quantization_config`` (pure): one config group per distinct weight
-scheme, the most common one targeting the class ``Linear``, the others their exact module names,
-and the modules left in float in ``ignore``."""
+"""The compressed-tensors ``quantization_config`` (pure): one config group per distinct scheme,
+the most common one targeting the class ``Linear``, the others their exact module names, and the
+modules left in float in ``ignore``.
+
+A scheme is weight-only (``pack-quantized``, ``input_activations: null``) or int8 W8A8
+(``int-quantized``, with ``input_activations`` as llm-compressor 0.14 writes them for the same
+scheme: ``{num_bits: 8, type: int, symmetric, strategy: token, dynamic: true}`` for per-token
+dynamic activations, ``strategy: tensor, dynamic: false`` for static per-tensor ones).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,8 @@ from msquant import QuantizationError, QuantizedLinear
 __all__ = [
     "COMPRESSED_TENSORS_VERSION",
     "FORMAT",
+    "INT_QUANTIZED",
+    "MIXED_PRECISION",
     "ACTORDER_WEIGHT",
     "WeightScheme",
     "build_quantization_config",
@@ -23,6 +31,12 @@ __all__ = [
 #: ``version``; compressed-tensors itself is only a test dependency).
 COMPRESSED_TENSORS_VERSION = "0.20.1"
 FORMAT = "pack-quantized"
+#: The format of int8 weights stored unpacked beside quantized activations (vLLM's
+#: ``CompressedTensorsW8A8Int8`` is chosen only for an activation-quantization format).
+INT_QUANTIZED = "int-quantized"
+#: The top-level ``format`` when the config groups use different formats (compressed-tensors'
+#: name; vLLM reads each group's own ``format`` first).
+MIXED_PRECISION = "mixed-precision"
 #: compressed-tensors' ``actorder`` for GPTQ act-order with static groups (alias ``static``):
 #: accepted by compressed-tensors 0.20 and vLLM 0.33, which need no ``g_idx`` for it.
 ACTORDER_WEIGHT = "weight"
@@ -38,18 +52,49 @@ class WeightScheme:
     :param actorder: ``"weight"`` when GPTQ quantized the modules in act-order with static
         groups (compressed-tensors' and llm-compressor's name; the stored layout is unchanged,
         there is no ``g_idx``), else None.
+    :param input_strategy: compressed-tensors' strategy of the int8 input activations:
+        ``token`` (dynamic, symmetric), ``tensor`` (static, calibrated), None for float
+        activations (weight-only).
+    :param input_symmetric: whether static activations have no zero point.
     """
 
     num_bits: int
     symmetric: bool
     group_size: int | None
     actorder: str | None = None
+    input_strategy: str | None = None
+    input_symmetric: bool = True
 
     @classmethod
     def of(cls, module: QuantizedLinear) -> WeightScheme:
         """The scheme of a quantized linear."""
         actorder = ACTORDER_WEIGHT if getattr(module, "act_order", False) else None
-        return cls(module.bits, module.symmetric, module.group_size, actorder)
+        act = module.act
+        if act is None:
+            return cls(module.bits, module.symmetric, module.group_size, actorder)
+        strategy = "token" if act.dynamic else "tensor"
+        return cls(
+            module.bits, module.symmetric, module.group_size, actorder, strategy, act.symmetric
+        )
+
+    @property
+    def format(self) -> str:
+        """The group's compression format: ``int-quantized`` with activations, else
+        ``pack-quantized``."""
+        return FORMAT if self.input_strategy is None else INT_QUANTIZED
+
+    def input_args(self) -> dict[str, Any] | None:
+        """The ``input_activations`` entry of a config group (None for float activations)."""
+        if self.input_strategy is None:
+            return None
+        dynamic = self.input_strategy == "token"
+        return {
+            "num_bits": 8,
+            "type": "int",
+            "symmetric": self.input_symmetric,
+            "strategy": self.input_strategy,
+            "dynamic": dynamic,
+        }
 
     @property
     def strategy(self) -> str:
@@ -74,7 +119,12 @@ class WeightScheme:
     def __str__(self) -> str:
         scope = "per_channel" if self.group_size is None else f"per_group({self.group_size})"
         order = f" actorder {self.actorder}" if self.actorder else ""
-        return f"int{self.num_bits} {scope} {'sym' if self.symmetric else 'asym'}{order}"
+        act = ""
+        if self.input_strategy == "token":
+            act = " a8 per_token"
+        elif self.input_strategy == "tensor":
+            act = f" a8 per_tensor {'sym' if self.input_symmetric else 'asym'}"
+        return f"int{self.num_bits} {scope} {'sym' if self.symmetric else 'asym'}{order}{act}"
 
 
 def build_quantization_config(
@@ -111,16 +161,17 @@ def build_quantization_config(
         f"group_{index}": {
             "targets": names,
             "weights": scheme.weights_args(),
-            "input_activations": None,
+            "input_activations": scheme.input_args(),
             "output_activations": None,
-            "format": FORMAT,
+            "format": scheme.format,
         }
         for index, (scheme, names) in enumerate(targets.items())
     }
+    formats = {scheme.format for scheme in targets}
     return {
         "quant_method": "compressed-tensors",
         "version": COMPRESSED_TENSORS_VERSION,
-        "format": FORMAT,
+        "format": formats.pop() if len(formats) == 1 else MIXED_PRECISION,
         "quantization_status": "compressed",
         "global_compression_ratio": None,
         "kv_cache_scheme": None,

@@ -7,7 +7,13 @@ from collections.abc import Iterable, Mapping
 
 from msquant.processors.formats.compressed_tensors.config import WeightScheme
 
-__all__ = ["SGLANG_BITS", "DENSE_PACKING_BITS", "transformers_loading_note", "consumer_warnings"]
+__all__ = [
+    "SGLANG_BITS",
+    "DENSE_PACKING_BITS",
+    "transformers_loading_note",
+    "consumer_warnings",
+    "activation_warnings",
+]
 
 #: Widths SGLang's compressed-tensors WNA16 scheme loads.
 SGLANG_BITS = (4, 8)
@@ -26,13 +32,37 @@ PACKING_WARNING = (
     "on them here); 4 or 8 bits avoid both: {names}"
 )
 
+VLLM_ASYM_ZERO_POINT = (
+    "static asymmetric activations: vLLM 0.33's CUTLASS int8 kernel rebuilds each layer's input "
+    "zero point from its range with a truncating conversion, which can move it one step toward "
+    "0 (observed on 1 of 8 layers of a tiny Llama: that layer's output then differs by about "
+    "one activation step); symmetric static or per-token activations avoid it: {names}"
+)
+TRANSFORMERS_DYNAMIC = (
+    "per-token activations: transformers (compressed-tensors) simulates them with its own step "
+    "max|x| / 127.5, vLLM's kernels and msquant eval with max|x| / 127, so its logits differ "
+    "slightly from the deployed model's"
+)
+
+
+def activation_warnings(schemes: Mapping[str, WeightScheme]) -> list[str]:
+    """What vLLM 0.33 loads differently among the int8 W8A8 modules (static activations on MoE
+    experts are refused by ``linear_quant`` itself; vLLM's int8 MoE method is per-token only)."""
+    warnings = []
+    asym = [n for n, s in schemes.items() if s.input_strategy == "tensor" and not s.input_symmetric]
+    if asym:
+        warnings.append(VLLM_ASYM_ZERO_POINT.format(names=_listing(asym)))
+    return warnings
+
 
 def transformers_loading_note(schemes: Iterable[WeightScheme]) -> str:
     """How transformers can load an export holding ``schemes`` (formats.md 4.1; vLLM loads all)."""
     distinct = set(schemes)
     symmetric = all(scheme.symmetric for scheme in distinct)
+    dynamic = any(scheme.input_strategy == "token" for scheme in distinct)
     if symmetric:
-        return "transformers loads it with AutoModelForCausalLM.from_pretrained(path)"
+        note = "transformers loads it with AutoModelForCausalLM.from_pretrained(path)"
+        return f"{note}; {TRANSFORMERS_DYNAMIC}" if dynamic else note
     if len(distinct) == 1:
         return (
             "asymmetric: transformers loads it only with "

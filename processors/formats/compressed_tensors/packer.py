@@ -5,15 +5,36 @@ Per quantized linear ``P``: ``P.weight_packed`` int32 ``[out, ceil(in * b / 32)]
 ``P.weight_scale`` ``[out, G]`` in the dtype of the float weight it replaced, ``P.weight_shape``
 int64 ``[out, in]``, asymmetric only ``P.weight_zero_point`` int32 ``[ceil(out * b / 32), G]``
 (packed along the output dimension), and ``P.bias`` in the scale's dtype.
+
+With int8 activations (W8A8, ``int-quantized``, the tensors vLLM's ``CompressedTensorsW8A8Int8``
+creates and llm-compressor writes): ``P.weight`` int8 ``[out, in]`` (signed codes, symmetric
+per-channel), ``P.weight_scale`` float32 ``[out, 1]``, for static activations ``P.input_scale``
+float32 ``[1]`` and, asymmetric only, ``P.input_zero_point`` int8 ``[1]`` (the signed zero point:
+``x ~ (q_x - zero_point) * input_scale``), and ``P.bias`` in the model dtype. Scales stay float32,
+the dtype of vLLM's parameters, so nothing is rounded on the way.
 """
 
 from __future__ import annotations
 
 import torch
 
-from msquant import QuantizationError, QuantizedWeight, pack_int32
+from msquant import ActivationQuant, QuantizationError, QuantizedWeight, pack_int32
 
-__all__ = ["MIN_BITS", "MAX_BITS", "pack_quantized_tensors"]
+__all__ = [
+    "MIN_BITS",
+    "MAX_BITS",
+    "W8A8_REFUSAL",
+    "pack_int_quantized_tensors",
+    "pack_quantized_tensors",
+]
+
+#: Why compressed-tensors refuses int4 weights with int8 activations (W4A8_DYNAMIC).
+W8A8_REFUSAL = (
+    "compressed_tensors stores int8 activations only with int8 per-channel symmetric weights "
+    "(W8A8 / W8A8_DYNAMIC, vLLM's CompressedTensorsW8A8Int8); {found} is not: export "
+    "W4A8_DYNAMIC with type: ascendv1_saver (msModelSlim's layout, served by vLLM-Ascend) or use "
+    "int8 weights"
+)
 
 MIN_BITS, MAX_BITS = 2, 8
 
@@ -58,6 +79,37 @@ def pack_quantized_tensors(
         except ValueError as exc:
             raise QuantizationError(f"{name}: {exc}") from exc
         tensors[f"{name}.weight_zero_point"] = pack_int32(zero_points, bits, dim=0)
+    if bias is not None:
+        tensors[f"{name}.bias"] = bias.detach().to(dtype)
+    return tensors
+
+
+def pack_int_quantized_tensors(
+    name: str,
+    qweight: QuantizedWeight,
+    act: ActivationQuant,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """The ``int-quantized`` tensors of one W8A8 linear ``name`` (pure; inputs unchanged).
+
+    :param act: how the layer's input is quantized (per-token dynamic or calibrated per-tensor).
+    :param dtype: the float dtype of the weight this linear replaced (the bias uses it).
+    :raises QuantizationError: for weights other than int8 per-channel symmetric.
+    """
+    if qweight.bits != 8 or not qweight.symmetric or qweight.group_size is not None:
+        scope = "per-channel" if qweight.group_size is None else f"group {qweight.group_size}"
+        found = f"int{qweight.bits} {scope} {'sym' if qweight.symmetric else 'asym'}"
+        raise QuantizationError(f"{name}: " + W8A8_REFUSAL.format(found=found))
+    tensors = {
+        f"{name}.weight": qweight.codes.to(torch.int8),
+        f"{name}.weight_scale": qweight.scale.to(torch.float32).reshape(-1, 1),
+    }
+    if not act.dynamic:
+        assert act.scale is not None and act.offset is not None
+        tensors[f"{name}.input_scale"] = torch.tensor([act.scale], dtype=torch.float32)
+        if not act.symmetric:
+            tensors[f"{name}.input_zero_point"] = torch.tensor([act.offset], dtype=torch.int8)
     if bias is not None:
         tensors[f"{name}.bias"] = bias.detach().to(dtype)
     return tensors

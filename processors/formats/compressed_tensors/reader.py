@@ -11,6 +11,11 @@ quantized linear ``P``:
   ``zp + 2^(b-1)`` packed along the output dimension;
 * ``w = (q - zp) * scale`` with column ``i`` in group ``i // group_size``.
 
+int8 W8A8 groups (``int-quantized`` with ``input_activations``, vLLM's
+``CompressedTensorsW8A8Int8``) are read by :mod:`.int_quantized`: ``P.weight`` int8 ``[out, in]``,
+``P.weight_scale`` ``[out, 1]``, static activations' ``P.input_scale`` / ``P.input_zero_point``;
+``msquant eval`` simulates their activations (:meth:`CompressedTensorsReader.activation_of`).
+
 The config's ``config_groups`` map ``targets`` (exact module names, ``re:`` regexes matched with
 ``re.match``, or class names such as ``Linear``) to weight schemes; ``ignore`` lists modules kept
 in float. For a module, an exact name wins over a regex, which wins over a class name.
@@ -27,6 +32,7 @@ from typing import Any
 import torch
 
 from msquant import (
+    ActivationQuant,
     DecodedLayer,
     ExportReader,
     Findings,
@@ -36,6 +42,8 @@ from msquant import (
     unpack_int32_stream,
     words_needed,
 )
+from msquant.processors.formats.compressed_tensors import int_quantized
+from msquant.processors.formats.compressed_tensors.int_quantized import INT_PARTS, INT_QUANTIZED
 
 __all__ = ["CompressedTensorsReader", "CTScheme"]
 
@@ -88,15 +96,34 @@ class CTScheme:
     symmetric: bool
     strategy: str  # channel | group
     group_size: int | None
+    #: int8 activations (``int-quantized``): ``tensor`` (static) or ``token`` (dynamic); None
+    #: for weight-only ``pack-quantized``.
+    input_strategy: str | None = None
+    input_symmetric: bool = True
 
     def key(self) -> Hashable:
         """What two fused shards must share (the group name does not matter)."""
-        return (self.bits, self.symmetric, self.strategy, self.group_size)
+        return (
+            self.bits,
+            self.symmetric,
+            self.strategy,
+            self.group_size,
+            self.input_strategy,
+            self.input_symmetric,
+        )
 
     def describe(self) -> str:
-        """E.g. ``int4 group 32 asym (group_0)``."""
+        """E.g. ``int4 group 32 asym (group_0)``, ``int8 per-channel sym a8 token (group_0)``."""
         scope = "per-channel" if self.strategy == "channel" else f"group {self.group_size}"
-        return f"int{self.bits} {scope} {'sym' if self.symmetric else 'asym'} ({self.group})"
+        act = ""
+        if self.input_strategy is not None:
+            kind = (
+                ""
+                if self.input_strategy == "token"
+                else (" sym" if self.input_symmetric else " asym")
+            )
+            act = f" a8 {self.input_strategy}{kind}"
+        return f"int{self.bits} {scope} {'sym' if self.symmetric else 'asym'}{act} ({self.group})"
 
 
 @dataclass(frozen=True)
@@ -121,8 +148,10 @@ class CompressedTensorsReader(ExportReader):
             tuple(str(i) for i in ignore) if isinstance(ignore, list) else ()
         )
         self.store = open_weights(directory, "model", findings)
-        self.modules = self._find_modules()
+        self.int_modules = self._find_int_modules()
+        self.modules = sorted({*self._find_modules(), *self.int_modules})
         self.packed = {f"{m}.{part}" for m in self.modules for part in PARTS}
+        self.packed |= {f"{m}.{part}" for m in self.int_modules for part in INT_PARTS}
         self._check_float_modules()
 
     # --- config ----------------------------------------------------------------------------
@@ -162,10 +191,13 @@ class CompressedTensorsReader(ExportReader):
     def _group_scheme(self, name: str, group: dict[str, Any]) -> CTScheme | None:
         where = f"quantization_config.config_groups.{name}"
         group_format = group.get("format") or self.qconfig.get("format")
+        if group_format == INT_QUANTIZED:
+            return self._int_group_scheme(name, group, where)
         if group_format != PACK_QUANTIZED:
             self.findings.error(
                 f"{where}: format {group_format!r} is not verified by msquant verify "
-                f"(it reads {PACK_QUANTIZED} weight-only checkpoints)"
+                f"(it reads {PACK_QUANTIZED} weight-only and {INT_QUANTIZED} int8 W8A8 "
+                "checkpoints)"
             )
             return None
         for key in ("input_activations", "output_activations"):
@@ -179,6 +211,39 @@ class CompressedTensorsReader(ExportReader):
             self.findings.error(f"{where}.weights must be an object")
             return None
         return self._weight_args(name, weights, f"{where}.weights")
+
+    def _int_group_scheme(self, name: str, group: dict[str, Any], where: str) -> CTScheme | None:
+        """An ``int-quantized`` group: int8 per-channel symmetric weights with int8 activations
+        (what vLLM's CompressedTensorsW8A8Int8 loads and msquant writes)."""
+        if group.get("output_activations") is not None:
+            self.findings.error(
+                f"{where}.output_activations is set: not verified by msquant verify"
+            )
+            return None
+        weights = group.get("weights")
+        if not isinstance(weights, dict):
+            self.findings.error(f"{where}.weights must be an object")
+            return None
+        scheme = self._weight_args(name, weights, f"{where}.weights")
+        if scheme is None:
+            return None
+        if (scheme.bits, scheme.symmetric, scheme.strategy) != (8, True, "channel"):
+            self.findings.error(
+                f"{where}: {INT_QUANTIZED} with activations is verified for int8 per-channel "
+                f"symmetric weights (W8A8), got {scheme.describe()}"
+            )
+            return None
+        inputs = group.get("input_activations")
+        if inputs is None:
+            self.findings.error(
+                f"{where}: {INT_QUANTIZED} without input_activations is not verified by msquant "
+                "verify (msquant writes weight-only layers pack-quantized)"
+            )
+            return None
+        parsed = int_quantized.input_scheme(inputs, f"{where}.input_activations", self.findings)
+        if parsed is None:
+            return None
+        return CTScheme(name, 8, True, "channel", None, *parsed)
 
     def _weight_args(self, name: str, args: dict[str, Any], where: str) -> CTScheme | None:
         unknown = sorted(set(args) - ARG_KEYS)
@@ -262,7 +327,38 @@ class CompressedTensorsReader(ExportReader):
         return any(self._matches(module, entry, by_class) for entry in self.ignore)
 
     def _find_modules(self) -> list[str]:
-        return self.find_packed_modules(PARTS, PARTS[:4], "compressed layer")
+        """The ``pack-quantized`` modules (int8 ``int-quantized`` ones are found apart: they
+        share ``weight_scale``)."""
+        if self.store is None or not self.int_modules:
+            return self.find_packed_modules(PARTS, PARTS[:4], "compressed layer")
+        ints = set(self.int_modules)
+        packed = [
+            name
+            for name in self.store.names()
+            if name.rpartition(".")[0] not in ints and name.rpartition(".")[2] in PARTS
+        ]
+        return sorted({name.rpartition(".")[0] for name in packed})
+
+    def _find_int_modules(self) -> list[str]:
+        """Modules storing an int8 ``weight`` (``int-quantized``); other tensors under them than
+        :data:`INT_PARTS` and ``bias`` are errors."""
+        if self.store is None:
+            return []
+        names = self.store.names()
+        modules = sorted(
+            name[: -len(".weight")]
+            for name in names
+            if name.endswith(".weight") and self.store.infos[name].dtype == torch.int8
+        )
+        for module in modules:
+            for name in names:
+                leaf = name[len(module) + 1 :] if name.startswith(f"{module}.") else None
+                if leaf is not None and "." not in leaf and leaf not in (*INT_PARTS, "bias"):
+                    self.findings.error(
+                        f"{name}: unexpected tensor for int8 layer {module} (expected "
+                        f"{', '.join(INT_PARTS)}, bias)"
+                    )
+        return modules
 
     def _check_float_modules(self) -> None:
         """Float linears that a target names must be quantized (or listed in ``ignore``)."""
@@ -317,6 +413,22 @@ class CompressedTensorsReader(ExportReader):
         if group.scheme is None or self.store is None:
             return None  # the group's config error is already reported
         scheme = group.scheme
+        if (module in self.int_modules) != (scheme.input_strategy is not None):
+            stored = "an int8 weight" if module in self.int_modules else "weight_packed"
+            self.findings.error(
+                f"{module}: stores {stored} but its group {group.name} is {scheme.describe()} "
+                f"({INT_QUANTIZED} layers store int8 weight, {PACK_QUANTIZED} weight_packed)"
+            )
+            return None
+        if scheme.input_strategy is not None:
+            return int_quantized.decode_int_layer(
+                module,
+                group.name,
+                scheme.input_strategy,
+                scheme.input_symmetric,
+                self._int_tensors(module),
+                self.findings,
+            )
         names = {part: f"{module}.{part}" for part in PARTS}
         if names["weight_g_idx"] in self.store:
             self.findings.error(
@@ -390,9 +502,28 @@ class CompressedTensorsReader(ExportReader):
             },
         )
 
+    def _int_tensors(self, module: str) -> dict[str, torch.Tensor]:
+        assert self.store is not None
+        return {
+            part: self.store.get(f"{module}.{part}")
+            for part in INT_PARTS
+            if f"{module}.{part}" in self.store
+        }
+
+    def activation_of(self, module: str) -> ActivationQuant | None:
+        """How the deployed layer ``module`` quantizes its input (``msquant eval`` simulates
+        it): per-token, or the stored static ``input_scale`` / ``input_zero_point``; None for
+        weight-only layers. Call after :meth:`decode` checked the layer."""
+        scheme = self.scheme_of(module)
+        if scheme is None or scheme.input_strategy is None or module not in self.int_modules:
+            return None
+        return int_quantized.activation_of(
+            scheme.input_strategy, scheme.input_symmetric, self._int_tensors(module)
+        )
+
     def consumer_notes(self, layer: DecodedLayer) -> None:
         scheme = self.scheme_of(layer.name)
-        if scheme is None:
+        if scheme is None or scheme.input_strategy is not None:
             return
         if not scheme.symmetric:
             self.findings.note(TRANSFORMERS_ASYM, layer.name)
@@ -406,7 +537,18 @@ class CompressedTensorsReader(ExportReader):
             self.findings.note(VLLM_HEAD, layer.name)
 
     def schemes(self) -> tuple[dict[str, Hashable], dict[str, str]]:
-        return self.hf_schemes(self.modules, self.scheme_of)
+        """The fused-layer check's view; static int8 layers add their input scale and zero
+        point, which vLLM loads once per fused layer (q/k/v, gate/up)."""
+        schemes, describe = self.hf_schemes(self.modules, self.scheme_of)
+        for module in self.int_modules:
+            scheme = self.scheme_of(module)
+            if scheme is None or scheme.input_strategy is None:
+                continue
+            shared = int_quantized.fused_key(scheme.input_strategy, self._int_tensors(module))
+            if shared is not None:
+                schemes[module] = (schemes[module], shared)
+                describe[module] += f" input_scale {shared[0]:.6g} zero_point {shared[1]:g}"
+        return schemes, describe
 
 
 def _inferred_strategy(group_size: object) -> str:
