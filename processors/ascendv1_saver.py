@@ -161,6 +161,7 @@ class AscendV1Saver(Saver):
     default_saver = True
     #: W8A8 and W8A8_DYNAMIC (msModelSlim's layout).
     writes_activations = True
+    activation_schemes = ("W8A8", "W8A8_DYNAMIC", "W4A8_DYNAMIC")
 
     def check_model(self, model: nn.Module, layers: list[DecoderLayer]) -> list[str]:
         model_type = str(getattr(getattr(model, "config", None), "model_type", "unknown"))

@@ -582,10 +582,10 @@ def test_verify_checks_quant_bias_and_deq_scale(tiny_llama: Path, tmp_path: Path
 def test_formats_without_activations_refuse_them_before_weights_load(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
-    cfg = config(act("per_token", True), saver="compressed_tensors")
+    cfg = config(act("per_token", True), saver="gptq_saver")
     with pytest.raises(msquant.MsquantInputError) as info:
         msquant.quantize(tiny_llama, tmp_path / "out", cfg, progress=False)
-    assert "compressed_tensors does not store quantized activations, which 14 layer(s)" in str(
+    assert "gptq_saver does not store activation scheme W8A8_DYNAMIC, which 14 layer(s)" in str(
         info.value
     )
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
@@ -594,13 +594,13 @@ def test_formats_without_activations_refuse_them_before_weights_load(
 def test_a_saver_without_activations_refuses_such_a_layer(tmp_path: Path) -> None:
     """The savers' own guard, behind the plan's check: never written as weight-only."""
     registry = default_registry()
-    saver_cls = registry.get("compressed_tensors")
+    saver_cls = registry.get("gptq_saver")
     saver = saver_cls(saver_cls.config_class())
     saver.state = saver.state_class()  # type: ignore[attr-defined]
     module, _ = _qlinear(ActivationQuant("per_token"))
     root = nn.Sequential(nn.Linear(8, 6))
     root[0] = module
-    with pytest.raises(QuantizationError, match=r"compressed_tensors: x.0 has quantized act"):
+    with pytest.raises(QuantizationError, match=r"gptq_saver: x.0 has quantized act"):
         saver.write_quantized(None, root, "x")  # type: ignore[arg-type]
 
 

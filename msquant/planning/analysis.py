@@ -13,6 +13,7 @@ from torch import nn
 from msquant.model.adapter import ModelAdapter
 from msquant.model.adapter_registry import adapter_for
 from msquant.model.layers import DecoderLayer
+from msquant.planning.activation_formats import activation_errors
 from msquant.planning.model import (
     NOT_SELECTED,
     ModelPlan,
@@ -153,18 +154,8 @@ def analyse_plan(
         )
     model_type = str(getattr(getattr(model, "config", None), "model_type", "unknown"))
     result = ModelPlan(rows, errors, warnings, model_type)
-    with_act = [row.module for row in rows if row.act is not None and not row.skipped]
+    result.errors += activation_errors(processors, rows)
     for processor in processors:
-        if (
-            with_act
-            and processor.stage == "save"
-            and not getattr(processor, "writes_activations", False)
-        ):
-            result.errors.append(
-                f"{processor.type_name} does not store quantized activations, which "
-                f"{len(with_act)} layer(s) have ({with_act[0]}, ...): export activation schemes "
-                "with a saver that stores them (docs/ascend-format.md), or use float activations"
-            )
         if isinstance(processor, PlanReviewer):
             review = processor.review_plan(result, model)
             result.errors += review.errors

@@ -120,6 +120,17 @@ class Saver(Processor):
     #: Whether the format stores quantized activations (:attr:`QuantizedLinear.act`); a saver
     #: without it refuses such a layer instead of writing it as weight-only.
     writes_activations: ClassVar[bool] = False
+    #: Which activation schemes (msModelSlim's names, as plans show them: ``W8A8``,
+    #: ``W8A8_DYNAMIC``, ``W4A8_DYNAMIC``) a saver with ``writes_activations`` stores; empty:
+    #: every one. The plan refuses the others, naming the savers that store them.
+    activation_schemes: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def stores_activation_scheme(cls, scheme: str) -> bool:
+        """Whether this format stores layers with the activation scheme ``scheme``."""
+        return cls.writes_activations and (
+            not cls.activation_schemes or scheme in cls.activation_schemes
+        )
 
     directory: Path
     writer: ShardedSafetensorsWriter
@@ -185,12 +196,15 @@ class Saver(Processor):
         for name, module in root.named_modules(prefix=prefix):
             if not isinstance(module, QuantizedLinear) or name in self.state.quantized:
                 continue
-            if module.act is not None and not self.writes_activations:
+            if module.act is not None and not self.stores_activation_scheme(
+                module.act.scheme_name(module.bits)
+            ):
                 raise QuantizationError(
-                    f"{self.type_name}: {name} has quantized activations ({module.act.describe()}), "
-                    "which this format does not store; export activation schemes with a format that "
-                    "stores them (docs/ascend-format.md, activation schemes), or use float "
-                    "activations (omit qconfig.act)"
+                    f"{self.type_name}: {name} has quantized activations "
+                    f"({module.act.scheme_name(module.bits)}), which this format does not store; "
+                    "export activation schemes with a format that stores them "
+                    "(docs/ascend-format.md, activation schemes), or use float activations "
+                    "(omit qconfig.act)"
                 )
             packed = self.pack(ctx, name, module)
             for tensor_name, tensor in packed.items():

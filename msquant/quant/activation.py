@@ -172,6 +172,11 @@ class ActivationQuant:
         assert self.scale is not None and self.offset is not None
         return fake_quantize_per_tensor(x, self.scale, self.offset, self.bits)
 
+    def scheme_name(self, weight_bits: int) -> str:
+        """msModelSlim's name of this activation scheme with ``weight_bits``-bit weights:
+        ``W8A8`` (static), ``W8A8_DYNAMIC``, ``W4A8_DYNAMIC`` (the names plans show)."""
+        return f"W{weight_bits}A{self.bits}" + ("_DYNAMIC" if self.dynamic else "")
+
     def describe(self) -> str:
         """``a8 per_tensor asym`` and the like (plans, module reprs)."""
         kind = "sym" if self.symmetric else "asym"
