@@ -119,8 +119,10 @@ VLLM_ASCEND_W4A16 = (
     "releases: {names}"
 )
 VLLM_ASCEND_W4A8 = (
-    "vLLM-Ascend serves W4A8_DYNAMIC for MoE experts only (it has no W4A8_DYNAMIC linear scheme), "
-    "so these dense W4A8_DYNAMIC layers do not load there; msModelSlim's W4A8 practices quantize "
+    "vLLM-Ascend serves per-channel W4A8_DYNAMIC for MoE experts only (its deprecated "
+    "W4A8_DYNAMIC linear scheme needs per-group weights: it divides by the description's "
+    "group_size, 0 here, when it creates the parameters), so these dense W4A8_DYNAMIC layers do "
+    "not load there; msModelSlim's W4A8 practices quantize "
     "attention and dense MLPs W8A8_DYNAMIC (int8 weights) and the experts W4A8_DYNAMIC: {names}"
 )
 VLLM_ASCEND_PER_GROUP = (

@@ -162,6 +162,8 @@ def resolve_export(export: Path, model_type: str, modules: list[EngineModule]) -
     current.model_config = types.SimpleNamespace(
         hf_config=types.SimpleNamespace(model_type=model_type),
         hf_text_config=types.SimpleNamespace(model_type=model_type),
+        enforce_eager=True,
+        dtype=vllm_engine.PARAMS_DTYPE,
     )
     current.quant_config = config
     return [_resolve(config, module) for module in modules]
@@ -176,7 +178,9 @@ def _resolve(config: Any, module: EngineModule) -> Resolution:
         if method is None:
             method = vllm_engine.default_method(module)
         vllm_engine.create_weights(method, layer, module)
-    except (ValueError, NotImplementedError, KeyError, AssertionError) as error:
+    # ZeroDivisionError: the dense W4A8_DYNAMIC scheme divides by the description's group_size,
+    # 0 for per-channel weights
+    except (ValueError, NotImplementedError, KeyError, AssertionError, ZeroDivisionError) as error:
         return Resolution(module, None, error=f"{type(error).__name__}: {error}")
     scheme = getattr(method, "quant_method", None)
     name = type(method).__name__ + (f"[{type(scheme).__name__}]" if scheme is not None else "")

@@ -72,6 +72,13 @@ REAL = (
     "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_wna16",
     "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_scheme",
     "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16",
+    # int8 W8A8 (issue 16): the scheme, and the CUTLASS int8 kernel's weight processing and
+    # apply glue (its CUDA ops are the reference stand-ins of :mod:`vllm_int8_ops`)
+    "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_int8",
+    "vllm.model_executor.kernels.linear.base",
+    "vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel",
+    "vllm.model_executor.kernels.linear.scaled_mm.cutlass",
+    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w8a8_int8",
     # the Marlin linear kernel's own support check and tile padding (§1 #5 / #12)
     "vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel",
     "vllm.model_executor.kernels.linear.mixed_precision.marlin",
@@ -294,6 +301,32 @@ def _noop(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _init_int8_linear_kernel(
+    is_channelwise: bool,
+    is_static_input_scheme: bool,
+    input_symmetric: bool,
+    module_name: str,
+    is_fused_module: bool = False,
+) -> Any:
+    """``kernels/linear/__init__.py``: the int8 W8A8 kernel a CUDA GPU gets first (CUTLASS, from
+    the wheel), built with the parameter names the real function passes."""
+    from vllm.model_executor.kernels.linear.scaled_mm.cutlass import (
+        CutlassInt8ScaledMMLinearKernel,
+    )
+    from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
+        Int8ScaledMMLinearLayerConfig,
+    )
+
+    config = Int8ScaledMMLinearLayerConfig(
+        is_static_input_scheme=is_static_input_scheme,
+        is_channelwise=is_channelwise,
+        input_symmetric=input_symmetric,
+        is_fused_module=is_fused_module,
+    )
+    names = ["weight", "weight_scale", "input_scale", "input_zero_point", "azp_adj"]
+    return CutlassInt8ScaledMMLinearKernel(config, layer_param_names=names)
+
+
 class PluggableLayer(torch.nn.Module):
     """``custom_op.PluggableLayer``: a module whose class out-of-tree plugins may replace (none
     here); ``register`` only names the class."""
@@ -366,10 +399,15 @@ def _compressed_tensors_schemes(module: types.ModuleType) -> None:
     for name in (
         "CompressedTensorsW4A4Fp4", "CompressedTensorsW4A4Mxfp4", "CompressedTensorsW4A8Fp8",
         "CompressedTensorsW4A8Int", "CompressedTensorsW4A8Mxfp4", "CompressedTensorsW8A16Fp8",
-        "CompressedTensorsW8A8Fp8", "CompressedTensorsW8A8Int8", "CompressedTensorsW8A8Mxfp8",
+        "CompressedTensorsW8A8Fp8", "CompressedTensorsW8A8Mxfp8",
         "CompressedTensorsWNA4Int", "CompressedTensorsWNA8Int", "CompressedTensorsWNA8O8Int",
     ):  # fmt: skip
         setattr(module, name, placeholder_class(name))
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        compressed_tensors_w8a8_int8,
+    )
+
+    module.CompressedTensorsW8A8Int8 = compressed_tensors_w8a8_int8.CompressedTensorsW8A8Int8
 
 
 def _fill_fused_moe(module: types.ModuleType) -> None:
@@ -383,17 +421,30 @@ def _fill_fused_moe(module: types.ModuleType) -> None:
     module.MoERunner = placeholder_class("MoERunner")
 
 
+class CompilationMode(enum.IntEnum):
+    """``vllm.config.CompilationMode`` (vLLM-Ascend's W8A8_DYNAMIC MoE method compares with it)."""
+
+    NONE = 0
+    STOCK_TORCH_COMPILE = 1
+    DYNAMO_TRACE_ONCE = 2
+    VLLM_COMPILE = 3
+
+
 #: What ``vllm.config.get_current_vllm_config()`` returns (vLLM-Ascend reads the model type and
 #: the quantization config from it); ``get_current_vllm_config_or_none`` answers None (defaults).
 CURRENT_CONFIG = types.SimpleNamespace(
-    model_config=None, quant_config=None, kv_transfer_config=None
+    model_config=None,
+    quant_config=None,
+    kv_transfer_config=None,
+    compilation_config=types.SimpleNamespace(mode=CompilationMode.NONE),
+    parallel_config=types.SimpleNamespace(enable_expert_parallel=False),
 )
 
 
 def _fill_config(module: types.ModuleType) -> None:
     module.get_current_vllm_config = lambda: CURRENT_CONFIG
     module.get_current_vllm_config_or_none = lambda: None
-    module.CompilationMode = placeholder_class("CompilationMode")
+    module.CompilationMode = CompilationMode
 
 
 def _fill_platforms(module: types.ModuleType) -> None:
@@ -428,6 +479,26 @@ def _safetensors_metadata(module: types.ModuleType) -> None:
     module.get_safetensors_params_metadata = get_safetensors_params_metadata
 
 
+def _int8_ops(module: types.ModuleType) -> None:
+    """``vllm._custom_ops``: the int8 ops the CUTLASS kernel calls, as the reference
+    computations of :mod:`vllm_int8_ops` (the CUDA kernels cannot run here)."""
+    import vllm_int8_ops
+
+    module.scaled_int8_quant = vllm_int8_ops.scaled_int8_quant
+    module.cutlass_scaled_mm = vllm_int8_ops.cutlass_scaled_mm
+    module.cutlass_scaled_mm_azp = vllm_int8_ops.cutlass_scaled_mm_azp
+
+
+def _quantization_utils(module: types.ModuleType) -> None:
+    """``quantization/utils/__init__.py``: ``replace_parameter`` (what weight processing after
+    loading calls)."""
+
+    def replace_parameter(layer: torch.nn.Module, name: str, new: torch.Tensor) -> None:
+        layer.register_parameter(name, torch.nn.Parameter(new.data, requires_grad=False))
+
+    module.replace_parameter = replace_parameter
+
+
 STUBS = {
     "vllm.logger": stub(init_logger=EngineLogger, logger=EngineLogger("vllm")),
     "vllm.platforms": _fill_platforms,
@@ -435,7 +506,7 @@ STUBS = {
     "vllm.distributed": _tp_state,
     "vllm.distributed.parallel_state": _tp_state,
     "vllm.distributed.utils": stub(verify_group_size_divides_partition=_noop),
-    "vllm._custom_ops": stub(),
+    "vllm._custom_ops": _int8_ops,
     "vllm.utils.platform_utils": stub(num_compute_units=lambda *a: 132),
     "vllm.utils.torch_utils": stub(direct_register_custom_op=_noop, current_stream=_noop),
     "vllm.transformers_utils.config": _safetensors_metadata,
@@ -458,11 +529,20 @@ STUBS = {
         make_wna16_moe_kernel=_noop,
         make_wna16_moe_quant_config=_noop,
     ),
+    # the int8 MoE kernel choice and conversion (need the GPU; not called by create_weights
+    # except the backend choice)
+    "vllm.model_executor.layers.fused_moe.oracle.int8": stub(
+        convert_to_int8_moe_kernel_format=_noop,
+        make_int8_moe_kernel=_noop,
+        make_int8_moe_quant_config=_noop,
+        select_int8_moe_backend=lambda *a, **k: ("TRITON", None),
+    ),
     "vllm.model_executor.kernels.linear": stub(
         MPLinearLayerConfig=MPLinearLayerConfig,
         choose_mp_linear_kernel=_choose_mp_linear_kernel,
         MPLinearKernel=_Kernel,
         MarlinLinearKernel=placeholder_class("MarlinLinearKernel", _Kernel),
+        init_int8_linear_kernel=_init_int8_linear_kernel,
     ),
     "vllm.model_executor.determinism.batch_invariant": stub(
         matmul_batch_invariant=_noop, linear_batch_invariant=_noop
@@ -472,7 +552,20 @@ STUBS = {
     "vllm.model_executor.layers.utils": stub(dispatch_unquantized_gemm=_noop),
     "vllm.model_executor.layers.quantization.utils.fp8_utils": stub(is_fp8=lambda *a: False),
     "vllm.model_executor.layers.quantization": _quantization_package,
-    "vllm.model_executor.layers.quantization.utils": stub(replace_parameter=_noop),
+    "vllm.model_executor.layers.quantization.utils": _quantization_utils,
+    # what the CUTLASS int8 kernel's module imports besides (FP8 and block-FP8 paths only)
+    "vllm.model_executor.layers.quantization.utils.w8a8_utils": stub(
+        CUTLASS_BLOCK_FP8_SUPPORTED=False,
+        convert_to_channelwise=_noop,
+        cutlass_fp8_supported=lambda *a, **k: False,
+    ),
+    "vllm.model_executor.layers.fusion.quant_activation": stub(
+        QuantizedActivation=placeholder_class("QuantizedActivation"),
+        as_quantized_activation=_noop,
+    ),
+    "vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel": stub(
+        Fp8BlockScaledMMLinearKernel=placeholder_class("Fp8BlockScaledMMLinearKernel")
+    ),
     "vllm.model_executor.layers.quantization.utils.int8_utils": stub(per_token_quant_int8=_noop),
     "vllm.model_executor.layers.quantization.input_quant_fp8": stub(
         QuantFP8=placeholder_class("QuantFP8")
