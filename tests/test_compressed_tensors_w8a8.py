@@ -343,6 +343,16 @@ def test_verify_reads_w8a8_back_and_finds_damage(
     assert any(needle in error for error in report.errors), report.errors
 
 
+def test_verify_notes_vllms_zero_point_rebuild_for_static_asymmetric(
+    exports: dict[str, Path],
+) -> None:
+    for scheme in SCHEMES:
+        report = verify_export(exports[f"compressed_tensors_{scheme}"])
+        assert report.ok
+        noted = any("zero point" in warning for warning in report.warnings)
+        assert noted == (scheme == "static_asym"), report.warnings
+
+
 def test_verify_refuses_an_int_quantized_group_it_does_not_read(
     exports: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -450,3 +460,16 @@ def test_consumer_warnings_of_w8a8_schemes() -> None:
     assert activation_warnings({"a.o_proj": sym, "a.up_proj": dynamic}) == []
     assert "127.5" in transformers_loading_note([dynamic])
     assert "127.5" not in transformers_loading_note([sym])
+
+
+def test_cli_plan_exits_2_naming_the_savers_that_store_the_scheme(
+    tiny_llama: Path, tmp_path: Path, run_cli: Callable[..., Any]
+) -> None:
+    path = tmp_path / "gptq_w8a8.yaml"
+    path.write_text(json.dumps(config(act("per_token", True), saver="gptq_saver")))
+    result = run_cli("plan", "--model_path", tiny_llama, "--config_path", path)
+    assert result.code == 2
+    text = result.out + result.err
+    assert "gptq_saver does not store activation scheme W8A8_DYNAMIC" in text
+    assert "ascendv1_saver, compressed_tensors, mindie_format_saver" in text
+    assert "Traceback" not in text

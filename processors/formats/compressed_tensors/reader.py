@@ -85,6 +85,10 @@ DENSE_PACKING = (
     "unpack (vLLM 0.33 pins 0.17.0; transformers with 0.17 fails to load them)"
 )
 HEAD_NAMES = ("lm_head",)
+VLLM_ASYM_ZERO_POINT = (
+    "vLLM 0.33's CUTLASS int8 kernel rebuilds a static asymmetric input zero point with a "
+    "truncating conversion, which can move it one step toward 0 (docs/formats.md, int8 W8A8)"
+)
 
 
 @dataclass(frozen=True)
@@ -523,6 +527,8 @@ class CompressedTensorsReader(ExportReader):
 
     def consumer_notes(self, layer: DecodedLayer) -> None:
         scheme = self.scheme_of(layer.name)
+        if scheme is not None and scheme.input_strategy == "tensor" and not scheme.input_symmetric:
+            self.findings.note(VLLM_ASYM_ZERO_POINT, layer.name)
         if scheme is None or scheme.input_strategy is not None:
             return
         if not scheme.symmetric:
