@@ -125,6 +125,12 @@ VLLM_ASCEND_W4A8 = (
     "not load there; msModelSlim's W4A8 practices quantize "
     "attention and dense MLPs W8A8_DYNAMIC (int8 weights) and the experts W4A8_DYNAMIC: {names}"
 )
+VLLM_ASCEND_W8A8_DEQ = (
+    "W8A8 layers of a float32 model: deq_scale is stored as int64 (float32 bits), msModelSlim's "
+    "encoding for float16 and float32 models, which vLLM-Ascend 0.26 loads when serving in "
+    "float16 (--dtype float16); served in bfloat16 it creates a float32 deq_scale that the int64 "
+    "tensor does not fit (export a bfloat16 copy of the model for bfloat16 serving): {names}"
+)
 VLLM_ASCEND_PER_GROUP = (
     "vLLM-Ascend's W8A16 scheme is per-channel only (weight_scale [out, 1]), so these per-group "
     "W8A16 layers do not load there; for vLLM-Ascend use scope: per_channel (msModelSlim writes "
@@ -192,6 +198,8 @@ class AscendV1Saver(Saver):
             (VLLM_ASCEND_PER_GROUP, [row for row in linears if row.bits == 8 and _grouped(row)]),
             (VLLM_ASCEND_ASYM, [row for row in rows if row.sym is False]),
         )
+        if model_float_dtype(model) == torch.float32:
+            found += ((VLLM_ASCEND_W8A8_DEQ, [row for row in rows if row.act == "W8A8"]),)
         return PlanReview(
             warnings=[
                 f"{self.type_name}: " + message.format(names=_listing([r.module for r in hit]))

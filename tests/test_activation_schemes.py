@@ -616,3 +616,17 @@ def test_killed_w8a8_run_resumes_to_the_uninterrupted_export(
     _kill(tiny_llama, tmp_path / "out", cfg, after=0)
     _quantize(tiny_llama, tmp_path / "out", cfg, resume=True)
     _assert_same_export(tmp_path / "out", tmp_path / "reference")
+
+
+def test_w8a8_static_of_a_float32_model_warns_about_bfloat16_serving(
+    tiny_llama: Path, tiny_llama_bf16: Path
+) -> None:
+    """Its int64 deq_scale fits vLLM-Ascend's float16 serving only (tests/consumers)."""
+    for model, expected in ((tiny_llama, 1), (tiny_llama_bf16, 0)):
+        plan = msquant.build_plan(model, config(act("per_tensor", True)))
+        found = [w for w in plan.warnings if "deq_scale" in w]
+        assert len(found) == expected, plan.warnings
+        if found:
+            assert "--dtype float16" in found[0] and "model.layers.0.self_attn.q_proj" in found[0]
+    dynamic = msquant.build_plan(tiny_llama, config(act("per_token", True)))
+    assert not [w for w in dynamic.warnings if "deq_scale" in w]
