@@ -188,7 +188,7 @@ class AscendV1Saver(Saver):
         rows = [row for row in plan.rows if not row.skipped and row.bits is not None]
         linears = [row for row in rows if parse_expert_linear(row.module) is None]
         weight_only = [row for row in rows if row.act is None]
-        found = (
+        found = [
             (
                 VLLM_ASCEND_MOE,
                 [row for row in weight_only if parse_expert_linear(row.module)],
@@ -197,9 +197,9 @@ class AscendV1Saver(Saver):
             (VLLM_ASCEND_W4A8, [row for row in linears if row.act == "W4A8_DYNAMIC"]),
             (VLLM_ASCEND_PER_GROUP, [row for row in linears if row.bits == 8 and _grouped(row)]),
             (VLLM_ASCEND_ASYM, [row for row in rows if row.sym is False]),
-        )
+        ]
         if model_float_dtype(model) == torch.float32:
-            found += ((VLLM_ASCEND_W8A8_DEQ, [row for row in rows if row.act == "W8A8"]),)
+            found.append((VLLM_ASCEND_W8A8_DEQ, [row for row in rows if row.act == "W8A8"]))
         return PlanReview(
             warnings=[
                 f"{self.type_name}: " + message.format(names=_listing([r.module for r in hit]))
