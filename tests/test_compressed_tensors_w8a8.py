@@ -473,3 +473,36 @@ def test_cli_plan_exits_2_naming_the_savers_that_store_the_scheme(
     assert "gptq_saver does not store activation scheme W8A8_DYNAMIC" in text
     assert "ascendv1_saver, compressed_tensors, mindie_format_saver" in text
     assert "Traceback" not in text
+
+
+@pytest.mark.parametrize("scope", ["per_tensor", "per_token"])
+def test_killed_w8a8_run_resumes_to_the_uninterrupted_export(
+    scope: str, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """The saver's checkpointed schemes (with their activation fields) come back: the resumed
+    compressed-tensors export is byte-identical."""
+    from test_resume import _assert_same_export, _kill, _quantize
+
+    cfg = config(act(scope, False if scope == "per_tensor" else True), saver="compressed_tensors")
+    _quantize(tiny_llama, tmp_path / "reference", cfg)
+    _kill(tiny_llama, tmp_path / "out", cfg, after=0)
+    _quantize(tiny_llama, tmp_path / "out", cfg, resume=True)
+    _assert_same_export(tmp_path / "out", tmp_path / "reference")
+
+
+def test_bfloat16_model_keeps_float32_scales_and_loads(
+    tiny_llama_bf16: Path, tmp_path: Path
+) -> None:
+    save = quantize(
+        tiny_llama_bf16, tmp_path / "out", config(act("per_tensor", False), "compressed_tensors")
+    )
+    tensors = load_file(str(save / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj"
+    assert tensors[f"{name}.weight_scale"].dtype == torch.float32
+    assert tensors[f"{name}.input_scale"].dtype == torch.float32
+    assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert verify_export(save, model_path=tiny_llama_bf16).ok
+    with torch.no_grad():
+        loaded = AutoModelForCausalLM.from_pretrained(save)(IDS).logits
+        simulated = load_model_for_eval(save)[0](IDS).logits
+    assert _relative(loaded.float(), simulated.float()) < 2e-2  # bf16 compute on both sides
