@@ -166,7 +166,7 @@ def build_config_model(registry: ProcessorRegistry) -> type[QuantConfig]:
     process_list: Any = list[_entry_type(registry, "process")]  # type: ignore[misc]
     save_list: Any = list[_entry_type(registry, "save")]  # type: ignore[misc]
     prior = create_model(
-        "PriorStageOf", __base__=PriorStage, process=(process_list, Field(default_factory=list))
+        "PriorStage", __base__=PriorStage, process=(process_list, Field(default_factory=list))
     )
     body = create_model(
         "Spec",
@@ -245,11 +245,8 @@ def load_config_text(
     return validate_config(load_yaml_text(text, source), registry, source)
 
 
-_PRIOR_ISSUE = ConfigIssue("spec.prior", "prior stages are not implemented yet; remove 'prior'")
-
-
 def _semantic_issues(config: QuantConfig, registry: ProcessorRegistry) -> list[ConfigIssue]:
-    issues = [_PRIOR_ISSUE] if config.spec.prior else []
+    issues = []
     for number, prior in enumerate(config.spec.prior):
         for index, entry in enumerate(prior.process):
             issues += _entry_issues(registry, f"spec.prior[{number}].process[{index}]", entry)
@@ -281,7 +278,7 @@ def _semantic_issues_of_raw(data: dict[Any, Any], registry: ProcessorRegistry) -
     if not isinstance(spec, dict):
         return []
     classes = {stage: entry_classes(registry, stage) for stage in _STAGES}
-    issues = [_PRIOR_ISSUE] if spec.get("prior") else []
+    issues = []
     priors = spec.get("prior")
     for number, prior in enumerate(priors if isinstance(priors, list) else []):
         entries = prior.get("process") if isinstance(prior, dict) else None
