@@ -8,10 +8,13 @@ the latest scales, not the kept ones), and the search stops early once no channe
 more than ``1e-10`` (relative, or absolute). The result is round-to-nearest under the kept
 scales, so it never has a larger weight error per channel than min/max scaling.
 
-Established from msModelSlim 26.1.0's documentation (``ssz.md``) and its observable behaviour:
-its quantizer run on random and edge-case weights (``tests/oracle``) gives the same codes and
-scales as this function. The reductions run over the input dimension of the transposed weight in
-float32, as msModelSlim's do, so that the float32 sums round alike.
+Established from msModelSlim 26.1.0's documentation (``quantization_algorithms/ssz.md``: min/max
+start, least-squares steps, greedy keep, relative and absolute convergence test), the facts of its
+source (the constants, that only symmetric per-channel int8 / int4 is registered) and its
+observable behaviour: its quantizer run on random, heavy-tailed and edge-case weights
+(``tests/oracle/test_ssz_oracle.py``) gives the same codes and scales as this function, bit for
+bit. The reductions run over the input dimension of the transposed weight in float32, as
+msModelSlim's do, so that the float32 sums round alike.
 """
 
 from __future__ import annotations
