@@ -255,3 +255,26 @@ def test_group_forwards_hooks_in_order(tiny_llama: Path, tmp_path: Path) -> None
         "A:before:0", "B:before:0", "A:after:0", "B:after:0",
         "A:before:1", "B:before:1", "A:after:1", "B:after:1",
     ]  # fmt: skip
+
+
+def test_a_group_in_a_dp_layer_wise_run_gives_the_flat_single_process_export(
+    tiny_llama: Path, tmp_path: Path, run_cli: Any
+) -> None:
+    """Two processes share the calibration batches and the GPTQ solves of a group's children as
+    they do for flat entries: the export is the single-process flat run's."""
+    import yaml
+
+    flat = cfg(GPTQ_ATTN, MINMAX_MLP, runner="dp_layer_wise")
+    grouped = cfg(group(GPTQ_ATTN, MINMAX_MLP), runner="dp_layer_wise")
+    paths = {}
+    for name, data in (("flat", flat), ("group", grouped)):
+        paths[name] = tmp_path / f"{name}.yaml"
+        paths[name].write_text(yaml.safe_dump(data), encoding="utf-8")
+    common = ["--calib_path", CALIB_TXT, "--max_calib_tokens", "24", "--no_progress"]
+    single = run_cli("quant", "--model_path", tiny_llama, "--save_path", tmp_path / "single",
+                     "--config_path", paths["flat"], *common)  # fmt: skip
+    assert single.code == 0, single.err
+    pair = run_cli("quant", "--model_path", tiny_llama, "--save_path", tmp_path / "pair",
+                   "--config_path", paths["group"], "--nproc", "2", *common)  # fmt: skip
+    assert pair.code == 0, pair.err
+    assert files_of(tmp_path / "pair") == files_of(tmp_path / "single")
