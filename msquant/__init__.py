@@ -103,7 +103,14 @@ from msquant.plugin.method import (
     QuantMethod,
     default_method_registry,
 )
-from msquant.plugin.processor import OutputHeadUser, Processor, ProcessorConfig
+from msquant.plugin.processor import (
+    NestedProcessors,
+    OutputHeadUser,
+    Processor,
+    ProcessorConfig,
+    ProcessorConfigList,
+    ProcessorContainer,
+)
 from msquant.plugin.registry import ENTRY_POINT_GROUP, ProcessorRegistry, default_registry
 from msquant.plugin.saver import SAVER_STATE_FORMAT, NameSet, Saver, SaverConfig, SaverState
 from msquant.quant.activation import ActivationQuant, OnlineMinMax
@@ -232,6 +239,9 @@ __all__ = [
     "moe_routers",
     "OutputHeadStage",
     "OutputHeadUser",
+    "NestedProcessors",
+    "ProcessorConfigList",
+    "ProcessorContainer",
     "find_output_head",
     "find_final_norm",
     "head_is_tied",

@@ -16,6 +16,9 @@ Implemented (msModelSlim's W8A8 family, the schemes vLLM-Ascend serves for dense
   run time), so the weights are quantized without calibration data.
 * **W4A8_DYNAMIC**: the same activations with int4 per-channel symmetric ``minmax`` weights
   (msModelSlim 26.1.0 has no per-group W4A8_DYNAMIC layer either).
+* **SSZ weights** (``method: ssz``) wherever ``minmax`` weights go: it rounds each module on its own
+  too (its scales searched per channel), as msModelSlim's W8A8 / W8A8_DYNAMIC / W4A8_DYNAMIC best
+  practices use it.
 * **GPTQ weights** (``method: gptq``, per-channel symmetric int8 / int4) with per-token
   activations (W8A8_DYNAMIC, W4A8_DYNAMIC), which msModelSlim cannot do. GPTQ's Hessian sees each
   linear's input as it reaches the layer in the quantized model: the previous decoder layers
@@ -66,8 +69,12 @@ ACT_SCHEMES = (
     "weight {dtype: int8, scope: per_channel, symmetric: true, method: minmax}; "
     "W8A8_DYNAMIC = act {dtype: int8, scope: per_token, symmetric: true, method: minmax} with the "
     "same weight; W4A8_DYNAMIC = the same act with weight {dtype: int4, scope: per_channel, "
-    "symmetric: true, method: minmax}; with per_token act, method: gptq too"
+    "symmetric: true, method: minmax}; method: ssz wherever minmax is; with per_token act, "
+    "method: gptq too"
 )
+
+#: Weight methods that round each module on its own, and so go with every activation scheme.
+ROUNDING_METHODS = ("minmax", "ssz")
 
 
 def act_scheme(act: ActQConfig, weight: WeightQConfig) -> ActScheme | None:
@@ -117,7 +124,7 @@ def act_issues(
         (weight.dtype is QDType.INT8 or (weight.dtype is QDType.INT4 and per_token))
         and weight.scope is QScope.PER_CHANNEL
         and weight.symmetric
-        and (weight.method == "minmax" or (weight.method == "gptq" and per_token))
+        and (weight.method in ROUNDING_METHODS or (weight.method == "gptq" and per_token))
     )
     if known_act and not weight_ok:
         issues.append(

@@ -63,11 +63,15 @@ FALLBACK_DESCRIPTIONS: dict[tuple[str, str], str] = {
         "time, `model_wise` loads every weight first, `dp_layer_wise` is layer_wise over several "
         "processes (torchrun, `--nproc`, `--device npu:0,1`); the export is the same."
     ),
-    ("Spec", "prior"): "Preliminary stages; accepted by the schema, rejected as not implemented.",
+    ("Spec", "prior"): (
+        "Stages run before `process`, as msModelSlim runs them: each stage's processors act on "
+        "every decoder layer, on the stage's own calibration set, and `process` then works on the "
+        "model they changed (a stage costs one more calibration flow through every layer; a run "
+        "with prior stages writes no checkpoints)."
+    ),
     ("Spec", "process"): "Processors applied to the model, in order; selected by `type`.",
     ("Spec", "save"): "Savers writing the output, in order; empty means `ascendv1_saver`.",
-    ("PriorStage", "process"): "Processor entries of the stage.",
-    ("PriorStage", "dataset"): "Calibration file of the stage.",
+    ("PriorStage", "process"): "Processor entries of the stage (any `spec.process` processor).",
     ("LinearQConfig", "act"): (
         "Activation quantization: `float` (weight-only, the default), or int8 `per_tensor` (W8A8, "
         "static: calibrated, sym or asym) / `per_token` (W8A8_DYNAMIC, sym) with `method: minmax`, "

@@ -49,3 +49,37 @@ def test_accuracy_bench_texts_are_plain_prose_and_disjoint() -> None:
     assert windows == [[0, 1, 2], [3, 4, 5]]
     with pytest.raises(ValueError, match="fewer than 3 x 3"):
         eval_texts.token_windows(["x y", "z"], lambda t: list(range(len(t))), 3, 3)
+
+
+def test_msmodelslim_configs_table_names_what_is_missing(tmp_path: Path) -> None:
+    """bench/msmodelslim_configs.py on a stand-in wheel (no download): one row per config, the
+    verdict of ``msquant validate`` and, for a refusal, what msquant lacks."""
+    import zipfile
+
+    weight = "{scope: per_channel, dtype: int8, symmetric: true, method: %s}"
+    valid = (
+        "apiversion: modelslim_v1\nspec:\n  process:\n    - type: group\n      configs:\n"
+        f"        - {{type: linear_quant, qconfig: {{weight: {weight % 'minmax'}}}}}\n"
+    )
+    refused = (
+        "apiversion: modelslim_v1\nspec:\n  process:\n    - type: quarot\n"
+        f"    - {{type: linear_quant, qconfig: {{weight: {weight % 'mse_round'}}}}}\n"
+    )
+    wheel = tmp_path / "msmodelslim-0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("msmodelslim/lab_practice/a/valid.yaml", valid)
+        archive.writestr("msmodelslim/lab_practice/b/refused.yaml", refused)
+        archive.writestr("msmodelslim/lab_practice/c/old.yaml", "apiversion: modelslim_v0\n")
+        archive.writestr("msmodelslim/core/template.yaml", "steps: [1, 2]\n")  # not a config
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "msmodelslim_configs.py"), "--wheel", str(wheel)],
+        capture_output=True, text=True, check=True, timeout=300,
+    ).stdout  # fmt: skip
+    rows = {line.split("\t")[0]: line.split("\t") for line in out.splitlines() if "\t" in line}
+    assert set(rows) == {"file", "a/valid.yaml", "b/refused.yaml", "c/old.yaml"}
+    assert rows["a/valid.yaml"][2:5] == ["W8A16 minmax", "group[linear_quant]", "valid"]
+    assert rows["b/refused.yaml"][4:6] == ["refused (2)", "method mse_round; processor quarot"]
+    assert rows["b/refused.yaml"][6].startswith("spec.process[0].type: unknown processor type")
+    assert rows["c/old.yaml"][5] == "apiversion 'modelslim_v0'"
+    assert "modelslim_v1: 1 of 2 validate" in out
+    assert "lab_practice: 1 of 3 validate" in out

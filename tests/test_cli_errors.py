@@ -215,10 +215,18 @@ CASES: dict[str, Callable[[Path, Path, Callable[[str], Path]], Case]] = {
         ["--config_path", "--quant_type"], no_config=True
     ),
     "unknown_quant_type": lambda t, m, c: Case(
-        ["unknown quant_type 'w4a4'", "w8a16"], no_config=True, extra=["--quant_type", "w4a4"]
+        ["unknown quant_type 'w3a5'", "w4a8, w8a16, w8a8"],
+        no_config=True,
+        extra=["--quant_type", "w3a5"],
     ),
-    "prior_stage_not_implemented": lambda t, m, c: Case(
-        ["spec.prior", "not implemented yet"], config=GPTQ_YAML + "  prior:\n    - process: []\n"
+    "unimplemented_quant_type": lambda t, m, c: Case(
+        ["quant_type 'w4a4' is one of msModelSlim's", "implemented: w4a8, w8a16, w8a8"],
+        no_config=True,
+        extra=["--quant_type", "w4a4"],
+    ),
+    "prior_stage_unknown_processor": lambda t, m, c: Case(
+        ["spec.prior[0].process[0].type", "unknown processor type 'quarot'"],
+        config=GPTQ_YAML + "  prior:\n    - process: [{type: quarot}]\n",
     ),
     # --- model ---
     "missing_model_dir": lambda t, m, c: Case(

@@ -532,9 +532,12 @@ def test_unknown_method_lists_methods(registry: ProcessorRegistry) -> None:
     assert "awq" in message and "minmax" in message and "gptq" in message
 
 
-def test_prior_stages_are_not_implemented(registry: ProcessorRegistry) -> None:
-    err = config_error("spec:\n  prior: [{process: []}]\n", registry)
-    assert "not implemented" in issue_at(err, "spec.prior").message
+def test_prior_stage_entries_are_validated_as_process_entries(registry: ProcessorRegistry) -> None:
+    load_config_text("spec:\n  prior: [{process: [], dataset: boolq.jsonl}]\n", registry)
+    err = config_error("spec:\n  prior: [{process: [{type: quarot}]}]\n", registry)
+    assert (
+        "unknown processor type 'quarot'" in issue_at(err, "spec.prior[0].process[0].type").message
+    )
 
 
 def test_apiversion_must_be_modelslim_v1(registry: ProcessorRegistry) -> None:

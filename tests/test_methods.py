@@ -30,9 +30,10 @@ from msquant import (
 )
 from msquant.processors.methods.gptq import GPTQMethod
 from msquant.processors.methods.minmax import MinMaxMethod
+from msquant.processors.methods.ssz import SszMethod
 
 REPO = Path(__file__).resolve().parents[1]
-BUILTIN_METHODS = ("minmax", "gptq", "hessian_clip")
+BUILTIN_METHODS = ("minmax", "gptq", "hessian_clip", "ssz")
 
 
 class _NoOptions(MethodOptions):
@@ -182,7 +183,7 @@ def test_msquant_schema_documents_every_ext_key(run_cli: Callable[..., CliResult
     result = run_cli("schema")
     assert result.code == 0
     defs = json.loads(result.out)["$defs"]
-    for cls in (GPTQMethod, MinMaxMethod):
+    for cls in (GPTQMethod, MinMaxMethod, SszMethod):
         documented = defs[cls.options_class.__name__]["properties"]
         assert set(documented) == set(cls.options_class.model_fields)
         assert all(field.get("description") for field in documented.values()), cls.name

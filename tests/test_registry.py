@@ -246,7 +246,8 @@ def test_get_unknown_lists_registered_names() -> None:
     message = info.value.args[0]
     assert (
         "'nope'" in message
-        and "ascendv1_saver, awq_saver, compressed_tensors, gptq_saver, linear_quant" in message
+        and "ascendv1_saver, awq_saver, compressed_tensors, gptq_saver, group, linear_quant"
+        in message
     )
     with pytest.raises(KeyError) as info:
         ProcessorRegistry().get("nope")

@@ -204,8 +204,14 @@ def test_unknown_processor_does_not_hide_other_errors(registry: ProcessorRegistr
     assert "(4 errors)" in str(info.value)
 
 
-def test_prior_is_reported_with_schema_errors(registry: ProcessorRegistry) -> None:
-    text = "spec:\n  prior: [{process: []}]\n  process:\n    - type: quarot\n"
+def test_prior_entries_are_checked_with_schema_errors(registry: ProcessorRegistry) -> None:
+    act = "{dtype: int8, scope: per_token, symmetric: false, method: minmax}"
+    weight = "{dtype: int8, scope: per_channel, symmetric: true, method: minmax}"
+    prior = f"{{process: [{{type: linear_quant, qconfig: {{act: {act}, weight: {weight}}}}}]}}"
+    text = f"spec:\n  prior: [{prior}]\n  process:\n    - type: quarot\n"
     with pytest.raises(ConfigError) as info:
         load_config_text(text, registry)
-    assert [issue.path for issue in info.value.issues] == ["spec.process[0].type", "spec.prior"]
+    assert [issue.path for issue in info.value.issues] == [
+        "spec.process[0].type",
+        "spec.prior[0].process[0].qconfig.act",
+    ]

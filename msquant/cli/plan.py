@@ -26,7 +26,11 @@ def add_plan_parser(sub: argparse._SubParsersAction[Parser], common: Parser) -> 
     plan.add_argument("--model_path", required=True, help="local Hugging Face model directory")
     source = plan.add_mutually_exclusive_group(required=True)
     source.add_argument("--config_path", help="YAML config (msModelSlim v1 schema)")
-    source.add_argument("--quant_type", help="named preset instead of a YAML file: w8a16")
+    source.add_argument(
+        "--quant_type",
+        help="msModelSlim's quant type instead of a YAML file: w8a16, w8a8, w4a8 (the practices "
+        "in msquant/data/practices; docs/cli.md)",
+    )
     plan.add_argument(
         "--json", action="store_true", help="print the plan as JSON instead of a table"
     )

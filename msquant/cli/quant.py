@@ -34,12 +34,25 @@ def add_quant_parser(sub: argparse._SubParsersAction[Parser], common: Parser) ->
     )
     source = quant.add_mutually_exclusive_group()
     source.add_argument("--config_path", help="YAML config (msModelSlim v1 schema)")
-    source.add_argument("--quant_type", help="named preset instead of a YAML file: w8a16")
+    source.add_argument(
+        "--quant_type",
+        help="msModelSlim's quant type instead of a YAML file: w8a16, w8a8, w4a8 (the practices "
+        "in msquant/data/practices; docs/cli.md)",
+    )
+    quant.add_argument(
+        "--tag",
+        nargs="*",
+        default=None,
+        metavar="TAG",
+        help="msModelSlim's scenario tags (e.g. vllm Atlas_A2_Inference); accepted and logged: "
+        "msquant ships one practice per --quant_type, as msModelSlim's default practices, "
+        "which tags do not select among",
+    )
     quant.add_argument(
         "--device",
         default="cpu",
-        help="cpu | cuda | cuda:N | npu | npu:N (default cpu); several devices (npu:0,1,2,3) "
-        "start one process per device (dp_layer_wise)",
+        help="cpu | cuda | cuda:N | npu | npu:N (default cpu; msModelSlim's default is npu); "
+        "several devices (npu:0,1,2,3) start one process per device (dp_layer_wise)",
     )
     quant.add_argument(
         "--nproc",
@@ -161,6 +174,13 @@ def run_quant(args: argparse.Namespace) -> int:
             raise MsquantInputError(str(exc.args[0])) from None
     else:
         config = args.config_path
+    if args.tag is not None:
+        logger.info(
+            "--tag %s: accepted for msModelSlim's command line and not used (msquant ships one "
+            "practice per --quant_type, like msModelSlim's default practices, which tags do not "
+            "select among; with --config_path msModelSlim ignores tags too)",
+            " ".join(args.tag) or "(none)",
+        )
     baseline, tolerance, ppl_tolerance = regression_gate(args)  # checked before any work
     devices = process_devices(args.device, args.nproc)
     if len(devices) > 1:

@@ -1,4 +1,12 @@
-"""Named configs selectable with ``--quant_type`` (msModelSlim's flag), as plain config mappings.
+"""The practices ``--quant_type`` selects (msModelSlim's flag), shipped as YAML files in
+``msquant/data/practices/``.
+
+msModelSlim's ``--quant_type`` takes one of twelve values (:data:`MSMODELSLIM_QUANT_TYPES`) and
+looks up a best practice for the model's family, falling back to its ``default`` practices
+(``default-w8a16``, ``default-w8a8``). msquant ships one practice per value it implements
+(:data:`PRESETS`): msModelSlim's default practice where it ships one, msquant's own otherwise
+(``w4a8``; see each file's header). A value msModelSlim knows but msquant does not implement is
+refused naming the implemented ones.
 
 A preset's ``spec.save`` is filled in from the processor registry: the default saver (the one
 saver class declaring ``default_saver``, :func:`msquant.config.processors.default_saver`), so the
@@ -8,51 +16,68 @@ engine names no saver here either.
 from __future__ import annotations
 
 import copy
+from importlib import resources
 from typing import Any
 
+import yaml
+
 from msquant.config.processors import default_saver
+from msquant.config.spec import validate_config
 from msquant.plugin.registry import ProcessorRegistry, default_registry
 
-__all__ = ["PRESETS", "PRESET_SHARD_GIB", "preset_config"]
+__all__ = [
+    "MSMODELSLIM_QUANT_TYPES",
+    "PRESETS",
+    "PRESET_SHARD_GIB",
+    "preset_config",
+    "preset_text",
+]
 
 #: The shard size (GiB) a preset's saver writes, msModelSlim's ``part_file_size: 4``.
 PRESET_SHARD_GIB = 4
 
+#: msModelSlim 26.1.0's ``--quant_type`` choices (``msmodelslim.core.const.QuantType``).
+MSMODELSLIM_QUANT_TYPES = (
+    "w4a4", "w4a8", "w4a4c8", "w4a4f8", "w4a8c8", "w8a16",
+    "w8a8", "w8a8s", "w8a8c8", "w8a8f8", "w4a4f4", "w16a16s",
+)  # fmt: skip
+
+#: The ``--quant_type`` values msquant implements, each with its practice file.
+PRACTICE_FILES = {"w8a16": "w8a16.yaml", "w8a8": "w8a8.yaml", "w4a8": "w4a8.yaml"}
+
+
+def preset_text(name: str) -> str:
+    """The YAML text of the practice ``name`` selects (lower case)."""
+    folder = resources.files("msquant") / "data" / "practices"
+    return (folder / PRACTICE_FILES[name]).read_text(encoding="utf-8")
+
+
 PRESETS: dict[str, dict[str, Any]] = {
-    # msModelSlim lab_practice/default/default-w8a16.yaml: per-channel symmetric int8 round-to-nearest.
-    "w8a16": {
-        "apiversion": "modelslim_v1",
-        "metadata": {"config_id": "default-w8a16", "label": {"w_bit": 8, "a_bit": 16}},
-        "spec": {
-            "process": [
-                {
-                    "type": "linear_quant",
-                    "qconfig": {
-                        "weight": {
-                            "scope": "per_channel",
-                            "dtype": "int8",
-                            "symmetric": True,
-                            "method": "minmax",
-                        }
-                    },
-                }
-            ],
-            "save": [],  # the default saver, filled in by preset_config
-        },
-    },
+    name: yaml.safe_load(preset_text(name)) for name in PRACTICE_FILES
 }
 
 
 def preset_config(name: str, registry: ProcessorRegistry | None = None) -> dict[str, Any]:
-    """A fresh copy of the preset ``name``, saving with the default saver of ``registry``
-    (default: every installed processor).
+    """A fresh copy of the practice ``--quant_type name`` selects, saving with the default saver
+    of ``registry`` (default: every installed processor).
 
-    :raises KeyError: listing the available presets.
+    :raises KeyError: for an unknown value or one msquant does not implement, listing those it
+        does.
+    :raises msquant.ConfigError: when the practice needs a processor ``registry`` lacks.
     """
     key = name.lower()
     if key not in PRESETS:
-        raise KeyError(f"unknown quant_type {name!r}; available: {', '.join(sorted(PRESETS))}")
+        available = ", ".join(sorted(PRESETS))
+        if key in MSMODELSLIM_QUANT_TYPES:
+            raise KeyError(
+                f"quant_type {name!r} is one of msModelSlim's but msquant does not implement it; "
+                f"implemented: {available}; or pass --config_path YAML"
+            )
+        raise KeyError(f"unknown quant_type {name!r}; available: {available}")
+    registry = registry or default_registry()
     config = copy.deepcopy(PRESETS[key])
-    saver = default_saver(registry or default_registry())
+    saver = default_saver(registry)
     config["spec"]["save"] = [{"type": saver.type_name, "part_file_size": PRESET_SHARD_GIB}]
+    # a practice naming a processor this installation lacks is refused here, naming the practice
+    validate_config(config, registry, f"--quant_type {key} (msquant/data/practices/{key}.yaml)")
     return config

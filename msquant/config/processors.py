@@ -6,10 +6,15 @@ import logging
 
 from msquant.config.spec import QuantConfig
 from msquant.errors import RegistryError
-from msquant.plugin.processor import Processor
+from msquant.plugin.processor import (
+    Processor,
+    ProcessorConfig,
+    ProcessorContainer,
+    nested_fields,
+)
 from msquant.plugin.registry import ProcessorRegistry
 
-__all__ = ["default_saver", "build_processors"]
+__all__ = ["default_saver", "build_processor", "build_prior_stages", "build_processors"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +45,30 @@ def default_saver(registry: ProcessorRegistry) -> type[Processor]:
     )
 
 
+def build_processor(entry: ProcessorConfig, registry: ProcessorRegistry) -> Processor:
+    """The processor of one validated entry; a container (:class:`ProcessorContainer`) gets the
+    processors of the entries it holds, built the same way, in order."""
+    processor = registry.get(entry.type)(entry)
+    fields = nested_fields(type(entry))
+    if fields:
+        children = [build_processor(child, registry) for f in fields for child in getattr(entry, f)]
+        if not isinstance(processor, ProcessorContainer):
+            raise RegistryError(
+                f"processor {entry.type!r} has nested processor entries ({', '.join(fields)}) but "
+                "does not implement adopt_children (msquant.ProcessorContainer)"
+            )
+        processor.adopt_children(children)
+    return processor
+
+
+def build_prior_stages(config: QuantConfig, registry: ProcessorRegistry) -> list[list[Processor]]:
+    """The processors of each ``spec.prior`` stage, in order (no savers: a prior stage only
+    changes the model that ``spec.process`` then quantizes)."""
+    return [
+        [build_processor(entry, registry) for entry in stage.process] for stage in config.spec.prior
+    ]
+
+
 def build_processors(config: QuantConfig, registry: ProcessorRegistry) -> list[Processor]:
     """Instantiate ``spec.process`` then ``spec.save``; an empty ``save`` means the default saver
     (:func:`default_saver`).
@@ -53,7 +82,7 @@ def build_processors(config: QuantConfig, registry: ProcessorRegistry) -> list[P
         saver_cls = default_saver(registry)
         entries.append(saver_cls.config_class.model_validate({"type": saver_cls.type_name}))
         logger.info("spec.save is empty: writing the default %s format", saver_cls.type_name)
-    processors = [registry.get(entry.type)(entry) for entry in entries]
+    processors = [build_processor(entry, registry) for entry in entries]
     savers = [p for p in processors if p.stage == "save"]
     if len(savers) > 1:
         used: dict[str, int] = {}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -28,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from msquant.config.yaml_loader import load_yaml_file, load_yaml_text
 from msquant.errors import ConfigError, ConfigIssue, validation_message
-from msquant.plugin.processor import ProcessorConfig, Stage
+from msquant.plugin.processor import ProcessorConfig, Stage, nested_fields
 from msquant.plugin.registry import ProcessorRegistry
 
 __all__ = [
@@ -71,12 +70,20 @@ class Metadata(BaseModel):
 
 
 class PriorStage(BaseModel):
-    """A preliminary stage (msModelSlim ``spec.prior``); accepted by the schema, not implemented."""
+    """A preliminary stage (msModelSlim ``spec.prior``): its ``process`` entries run over the
+    whole model, layer by layer, on its own calibration set, before ``spec.process`` runs on the
+    model they changed."""
 
     model_config = ConfigDict(extra="forbid")
 
-    process: list[dict[str, Any]] = Field(default_factory=list)
-    dataset: str | None = None
+    process: list[ProcessorConfig] = Field(default_factory=list)
+    dataset: str | None = Field(
+        None,
+        description=(
+            "Calibration file of this stage (same forms as spec.dataset); default: the main "
+            "calibration set (spec.dataset, or --calib_path)."
+        ),
+    )
 
 
 class SpecBody(BaseModel):
@@ -110,7 +117,7 @@ class QuantConfig(BaseModel):
 
 
 def _entry_type(registry: ProcessorRegistry, stage: Stage) -> Any:
-    classes = registry.config_classes(stage)
+    classes = list(entry_classes(registry, stage).values())
     if not classes:
         return ProcessorConfig
     # Discriminate on ``type`` even for a single class, so that a missing or unknown ``type`` is
@@ -118,13 +125,53 @@ def _entry_type(registry: ProcessorRegistry, stage: Stage) -> Any:
     return Annotated[Union[tuple(classes)], Field(discriminator="type")]  # noqa: UP007
 
 
+#: How deep containers (``group``) may nest in a config: a ``group`` in a ``group`` in a ``group``.
+MAX_NESTING = 3
+
+
+def entry_classes(registry: ProcessorRegistry, stage: Stage) -> dict[str, type[ProcessorConfig]]:
+    """``{type: config class}`` of the registry's ``stage`` processors, each class whose config
+    holds processor entries (:data:`~msquant.plugin.processor.ProcessorConfigList`) rebuilt so
+    that those entries validate against the registered ``spec.process`` processors (containers
+    nest up to :data:`MAX_NESTING` deep)."""
+    plain = {name: registry.get(name).config_class for name in registry.names(stage)}
+    if not any(nested_fields(cls) for cls in plain.values()):
+        return plain
+    process = {name: registry.get(name).config_class for name in registry.names("process")}
+    level = process
+    for _ in range(MAX_NESTING):
+        union = _union_of(list(level.values()))
+        level = {name: _with_children(cls, union) for name, cls in process.items()}
+    return level if stage == "process" else {n: _with_children(c, union) for n, c in plain.items()}
+
+
+def _union_of(classes: list[type[ProcessorConfig]]) -> Any:
+    if not classes:
+        return ProcessorConfig
+    return Annotated[Union[tuple(classes)], Field(discriminator="type")]  # noqa: UP007
+
+
+def _with_children(cls: type[ProcessorConfig], union: Any) -> type[ProcessorConfig]:
+    """``cls`` with its nested-entries fields typed as lists of ``union``."""
+    fields = nested_fields(cls)
+    if not fields:
+        return cls
+    overrides: dict[str, Any] = {name: (list[union], cls.model_fields[name]) for name in fields}
+    built: type[ProcessorConfig] = create_model(cls.__name__, __base__=cls, **overrides)
+    return built
+
+
 def build_config_model(registry: ProcessorRegistry) -> type[QuantConfig]:
     """The :class:`QuantConfig` subclass whose process/save entries are the registry's configs."""
     process_list: Any = list[_entry_type(registry, "process")]  # type: ignore[misc]
     save_list: Any = list[_entry_type(registry, "save")]  # type: ignore[misc]
+    prior = create_model(
+        "PriorStage", __base__=PriorStage, process=(process_list, Field(default_factory=list))
+    )
     body = create_model(
         "Spec",
         __base__=SpecBody,
+        prior=(list[prior], Field(default_factory=list)),
         process=(process_list, Field(default_factory=list)),
         save=(save_list, Field(default_factory=list)),
     )
@@ -198,26 +245,30 @@ def load_config_text(
     return validate_config(load_yaml_text(text, source), registry, source)
 
 
-_PRIOR_ISSUE = ConfigIssue("spec.prior", "prior stages are not implemented yet; remove 'prior'")
-
-
 def _semantic_issues(config: QuantConfig, registry: ProcessorRegistry) -> list[ConfigIssue]:
-    issues = [_PRIOR_ISSUE] if config.spec.prior else []
+    issues = []
+    for number, prior in enumerate(config.spec.prior):
+        for index, entry in enumerate(prior.process):
+            issues += _entry_issues(registry, f"spec.prior[{number}].process[{index}]", entry)
     for stage in _STAGES:
         for index, entry in enumerate(getattr(config.spec, stage)):
-            issues += _entry_issues(registry, stage, index, entry)
+            issues += _entry_issues(registry, f"spec.{stage}[{index}]", entry)
     return issues
 
 
 def _entry_issues(
-    registry: ProcessorRegistry, stage: str, index: int, entry: ProcessorConfig
+    registry: ProcessorRegistry, prefix: str, entry: ProcessorConfig
 ) -> list[ConfigIssue]:
-    """The processor's ``check_config`` issues of one entry, located under ``spec.<stage>[i]``."""
-    prefix = f"spec.{stage}[{index}]"
-    return [
+    """The processor's ``check_config`` issues of one entry located under ``prefix``
+    (``spec.process[2]``), then those of the entries it holds (``spec.process[2].configs[0]``)."""
+    issues = [
         ConfigIssue(f"{prefix}.{issue.path}" if issue.path else prefix, issue.message)
         for issue in registry.get(entry.type).check_config(entry)
     ]
+    for name in nested_fields(type(entry)):
+        for index, child in enumerate(getattr(entry, name)):
+            issues += _entry_issues(registry, f"{prefix}.{name}[{index}]", child)
+    return issues
 
 
 def _semantic_issues_of_raw(data: dict[Any, Any], registry: ProcessorRegistry) -> list[ConfigIssue]:
@@ -226,29 +277,44 @@ def _semantic_issues_of_raw(data: dict[Any, Any], registry: ProcessorRegistry) -
     spec = data.get("spec")
     if not isinstance(spec, dict):
         return []
-    issues = [_PRIOR_ISSUE] if spec.get("prior") else []
-    for stage, index, entry in _valid_entries(spec, registry):
-        issues += _entry_issues(registry, stage, index, entry)
+    classes = {stage: entry_classes(registry, stage) for stage in _STAGES}
+    issues = []
+    priors = spec.get("prior")
+    for number, prior in enumerate(priors if isinstance(priors, list) else []):
+        entries = prior.get("process") if isinstance(prior, dict) else None
+        for index, raw in enumerate(entries if isinstance(entries, list) else []):
+            where = f"spec.prior[{number}].process[{index}]"
+            issues += _raw_entry_issues(registry, classes["process"], where, raw)
+    for stage in _STAGES:
+        entries = spec.get(stage)
+        for index, raw in enumerate(entries if isinstance(entries, list) else []):
+            issues += _raw_entry_issues(registry, classes[stage], f"spec.{stage}[{index}]", raw)
     return issues
 
 
-def _valid_entries(
-    spec: dict[Any, Any], registry: ProcessorRegistry
-) -> Iterator[tuple[str, int, ProcessorConfig]]:
-    """The ``(stage, index, config)`` of each raw entry whose processor is registered for its
-    stage and whose entry passes that processor's schema."""
-    for stage in _STAGES:
-        entries = spec.get(stage)
-        if not isinstance(entries, list):
-            continue
-        for index, raw in enumerate(entries):
-            kind = raw.get("type") if isinstance(raw, dict) else None
-            if not isinstance(kind, str) or kind not in registry.names(stage):
-                continue
-            try:
-                yield stage, index, registry.get(kind).config_class.model_validate(raw)
-            except ValidationError:
-                continue  # its schema errors are already reported
+def _raw_entry_issues(
+    registry: ProcessorRegistry,
+    classes: dict[str, type[ProcessorConfig]],
+    prefix: str,
+    raw: Any,
+) -> list[ConfigIssue]:
+    """The semantic issues of one raw entry whose processor is registered for its stage: all of
+    them when the entry passes its schema, else those of the entries it holds (its own schema
+    errors are already reported)."""
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if not isinstance(kind, str) or kind not in classes:
+        return []
+    try:
+        return _entry_issues(registry, prefix, classes[kind].model_validate(raw))
+    except ValidationError:
+        pass
+    issues = []
+    process = entry_classes(registry, "process")
+    for name in nested_fields(classes[kind]):
+        children = raw.get(name)
+        for index, child in enumerate(children if isinstance(children, list) else []):
+            issues += _raw_entry_issues(registry, process, f"{prefix}.{name}[{index}]", child)
+    return issues
 
 
 def _schema_issues(

@@ -46,8 +46,17 @@ must come out identical to an uninterrupted run's.
 from __future__ import annotations
 
 from abc import ABC
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Annotated,
+    Any,
+    ClassVar,
+    Literal,
+    Protocol,
+    runtime_checkable,
+)
 
 from pydantic import BaseModel, ConfigDict
 from torch import nn
@@ -58,7 +67,17 @@ if TYPE_CHECKING:
     from msquant.model.layers import DecoderLayer
     from msquant.plugin.context import RunContext
 
-__all__ = ["Stage", "ProcessorConfig", "Processor", "OutputHeadUser"]
+__all__ = [
+    "Stage",
+    "ProcessorConfig",
+    "Processor",
+    "OutputHeadUser",
+    "NestedProcessors",
+    "ProcessorConfigList",
+    "ProcessorContainer",
+    "nested_fields",
+    "flatten_processors",
+]
 
 Stage = Literal["process", "save"]
 
@@ -168,3 +187,50 @@ class OutputHeadUser(Protocol):
     def uses_output_head(self, ctx: RunContext) -> bool:
         """Whether the runner must run the head stage for this processor in this run."""
         ...
+
+
+class NestedProcessors:
+    """Marker in a config field's ``Annotated`` metadata: the field holds processor entries.
+
+    The engine validates each entry of such a field against every registered ``spec.process``
+    processor (discriminated on ``type``, errors located as ``...configs[0].qconfig...``), runs
+    their ``check_config`` and builds their processors, which it hands to the container
+    through :meth:`ProcessorContainer.adopt_children`. Use :data:`ProcessorConfigList`.
+    """
+
+    def __repr__(self) -> str:
+        return "NestedProcessors()"
+
+
+#: The type of a config field holding a list of processor entries (a container's children).
+ProcessorConfigList = Annotated[list[ProcessorConfig], NestedProcessors()]
+
+
+def nested_fields(config_class: type[BaseModel]) -> list[str]:
+    """The fields of ``config_class`` that hold processor entries (:data:`ProcessorConfigList`)."""
+    return [
+        name
+        for name, field in config_class.model_fields.items()
+        if any(isinstance(item, NestedProcessors) for item in field.metadata)
+    ]
+
+
+@runtime_checkable
+class ProcessorContainer(Protocol):
+    """A processor whose config holds processor entries (:data:`ProcessorConfigList` fields):
+    the engine builds a processor for each entry, in order, and hands them over once, right
+    after the container is built."""
+
+    def adopt_children(self, children: list[Processor]) -> None:
+        """Take the processors built from the config's nested entries (in field, then list order)."""
+        ...
+
+
+def flatten_processors(processors: Sequence[Processor]) -> list[Processor]:
+    """``processors`` with every container followed by its children (recursively), for checks
+    that concern each processor a run calls (e.g. whether all of them are resumable)."""
+    out: list[Processor] = []
+    for processor in processors:
+        out.append(processor)
+        out += flatten_processors(getattr(processor, "children", ()))
+    return out

@@ -54,6 +54,8 @@ class LoadedModel:
     spill: LayerStore | None = None
     experts: MoEInfo = MoEInfo()
     checkpoint_names: CheckpointNames | None = None
+    #: A streamed run's scratch folder (removed when the run ends); None for a ``model_wise`` run.
+    scratch: Path | None = None
 
 
 @contextmanager
@@ -107,8 +109,9 @@ def load_for_run(
         if keep_reference:
             spill = LayerStore(scratch / "reference")
         yield LoadedModel(
-            model, adapter.decoder_layers(model), streamed, spill, experts, _renamed(names)
-        )
+            model, adapter.decoder_layers(model), streamed, spill, experts, _renamed(names),
+            scratch,
+        )  # fmt: skip
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -108,6 +108,36 @@ SCHEMES: dict[str, Scheme] = {
 }
 
 
+#: The ``ssz`` weight method (tests/oracle/test_ssz_oracle.py): kept apart from :data:`SCHEMES`,
+#: whose tests compare msModelSlim's weights with min/max ones.
+SSZ_SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme("w8a16_ssz", {"weight": _weight("int8", method="ssz")}, "W8A16"),
+        Scheme(
+            "w8a8_asym_ssz",
+            {"act": _act("per_tensor", False), "weight": _weight("int8", method="ssz")},
+            "W8A8",
+        ),
+        Scheme(
+            "w8a8_dynamic_ssz",
+            {"act": _act("per_token", True), "weight": _weight("int8", method="ssz")},
+            "W8A8_DYNAMIC",
+        ),
+        Scheme(
+            "w4a8_dynamic_ssz",
+            {"act": _act("per_token", True), "weight": _weight("int4", method="ssz", step=10)},
+            "W4A8_DYNAMIC",
+        ),
+    )
+}
+
+
+def all_schemes() -> dict[str, Scheme]:
+    """Every scheme the oracle can run."""
+    return {**SCHEMES, **SSZ_SCHEMES}
+
+
 def config_for(scheme: Scheme, dataset: Path) -> dict[str, Any]:
     """The msModelSlim v1 config of ``scheme`` calibrating on ``dataset`` (an absolute path)."""
     return {
@@ -198,7 +228,9 @@ def ensure_export(cache: Path, venv: Path, arch: str, scheme_name: str) -> Path:
     dataset = write_calibration(cache / "calib.jsonl")
     config = cache / "configs" / f"{scheme_name}.yaml"
     config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(yaml.safe_dump(config_for(SCHEMES[scheme_name], dataset)), encoding="utf-8")
+    config.write_text(
+        yaml.safe_dump(config_for(all_schemes()[scheme_name], dataset)), encoding="utf-8"
+    )
     save.parent.mkdir(parents=True, exist_ok=True)
     model_type = ARCHS[arch].get("model_type", "default")
     log = save.parent / f"{save.name}.log"
@@ -211,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV)
-    exported = [name for name, scheme in SCHEMES.items() if scheme.refused is None]
-    parser.add_argument("--scheme", nargs="*", default=exported, choices=list(SCHEMES))
+    exported = [name for name, scheme in all_schemes().items() if scheme.refused is None]
+    parser.add_argument("--scheme", nargs="*", default=exported, choices=list(all_schemes()))
     parser.add_argument("--arch", nargs="*", default=list(ARCHS), choices=list(ARCHS))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

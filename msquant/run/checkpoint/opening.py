@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from msquant.errors import OutputPathError
 from msquant.export.recovery import owned_dir_problem
 from msquant.plugin.distributed import SINGLE, Distributed
+from msquant.plugin.processor import flatten_processors
 from msquant.run.agree import agree
 from msquant.run.checkpoint.fingerprint import fingerprint_differences
 from msquant.run.checkpoint.folder import RunCheckpoints
@@ -32,7 +33,7 @@ def checkpoint_blocker(processors: Sequence[Processor], enabled: bool = True) ->
     ``dp_layer_wise`` group: pass all the run's processors, savers included)."""
     if not enabled:
         return "checkpoints are turned off (--no_checkpoints; Python: checkpoints=False)"
-    for processor in processors:
+    for processor in flatten_processors(processors):
         if not processor.resumable:
             return (
                 f"processor {processor.type_name} cannot be resumed (it does not set "

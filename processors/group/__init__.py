@@ -1,0 +1,1 @@
+"""``group``: several ``spec.process`` entries applied together to each decoder layer."""

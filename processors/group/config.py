@@ -1,0 +1,23 @@
+"""The YAML entry of ``group`` (msModelSlim's ``configs`` field)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from msquant import ProcessorConfig, ProcessorConfigList
+
+
+class GroupConfig(ProcessorConfig):
+    """Config of ``group``: the processors applied together to each decoder layer."""
+
+    type: Literal["group"] = "group"
+    configs: ProcessorConfigList = Field(
+        ...,
+        description=(
+            "The processor entries of the group, each a spec.process entry (any registered "
+            "processor, a group too); they act on each decoder layer together, in this order, "
+            "over one flow of the calibration data."
+        ),
+    )
