@@ -323,6 +323,12 @@ def test_quantized_ascend_export_verifies_and_evaluates(
     assert description["model.layers.0.self_attn.q_proj.weight"] == "W8A8_DYNAMIC"
     assert description["lm_head.weight"] == "FLOAT"
     assert run_cli("verify", out).code == 0
+    # against the original model: the rotated weights differ by design, the marker says why
+    marker = json.loads((out / "msquant_export.json").read_text(encoding="utf-8"))
+    assert marker["weights_transformed_by"] == ["quarot"]
+    against_original = run_cli("verify", out, "--model_path", path)
+    assert against_original.code == 0, against_original.out + against_original.err
+    assert "transformed by quarot" in against_original.out + against_original.err
     back, _ = load_model_for_eval(out, False)
     with torch.no_grad():
         reference = _load(path)(TOKENS).logits

@@ -122,6 +122,7 @@ class QuaRot(Processor):
     config_class = QuaRotConfig
     stage = "process"
     resumable = True  # stateless: setup redoes the embedding and head, layers are independent
+    transforms_weights = True
     config: QuaRotConfig
 
     @classmethod

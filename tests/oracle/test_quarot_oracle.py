@@ -1,0 +1,73 @@
+"""msModelSlim 26.1.0 as the oracle of ``quarot`` (opt-in: ``pytest -m msmodelslim``).
+
+msModelSlim's exports of ``quarot`` + ``linear_quant`` (W8A8_DYNAMIC, W4A8_DYNAMIC) on tiny float32
+Qwen3 models with random norm scales are made by ``quarot_run.py`` in ``$MSQUANT_ORACLE_CACHE``;
+msquant runs the very same YAML on the same model and calibration file. The hidden size (64) and
+head_dim (16) are powers of two, where msModelSlim's rotation is Sylvester's Hadamard matrix with
+seeded random signs, which msquant reproduces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import msmodelslim_run as oracle  # noqa: E402
+import quarot_run  # noqa: E402
+
+pytestmark = pytest.mark.msmodelslim
+
+CACHE = Path(os.environ.get("MSQUANT_ORACLE_CACHE", oracle.DEFAULT_CACHE))
+VENV = Path(os.environ.get("MSQUANT_MSMODELSLIM_VENV", oracle.DEFAULT_VENV))
+
+
+def _their_export(name: str, scheme: str) -> Path:
+    if not (VENV / "bin" / "msmodelslim").is_file():
+        pytest.fail(
+            f"no msModelSlim environment at {VENV}: run scripts/msmodelslim_env.sh (or set "
+            "MSQUANT_MSMODELSLIM_VENV)"
+        )
+    return quarot_run.ensure_export(CACHE, VENV, name, scheme)
+
+
+def _read(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors = load_file(str(folder / "quant_model_weights.safetensors"))
+    description = json.loads((folder / "quant_model_description.json").read_text("utf-8"))
+    return tensors, description
+
+
+def _our_export(name: str, scheme: str, save: Path) -> Path:
+    import msquant
+
+    _their_export(name, scheme)  # makes the model, the calibration file and the YAML too
+    config = quarot_run.config_path(CACHE, scheme)
+    msquant.quantize(CACHE / "models" / name, save, config, progress=False)
+    return save
+
+
+@pytest.mark.parametrize("scheme", quarot_run.SCHEMES)
+def test_rotated_exports_are_bit_identical(scheme: str, tmp_path: Path) -> None:
+    """Untied model: every tensor (rotated and quantized weights, scales, the embedding, the
+    rotated head, the norms set to ones), the description (with its ``optional.quarot`` entry) and
+    the shipped global rotation equal msModelSlim's bit for bit."""
+    theirs_dir = _their_export("qwen3_rot", scheme)
+    ours_dir = _our_export("qwen3_rot", scheme, tmp_path / "out")
+    theirs, their_description = _read(theirs_dir)
+    ours, our_description = _read(ours_dir)
+    assert our_description == their_description
+    assert sorted(ours) == sorted(theirs)
+    differing = [name for name in sorted(theirs) if not torch.equal(ours[name], theirs[name])]
+    assert differing == []
+    rotation = "optional/quarot.safetensors"
+    assert their_description["optional"]["quarot"]["rotation_map"]["global_rotation"] == rotation
+    their_rotation = load_file(str(theirs_dir / rotation))["global_rotation"]
+    assert torch.equal(load_file(str(ours_dir / rotation))["global_rotation"], their_rotation)
