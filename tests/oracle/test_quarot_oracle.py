@@ -71,3 +71,35 @@ def test_rotated_exports_are_bit_identical(scheme: str, tmp_path: Path) -> None:
     assert their_description["optional"]["quarot"]["rotation_map"]["global_rotation"] == rotation
     their_rotation = load_file(str(theirs_dir / rotation))["global_rotation"]
     assert torch.equal(load_file(str(ours_dir / rotation))["global_rotation"], their_rotation)
+
+
+def test_tied_model_msmodelslim_cannot_save_msquant_unties(tmp_path: Path) -> None:
+    """msModelSlim 26.1.0 (with transformers 5.24) cannot export a tied-embedding model, rotated or
+    not: its saver refuses the head and the embedding sharing one tensor. msquant unties the head.
+    The tied model equals the untied one but for the head, so msquant's export of it equals
+    msModelSlim's export of the untied model in every tensor but the head, whose weight is the
+    embedding with the final norm folded in, rotated (float32, as msModelSlim rotates a head)."""
+    import msquant
+    from msquant import random_hadamard
+
+    untied_dir = _their_export("qwen3_rot", "w8a8_dynamic")  # also writes the YAML
+    config = quarot_run.config_path(CACHE, "w8a8_dynamic")
+    model = quarot_run.build_model("qwen3_rot_tied", CACHE / "models" / "qwen3_rot_tied")
+    with pytest.raises(RuntimeError, match="share memory"):
+        oracle.run_msmodelslim(
+            VENV, model, config, tmp_path / "theirs", tmp_path / "theirs.log", quarot_run.MODEL_TYPE
+        )
+    ours_dir = tmp_path / "ours"
+    msquant.quantize(model, ours_dir, config, progress=False)
+    theirs, _ = _read(untied_dir)
+    ours, description = _read(ours_dir)
+    assert sorted(ours) == sorted(theirs)
+    differing = [name for name in sorted(theirs) if not torch.equal(ours[name], theirs[name])]
+    assert differing == ["lm_head.weight"]
+    assert description["lm_head.weight"] == "FLOAT"
+    float_model = load_file(str(model / "model.safetensors"))
+    embedding = float_model["model.embed_tokens.weight"]
+    expected = torch.matmul(embedding * float_model["model.norm.weight"], random_hadamard(64))
+    assert torch.equal(ours["lm_head.weight"], expected)
+    config_json = json.loads((ours_dir / "config.json").read_text(encoding="utf-8"))
+    assert config_json["tie_word_embeddings"] is False
