@@ -30,13 +30,17 @@ CACHE = Path(os.environ.get("MSQUANT_ORACLE_CACHE", oracle.DEFAULT_CACHE))
 VENV = Path(os.environ.get("MSQUANT_MSMODELSLIM_VENV", oracle.DEFAULT_VENV))
 
 
-def _their_export(name: str, scheme: str) -> Path:
+def _venv() -> Path:
     if not (VENV / "bin" / "msmodelslim").is_file():
         pytest.fail(
             f"no msModelSlim environment at {VENV}: run scripts/msmodelslim_env.sh (or set "
             "MSQUANT_MSMODELSLIM_VENV)"
         )
-    return quarot_run.ensure_export(CACHE, VENV, name, scheme)
+    return VENV
+
+
+def _their_export(name: str, scheme: str) -> Path:
+    return quarot_run.ensure_export(CACHE, _venv(), name, scheme)
 
 
 def _read(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -103,3 +107,39 @@ def test_tied_model_msmodelslim_cannot_save_msquant_unties(tmp_path: Path) -> No
     assert torch.equal(ours["lm_head.weight"], expected)
     config_json = json.loads((ours_dir / "config.json").read_text(encoding="utf-8"))
     assert config_json["tie_word_embeddings"] is False
+
+
+#: Run in msModelSlim's environment: its rotation of a size that is not a power of two and the
+#: Hadamard factor it reads from its tables, saved for the comparison below.
+_THEIR_ROTATION = """
+import sys
+from safetensors.torch import save_file
+from msmodelslim.processor.quarot.common.hadamard import get_had_k
+from msmodelslim.processor.quarot.common.quarot_utils import QuaRotMode, create_rot
+size = int(sys.argv[2])
+core, _ = get_had_k(size)
+rotation = create_rot(QuaRotMode.HADAMARD, size)
+save_file({"rotation": rotation.contiguous(), "core": core.contiguous()}, sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("size", [576, 896])
+def test_other_sizes_differ_only_by_the_hadamard_factor(size: int, tmp_path: Path) -> None:
+    """SmolLM2's 576 (= 36 x 16) and Qwen2's 896 (= 28 x 32): msModelSlim reads the order-36/28
+    factor from its tables, msquant builds its own (Paley). Given msModelSlim's factor, msquant's
+    construction (signs, Kronecker product with Sylvester's matrix, scaling) gives msModelSlim's
+    rotation bit for bit; with its own factor, a different but equally orthogonal rotation."""
+    import subprocess
+
+    from msquant import random_hadamard
+
+    venv = _venv()
+    out = tmp_path / "theirs.safetensors"
+    script = tmp_path / "their_rotation.py"
+    script.write_text(_THEIR_ROTATION, encoding="utf-8")
+    subprocess.run([str(venv / "bin" / "python"), str(script), str(out), str(size)], check=True)
+    theirs = load_file(str(out))
+    assert torch.equal(random_hadamard(size, core=theirs["core"]), theirs["rotation"])
+    ours = random_hadamard(size, dtype=torch.float64)
+    assert torch.allclose(ours @ ours.T, torch.eye(size, dtype=torch.float64), atol=1e-12)
+    assert not torch.equal(ours.float(), theirs["rotation"])
