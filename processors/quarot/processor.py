@@ -26,7 +26,6 @@ quantize better. The matrices are msModelSlim's construction (:mod:`msquant.quan
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 from torch import nn
@@ -121,7 +120,9 @@ class QuaRot(Processor):
     type_name = "quarot"
     config_class = QuaRotConfig
     stage = "process"
-    resumable = True  # stateless: setup redoes the embedding and head, layers are independent
+    # Not resumable: a resumed run rebuilds finished layers from their quantized linears alone,
+    # which would leave those layers' norms and float linears unrotated in memory.
+    resumable = False
     transforms_weights = True
     config: QuaRotConfig
 
@@ -185,12 +186,6 @@ class QuaRot(Processor):
             for value, output in found.value_output:
                 _rotate_output(model.get_submodule(value), self.head_rotation)
                 _rotate_input(model.get_submodule(output), self.head_rotation)
-
-    def resume_state(self, ctx: RunContext) -> dict[str, Any]:
-        return {}
-
-    def restore(self, ctx: RunContext, state: dict[str, Any]) -> None:
-        return None
 
     @staticmethod
     def _fold_norm(norm: nn.Module, readers: list[nn.Module]) -> None:
