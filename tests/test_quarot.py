@@ -361,3 +361,19 @@ def test_hf_exports_of_a_tied_model_carry_the_head_and_untie(
         with torch.no_grad():
             served = loaded(TOKENS).logits.float()
         assert torch.allclose(served, got, atol=1e-3 * float(got.abs().max()))
+
+
+def test_config_updates_reach_nested_text_configs(tmp_path: Path) -> None:
+    # a multimodal config keeps tie_word_embeddings in text_config too: both are set
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {"model_type": "x", "text_config": {"tie_word_embeddings": True, "hidden_size": 8}}
+    (model / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    out = tmp_path / "out"
+    out.mkdir()
+    msquant.copy_model_files(model, out, {"tie_word_embeddings": False})
+    written = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    assert written["tie_word_embeddings"] is False
+    assert written["text_config"] == {"tie_word_embeddings": False, "hidden_size": 8}
+    msquant.copy_model_files(model, out)  # no updates: the config is copied as it is
+    assert json.loads((out / "config.json").read_text(encoding="utf-8")) == config
