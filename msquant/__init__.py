@@ -76,6 +76,7 @@ from msquant.model.matching import (
     unmatched_patterns,
 )
 from msquant.model.moe import DEFAULT_EXPERT_TOKEN_RATIO, MoEInfo, expert_fallback, moe_routers
+from msquant.model.rotation_layout import LayerRotationLayout, NormReaders, RotationLayout
 from msquant.planning.analysis import analyse_plan, check_plan
 from msquant.planning.build import build_plan, plan
 from msquant.planning.model import (
@@ -127,6 +128,20 @@ from msquant.quant.output_error import relative_output_errors
 from msquant.quant.qconfig import ActQConfig, LinearQConfig, QDType, QScope, WeightQConfig
 from msquant.quant.quantized_linear import QuantizedLinear, replace_module
 from msquant.quant.quantized_weight import QuantizedWeight
+from msquant.quant.rotation import (
+    DEFAULT_ROTATION_SEED,
+    block_diagonal,
+    fuse_norm_into_linear,
+    hadamard_core_order,
+    hadamard_matrix,
+    is_power_of_two,
+    paley_hadamard,
+    random_hadamard,
+    rotate_input,
+    rotate_output,
+    rotation_for,
+    sylvester_hadamard,
+)
 from msquant.quant.rules import (
     BASE_SOURCE,
     DYNAMIC_KEYS,
@@ -409,4 +424,20 @@ __all__ = [
     "RegistryError",
     "validation_message",
     "ResumeError",
+    # residual-stream rotation (QuaRot): layout and numerics
+    "RotationLayout",
+    "LayerRotationLayout",
+    "NormReaders",
+    "DEFAULT_ROTATION_SEED",
+    "block_diagonal",
+    "fuse_norm_into_linear",
+    "hadamard_core_order",
+    "hadamard_matrix",
+    "is_power_of_two",
+    "paley_hadamard",
+    "random_hadamard",
+    "rotate_input",
+    "rotate_output",
+    "rotation_for",
+    "sylvester_hadamard",
 ]

@@ -78,6 +78,7 @@ from msquant import (
     Saver,
     SaverConfig,
     SaverState,
+    ShardedSafetensorsWriter,
     copy_model_files,
     parse_expert_linear,
     safe_file_stem,
@@ -94,6 +95,8 @@ from msquant.processors.formats.ascend.packer import FLOAT, ascend_module_tensor
 __all__ = ["AscendV1SaverConfig", "AscendV1Saver", "AscendSaverState"]
 
 logger = logging.getLogger(__name__)
+#: The folder of the tensors processors ship beside the weights (msModelSlim's ``optional/``).
+OPTIONAL_FOLDER = "optional"
 
 WEIGHTS_PREFIX = "quant_model_weights"
 
@@ -266,10 +269,11 @@ class AscendV1Saver(Saver):
             ctx.disk_name(name): kind for name, kind in described.items()
         }
         description.update(self.description_globals())
+        description["optional"] = self.write_optional(ctx)
         (self.directory / self.description_file()).write_text(
             json.dumps(description, indent=4) + "\n", encoding="utf-8"
         )
-        copy_model_files(ctx.model_path, self.directory)
+        copy_model_files(ctx.model_path, self.directory, ctx.config_updates)
         if ctx.config_text is not None:
             stem = safe_file_stem(ctx.model_type, "model_type")
             (self.directory / f"{stem}_best_practice.yaml").write_text(
@@ -282,6 +286,24 @@ class AscendV1Saver(Saver):
             self.writer.total_bytes / 2**20,
             description["model_quant_type"],
         )
+
+    def write_optional(self, ctx: RunContext) -> dict[str, Any]:
+        """The tensors processors ship beside the weights (``ctx.optional_tensors``, e.g.
+        ``quarot``'s ``global_rotation``): each scope in ``optional/<scope>.safetensors``, named
+        in the description as msModelSlim does (``optional.<scope>.rotation_map.<tensor>`` = the
+        file's path relative to the export)."""
+        described: dict[str, Any] = {}
+        for scope, tensors in sorted(ctx.optional_tensors.items()):
+            stem = safe_file_stem(scope, "optional scope")
+            folder = self.directory / OPTIONAL_FOLDER
+            folder.mkdir(exist_ok=True)
+            writer = ShardedSafetensorsWriter(folder, stem, None)
+            for name, tensor in tensors.items():
+                writer.add(name, tensor.detach().cpu().contiguous())
+            writer.close()
+            path = f"{OPTIONAL_FOLDER}/{stem}.safetensors"
+            described[scope] = {"rotation_map": dict.fromkeys(tensors, path)}
+        return described
 
     def description_file(self) -> str:
         """The description's file name."""

@@ -131,7 +131,7 @@ class AWQSaver(Saver):
             and name not in self.state.quantized
         ]
         config = build_quantization_config(self.state.group_size, float_linears, self.adapter)
-        write_hf_config(ctx.model_path, self.directory, config)
+        write_hf_config(ctx.model_path, self.directory, config, config_updates=ctx.config_updates)
 
 
 def _listing(names: list[str]) -> str:

@@ -209,7 +209,9 @@ class CompressedTensorsSaver(Saver):
             [ctx.disk_name(name) for name in ignore],
             None if head is None else ctx.disk_name(head),
         )
-        write_hf_config(ctx.model_path, self.directory, quantization_config)
+        write_hf_config(
+            ctx.model_path, self.directory, quantization_config, config_updates=ctx.config_updates
+        )
         logger.info(
             "compressed_tensors: %d quantized linear(s) in %d config group(s), %d ignored, "
             "%.1f MiB",

@@ -255,6 +255,7 @@ class GPTQSaver(Saver):
             self.directory,
             quantization_config,
             {QUANTIZE_CONFIG_FILE: quantization_config},
+            config_updates=ctx.config_updates,
         )
         self._warn_consumers(quantization_config)
         logger.info(

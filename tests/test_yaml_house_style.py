@@ -175,7 +175,7 @@ ONE_PASS = """\
 apiversion: modelslim_v1
 spec:
   process:
-    - type: quarot
+    - type: flatquant
       online: true
     - type: linear_quant
       qconfig:
@@ -200,7 +200,7 @@ def test_unknown_processor_does_not_hide_other_errors(registry: ProcessorRegistr
         "spec.save[0].part_file_size",  # schema: negative
         "spec.process[1].exclude[0]",  # semantic, from linear_quant's check_config
     ], [str(i) for i in info.value.issues]
-    assert "unknown processor type 'quarot'" in info.value.issues[0].message
+    assert "unknown processor type 'flatquant'" in info.value.issues[0].message
     assert "(4 errors)" in str(info.value)
 
 
@@ -208,7 +208,7 @@ def test_prior_entries_are_checked_with_schema_errors(registry: ProcessorRegistr
     act = "{dtype: int8, scope: per_token, symmetric: false, method: minmax}"
     weight = "{dtype: int8, scope: per_channel, symmetric: true, method: minmax}"
     prior = f"{{process: [{{type: linear_quant, qconfig: {{act: {act}, weight: {weight}}}}}]}}"
-    text = f"spec:\n  prior: [{prior}]\n  process:\n    - type: quarot\n"
+    text = f"spec:\n  prior: [{prior}]\n  process:\n    - type: flatquant\n"
     with pytest.raises(ConfigError) as info:
         load_config_text(text, registry)
     assert [issue.path for issue in info.value.issues] == [

@@ -14,13 +14,16 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from msquant.errors import ModelLoadError, OutputPathError
 
 __all__ = [
     "COPIED_PATTERNS",
     "copied_model_files",
+    "apply_config_updates",
     "copy_model_files",
     "safe_file_stem",
     "strip_quantization_config",
@@ -76,9 +79,14 @@ def copied_model_files(model_path: Path) -> list[Path]:
     return files
 
 
-def copy_model_files(model_path: Path, output_dir: Path) -> list[str]:
+def copy_model_files(
+    model_path: Path, output_dir: Path, config_updates: Mapping[str, Any] | None = None
+) -> list[str]:
     """Copy config/tokenizer files (not ``*index.json``) and drop ``quantization_config`` from config.json.
 
+    :param config_updates: keys to set in the copied ``config.json`` (also inside its
+        ``text_config`` where that holds the key), e.g. ``tie_word_embeddings: false`` for a model
+        whose head a processor untied (``RunContext.config_updates``).
     :returns: the names of the copied files, sorted.
     :raises ModelLoadError: for a symbolic link out of the model folder (nothing is copied).
     """
@@ -89,9 +97,22 @@ def copy_model_files(model_path: Path, output_dir: Path) -> list[str]:
     config = output_dir / "config.json"
     if config.is_file():
         data = json.loads(config.read_text(encoding="utf-8"))
-        if strip_quantization_config(data):
+        changed = strip_quantization_config(data)
+        changed = apply_config_updates(data, config_updates or {}) or changed
+        if changed:
             config.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     return sorted(set(copied))
+
+
+def apply_config_updates(config: dict[str, Any], updates: Mapping[str, Any]) -> bool:
+    """Set ``updates`` at the top level of ``config`` and in its ``text_config`` where that holds
+    the key; True if anything was set."""
+    text_config = config.get("text_config")
+    for key, value in updates.items():
+        config[key] = value
+        if isinstance(text_config, dict) and key in text_config:
+            text_config[key] = value
+    return bool(updates)
 
 
 def strip_quantization_config(config: dict[str, object]) -> bool:

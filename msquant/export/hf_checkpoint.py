@@ -67,13 +67,15 @@ def write_hf_config(
     output_dir: Path,
     quantization_config: Mapping[str, Any],
     extra_json: Mapping[str, Mapping[str, Any]] | None = None,
+    config_updates: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Copy the model's config/tokenizer files and set ``quantization_config`` in ``config.json``.
 
     :param extra_json: further JSON files to write, e.g. ``{"quantize_config.json": {...}}``.
+    :param config_updates: further keys to set in ``config.json`` (``RunContext.config_updates``).
     :returns: the names of the files written, sorted.
     """
-    written = set(copy_model_files(model_path, output_dir))
+    written = set(copy_model_files(model_path, output_dir, config_updates))
     config_path = output_dir / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
     config["quantization_config"] = dict(quantization_config)

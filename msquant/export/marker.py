@@ -27,15 +27,19 @@ from typing import Any
 
 __all__ = [
     "EXPORT_MARKER",
+    "TRANSFORMED_KEY",
     "ExportMarker",
     "file_digests",
     "read_export_marker",
     "read_json_object",
     "sha256_file",
+    "weights_transformed_by",
     "write_export_marker",
 ]
 
 EXPORT_MARKER = "msquant_export.json"
+#: The marker's list of processors that changed the float weights (``Processor.transforms_weights``).
+TRANSFORMED_KEY = "weights_transformed_by"
 #: Files listed without a checksum: their bytes differ between identical runs.
 UNHASHED_FILES = ("quant_report.json",)
 _CHUNK = 8 * 1024 * 1024
@@ -161,6 +165,17 @@ def read_json_object(path: Path) -> dict[str, Any] | None:
     except (OSError, UnicodeDecodeError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def weights_transformed_by(export: Path) -> list[str]:
+    """The processors that changed the float weights of the export in ``export`` (its marker is
+    there or, for a saver writing into a subfolder, one level up); empty when none did."""
+    for folder in (export, export.parent):
+        marker = read_export_marker(folder)
+        if marker is not None:
+            found = marker.data.get(TRANSFORMED_KEY, [])
+            return [str(name) for name in found] if isinstance(found, list) else []
+    return []
 
 
 def read_export_marker(directory: Path) -> ExportMarker | None:

@@ -34,6 +34,7 @@ from msquant.model.fused import (
 from msquant.model.head import OutputHeadStage, find_final_norm, find_output_head
 from msquant.model.layers import DecoderLayer, find_decoder_layers
 from msquant.model.moe import MoEInfo, moe_routers, unfuse_experts
+from msquant.model.rotation_layout import RotationLayout, default_rotation_layout
 
 __all__ = ["ModelAdapter"]
 
@@ -74,6 +75,15 @@ class ModelAdapter:
     def final_norm(self, model: nn.Module, layers: Sequence[DecoderLayer]) -> nn.Module | None:
         """The norm applied to the last layer's output before the head, None when not found."""
         return find_final_norm(model, layers)
+
+    def rotation_layout(
+        self, model: nn.Module, layers: Sequence[DecoderLayer]
+    ) -> tuple[RotationLayout | None, list[str]]:
+        """The weights on the residual stream that a rotation changes (embedding, per-layer norms
+        and the linears reading and writing the stream, final norm, head), or None with one
+        message per problem; the default finds Llama-shaped models
+        (:func:`~msquant.model.rotation_layout.default_rotation_layout`)."""
+        return default_rotation_layout(model, layers)
 
     # -- fused matrices ---------------------------------------------------------------------
 

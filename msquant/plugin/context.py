@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import torch
 from torch import nn
 
 from msquant.model.checkpoint_names import CheckpointNames
@@ -56,6 +57,12 @@ class RunContext:
         msquant's ``mlp.experts.3.gate_proj``); None when every name is the same. Savers write
         every tensor and every module name of their metadata through :meth:`disk_name`, so that
         engines load the export as they load the original checkpoint.
+    :param config_updates: top-level ``config.json`` keys a processor changed in the model (a
+        rotation unties the head: ``tie_word_embeddings: false``); savers write them into the
+        exported ``config.json`` (:func:`msquant.copy_model_files`).
+    :param optional_tensors: tensors a processor asks savers to ship beside the weights, by scope
+        (``{"quarot": {"global_rotation": R}}``); the Ascend savers write each scope to
+        ``optional/<scope>.safetensors`` and name it in the description's ``optional``.
     """
 
     model: nn.Module
@@ -72,6 +79,8 @@ class RunContext:
     dist: Distributed = SINGLE
     experts: MoEInfo = field(default_factory=MoEInfo)
     checkpoint_names: CheckpointNames | None = None
+    config_updates: dict[str, Any] = field(default_factory=dict)
+    optional_tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def disk_name(self, name: str) -> str:
         """The checkpoint's name for a module or tensor name of the loaded model (see

@@ -110,6 +110,11 @@ class Processor(ABC):
     #: replacing ``nn.Linear`` modules with :class:`msquant.QuantizedLinear` (a resumed run rebuilds
     #: finished layers from those alone). One processor without it turns checkpoints off.
     resumable: ClassVar[bool] = False
+    #: Whether the processor changes float weights into others computing the same function (a
+    #: rotation, a smoothing): the export then differs from the original model tensor by tensor.
+    #: A run records such processors in ``msquant_export.json`` (``weights_transformed_by``), and
+    #: ``msquant verify --model_path`` compares only names, not values, with the original.
+    transforms_weights: ClassVar[bool] = False
     #: Class default; an instance may set its own value. When any processor of a run sets it,
     #: each decoder layer's inputs are the previous layer's outputs after every ``after_layer``
     #: (one more forward per layer), instead of the float outputs of its first calibration pass.

@@ -12,7 +12,7 @@ import torch
 
 from msquant.errors import ConfigError, ConfigIssue
 from msquant.evaluate.models import load_model_for_eval
-from msquant.export.marker import write_export_marker
+from msquant.export.marker import TRANSFORMED_KEY, write_export_marker
 from msquant.plugin.context import RunContext
 from msquant.plugin.format import FormatRegistry, default_formats
 from msquant.plugin.processor import Processor
@@ -149,4 +149,7 @@ def mark_export(ctx: RunContext, processors: list[Processor]) -> None:
         "model_type": ctx.model_type,
         "savers": savers,
     }
+    transformed = [p.type_name for p in processors if p.transforms_weights]
+    if transformed:  # absent otherwise: earlier markers stay byte-identical
+        marker[TRANSFORMED_KEY] = transformed
     write_export_marker(ctx.output_dir, marker)

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Mapping
 from pathlib import Path
 
+from msquant.export.marker import TRANSFORMED_KEY, weights_transformed_by
 from msquant.plugin.format import FormatRegistry
 from msquant.quant.quantized_weight import QuantizedWeight
 from msquant.verify.base import ExportReader, export_config, ties_word_embeddings
@@ -62,6 +63,15 @@ def verify_export(
     reader = open_reader(path, findings, formats)
     original = open_original(model_path) if model_path is not None else None
     report = VerifyReport(reader.format_name, path)
+    transformed = weights_transformed_by(path) if original is not None else []
+    if transformed:
+        findings.warn(
+            f"the export's float weights were transformed by {', '.join(transformed)} "
+            f"(msquant_export.json {TRANSFORMED_KEY}): they compute what the original model "
+            "computes but differ from it tensor by tensor, so only the names of the original's "
+            "tensors are checked, not their values"
+        )
+    compared = None if transformed else original
     try:
         check_checksums(path, findings)
         modules = reader.quantized_modules()
@@ -70,12 +80,12 @@ def verify_export(
         if reference is not None:
             missing_modules(modules, reference, findings)
         for module in modules:
-            report.layers.append(_check_layer(reader, module, reference, original, findings))
+            report.layers.append(_check_layer(reader, module, reference, compared, findings))
         for problem in reader.adapter.fused_group_problems(*reader.schemes()):
             findings.error(problem)
         reader.finish()
         if original is not None:
-            _check_float_tensors(reader, original, path, findings)
+            _check_float_tensors(reader, original, path, findings, compare_values=not transformed)
     finally:
         if reader.store is not None:
             reader.store.close()
@@ -122,13 +132,18 @@ def _check_layer(
 
 
 def _check_float_tensors(
-    reader: ExportReader, original: TensorStore, path: Path, findings: Findings
+    reader: ExportReader,
+    original: TensorStore,
+    path: Path,
+    findings: Findings,
+    compare_values: bool = True,
 ) -> None:
-    """Float tensors equal the original's; no original tensor is lost."""
+    """Float tensors equal the original's (unless ``compare_values`` is off); no original tensor
+    is lost."""
     if reader.store is None:
         return
     for name in reader.float_tensors():
-        if name in original:
+        if compare_values and name in original:
             compare_float_tensor(name, reader.store.get(name), original.get(name), findings)
     quantized = {f"{m}.weight" for m in reader.quantized_modules()}
     tied = ties_word_embeddings(export_config(path))
