@@ -77,6 +77,7 @@ from msquant.model.matching import (
 )
 from msquant.model.moe import DEFAULT_EXPERT_TOKEN_RATIO, MoEInfo, expert_fallback, moe_routers
 from msquant.model.rotation_layout import LayerRotationLayout, NormReaders, RotationLayout
+from msquant.model.subgraphs import SUBGRAPH_TYPES, SmoothingSubgraph, SubgraphType
 from msquant.planning.analysis import analyse_plan, check_plan
 from msquant.planning.build import build_plan, plan
 from msquant.planning.model import (
@@ -155,6 +156,20 @@ from msquant.quant.rules import (
     parse_dynamic,
     resolve_module_scheme,
     written_for_engine_name,
+)
+from msquant.quant.smoothing import (
+    abs_column_max,
+    flex_scales,
+    fold_into_linear_columns,
+    fold_into_linear_rows,
+    fold_into_norm,
+    iter_scales,
+    iter_weight_stat,
+    ov_scales_max,
+    ov_scales_mean,
+    search_alpha_beta,
+    smoothing_error,
+    update_channel_max,
 )
 from msquant.quant.w8a8_params import (
     decode_deq_scale,
@@ -440,4 +455,20 @@ __all__ = [
     "rotate_output",
     "rotation_for",
     "sylvester_hadamard",
+    # smoothing (smooth_quant, iter_smooth, flex_smooth_quant)
+    "SUBGRAPH_TYPES",
+    "SmoothingSubgraph",
+    "SubgraphType",
+    "abs_column_max",
+    "flex_scales",
+    "fold_into_linear_columns",
+    "fold_into_linear_rows",
+    "fold_into_norm",
+    "iter_scales",
+    "iter_weight_stat",
+    "ov_scales_max",
+    "ov_scales_mean",
+    "search_alpha_beta",
+    "smoothing_error",
+    "update_channel_max",
 ]

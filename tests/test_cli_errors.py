@@ -192,8 +192,8 @@ CASES: dict[str, Callable[[Path, Path, Callable[[str], Path]], Case]] = {
         config=GOOD_YAML.replace("part_file_size: 0", "part_file_size: -1"),
     ),
     "unknown_processor_type": lambda t, m, c: Case(
-        ["unknown processor type 'smooth_quant'", "linear_quant"],
-        config="spec:\n  process:\n    - type: smooth_quant\n",
+        ["unknown processor type 'autoround_quant'", "linear_quant"],
+        config="spec:\n  process:\n    - type: autoround_quant\n",
     ),
     "unknown_method": lambda t, m, c: Case(
         ["unknown method 'awq'", "minmax"],

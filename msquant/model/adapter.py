@@ -2,7 +2,8 @@
 
 A :class:`ModelAdapter` answers every question the engine asks about a model's layout: the decoder
 layer list, the output head and the final norm before it, the linear layers serving engines fuse
-into one matrix (vLLM's ``packed_modules_mapping``), the MoE layout (fused experts split into
+into one matrix (vLLM's ``packed_modules_mapping``), the subgraphs smoothing folds its scales
+into (a norm and the linears it feeds, up_proj -> down_proj, v_proj -> o_proj), the MoE layout (fused experts split into
 per-expert layers, which linear layers are experts, the routers) and the names the checkpoint uses
 on disk.
 
@@ -35,6 +36,7 @@ from msquant.model.head import OutputHeadStage, find_final_norm, find_output_hea
 from msquant.model.layers import DecoderLayer, find_decoder_layers
 from msquant.model.moe import MoEInfo, moe_routers, unfuse_experts
 from msquant.model.rotation_layout import RotationLayout, default_rotation_layout
+from msquant.model.subgraphs import SmoothingSubgraph, default_subgraphs
 
 __all__ = ["ModelAdapter"]
 
@@ -124,6 +126,14 @@ class ModelAdapter:
     def routers(self, module: nn.Module, prefix: str = "") -> set[str]:
         """Full names of the MoE routers under ``module`` (named ``prefix``); they stay float."""
         return moe_routers(module, prefix)
+
+    # -- smoothing ------------------------------------------------------------------------
+
+    def smoothing_subgraphs(self, model: nn.Module, layer: DecoderLayer) -> list[SmoothingSubgraph]:
+        """The norm -> linears and linear -> linear subgraphs of ``layer`` that smoothing
+        processors fold their scales into (default: the Llama layout by module names,
+        :func:`~msquant.model.subgraphs.default_subgraphs`)."""
+        return default_subgraphs(model, layer)
 
     # -- names on disk ----------------------------------------------------------------------
 

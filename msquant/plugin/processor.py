@@ -29,6 +29,17 @@ through the layer that many times (the most any processor asks for), calling ``b
 later passes then run through them). Forward hooks registered in ``before_layer`` see every pass;
 register them in ``before_pass`` and remove them in ``after_pass`` to see one.
 
+Processors that rewrite the layer (``rewrites_layer``): the YAML order decides what each processor
+sees. The processors are grouped in ``spec.process`` order, each group closed by a calibrating
+processor that sets ``rewrites_layer``; each group gets its own calibration passes (``before_pass`` /
+``after_pass`` go to the group's processors only, pass indices counted from 0 within the group),
+the groups in order, so a processor after a smoothing processor gathers its activation ranges or
+Hessians on the smoothed layer. A group whose processors gather nothing costs no forward. Without
+such a processor there is a single group, every processor, exactly as described above.
+``after_layer`` is called for every processor after the last group's passes. The next layer's
+inputs are then the outputs of the first pass of the last group that calibrates (msModelSlim feeds
+the next layer the outputs of the last calibrating processor's forward).
+
 What the next layer is calibrated on: by default the outputs of the first pass, computed before
 any processor changed the layer (the float model's activations, as msModelSlim does). When a
 processor sets ``calibrate_on_quantized``, the runner instead runs the layer once more after every
@@ -124,6 +135,13 @@ class Processor(ABC):
     #: order, instead of stacked in batches of equal length (statistics gathered online, where a
     #: sample's treatment depends on the samples before it, e.g. static activation ranges).
     batch_calibration: bool = True
+    #: Class default; an instance may set its own value. Set it when the processor changes the
+    #: layer's weights at the end of its calibration passes (in the ``after_pass`` of its last
+    #: pass; e.g. smoothing scales folded into a norm and the linears after it) and the
+    #: processors after it in ``spec.process`` must gather their statistics on the changed layer:
+    #: the runner then runs its passes first, and gives the processors after it passes of their
+    #: own over the rewritten layer (none when none of them calibrates).
+    rewrites_layer: bool = False
 
     #: Set by the run when several savers share one save path: this saver then writes into
     #: ``save_path/<output_subdir>`` (see :meth:`output_dir`).

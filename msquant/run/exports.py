@@ -15,7 +15,7 @@ from msquant.evaluate.models import load_model_for_eval
 from msquant.export.marker import TRANSFORMED_KEY, write_export_marker
 from msquant.plugin.context import RunContext
 from msquant.plugin.format import FormatRegistry, default_formats
-from msquant.plugin.processor import Processor
+from msquant.plugin.processor import Processor, flatten_processors
 from msquant.quant.quantized_linear import QuantizedLinear
 from msquant.quant.quantized_weight import QuantizedWeight
 from msquant.quant.spill import MergedWeights
@@ -149,7 +149,7 @@ def mark_export(ctx: RunContext, processors: list[Processor]) -> None:
         "model_type": ctx.model_type,
         "savers": savers,
     }
-    transformed = [p.type_name for p in processors if p.transforms_weights]
+    transformed = [p.type_name for p in flatten_processors(processors) if p.transforms_weights]
     if transformed:  # absent otherwise: earlier markers stay byte-identical
         marker[TRANSFORMED_KEY] = transformed
     write_export_marker(ctx.output_dir, marker)

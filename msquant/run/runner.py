@@ -2,10 +2,12 @@
 
 For each layer in order: move it to the device, call every processor's ``before_layer``, run the
 layer over the calibration activations (only when a processor needs calibration; as many passes
-as a processor's ``calibration_passes`` asks for, each between ``before_pass`` and ``after_pass``),
-call every ``after_layer``, and move the layer back to host memory. The next layer's inputs are
-the outputs of the first pass (the layer still float), or, when a processor sets
-``calibrate_on_quantized``, of one more forward after ``after_layer`` (the layer as processed).
+as a processor's ``calibration_passes`` asks for, each between ``before_pass`` and ``after_pass``;
+a processor that ``rewrites_layer`` gets its passes before the processors after it get theirs,
+see :func:`calibration_stages`), call every ``after_layer``, and move the layer back to host
+memory. The next layer's inputs are the outputs of the first pass (of the last group of passes
+that calibrates; the layer still float), or, when a processor sets ``calibrate_on_quantized``, of
+one more forward after ``after_layer`` (the layer as processed).
 Device memory is therefore bounded by one layer plus its calibration activations.
 
 In a streamed run (``ctx.streamed``) the layers' weights are on disk: each layer is read just
@@ -43,6 +45,7 @@ from msquant.run.output_head import run_output_head
 __all__ = [
     "batch_token_limit",
     "calibrates_on_quantized",
+    "calibration_stages",
     "needs_calibration",
     "run_layer_wise",
 ]
@@ -170,21 +173,46 @@ def _calibrate(
     """Push the calibration set through ``layer`` as many times as a processor asks for.
 
     :param quantized: the next layer's inputs come from a forward after ``after_layer``; else
-        they are the outputs of the first pass (run before any ``after_pass`` could change the
-        layer), returned here.
+        they are the outputs of the first pass (run before any ``after_pass`` of its group could
+        change the layer) of the last group of :func:`calibration_stages` that calibrates,
+        returned here: with a processor that rewrites the layer before, the rewritten layer's
+        outputs as the later processors' forwards compute them (msModelSlim feeds the next layer
+        the outputs of the last calibrating processor's forward).
     """
-    passes = max(processor.calibration_passes(layer) for processor in processors)
-    if passes > 1:
-        logger.debug("%s: %d calibration passes", layer.name, passes)
+    stages = calibration_stages(processors)
+    if len(stages) > 1:  # a group gathering nothing costs no forward
+        stages = [stage for stage in stages if needs_calibration(stage)]
     outputs = None
-    for index in range(passes):
-        for processor in processors:
-            processor.before_pass(ctx, layer, index)
-        kept = activations.run(layer, ctx.backend, keep_outputs=index == 0 and not quantized)
-        outputs = kept if kept is not None else outputs
-        for processor in processors:
-            processor.after_pass(ctx, layer, index)
+    for number, stage in enumerate(stages):
+        keep = number == len(stages) - 1 and not quantized
+        passes = max(processor.calibration_passes(layer) for processor in stage)
+        if passes > 1:
+            logger.debug("%s: %d calibration passes", layer.name, passes)
+        for index in range(passes):
+            for processor in stage:
+                processor.before_pass(ctx, layer, index)
+            kept = activations.run(layer, ctx.backend, keep_outputs=keep and index == 0)
+            outputs = kept if kept is not None else outputs
+            for processor in stage:
+                processor.after_pass(ctx, layer, index)
     return outputs
+
+
+def calibration_stages(processors: Sequence[Processor]) -> list[list[Processor]]:
+    """The processors grouped by the calibration passes they share, in ``spec.process`` order.
+
+    A calibrating processor that sets ``rewrites_layer`` (it changes the layer's weights at the
+    end of its passes, e.g. a smoothing processor folding its scales) closes its group: the
+    processors after it get passes of their own, over the rewritten layer, so that what they
+    gather (activation ranges, Hessians) sees the layer as it will be quantized. Without such a
+    processor there is one group, every processor, as before.
+    """
+    stages: list[list[Processor]] = [[]]
+    for processor in processors:
+        stages[-1].append(processor)
+        if processor.requires_calibration and processor.rewrites_layer:
+            stages.append([])
+    return [stage for stage in stages if stage]
 
 
 def _check_batches_for_processes(

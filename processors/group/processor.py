@@ -57,6 +57,8 @@ class GroupProcessor(Processor):
         self.requires_calibration = bool(calibrating)
         self.batch_calibration = all(c.batch_calibration for c in calibrating)
         self.calibrate_on_quantized = any(c.calibrate_on_quantized for c in calibrating)
+        # a child that rewrites the layer makes the processors after the group calibrate anew
+        self.rewrites_layer = any(c.rewrites_layer for c in calibrating)
 
     # -- checks and plan ------------------------------------------------------------------
 

@@ -47,6 +47,9 @@ ARCHS: dict[str, dict[str, Any]] = {
     "qwen3": {"arch": "qwen3"},
     "llama_bf16": {"arch": "llama", "dtype": "bfloat16"},
     "qwen3_moe": {"arch": "qwen3_moe", "model_type": "Qwen3-30B"},
+    # the tiny Qwen3 through msModelSlim's own Qwen3 adapter, which names all four smoothing
+    # subgraphs (norm-linear, ov, up-down); its default adapter finds norm -> linears only
+    "qwen3_adapter": {"arch": "qwen3", "model_type": "Qwen3-8B"},
 }
 #: Calibration samples taken from the test corpus (blank-line separated paragraphs).
 CALIB_SAMPLES = 12
@@ -75,6 +78,8 @@ class Scheme:
     quant_type: str
     #: msModelSlim 26.1.0 refuses the scheme on CPU with this message (no export is made).
     refused: str | None = None
+    #: A smoothing processor entry run before ``linear_quant`` (issue 17), or None.
+    smoothing: dict[str, Any] | None = None
 
 
 SCHEMES: dict[str, Scheme] = {
@@ -106,6 +111,22 @@ SCHEMES: dict[str, Scheme] = {
         ),
     )
 }
+#: Smoothing before the dynamic and the static int8 schemes: ``<smoothing>-<scheme>``.
+SMOOTHINGS: dict[str, dict[str, Any]] = {
+    "iter_smooth": {"type": "iter_smooth", "alpha": 0.9, "scale_min": 1e-5, "symmetric": True},
+    "flex_smooth": {"type": "flex_smooth_quant"},
+    "flex_smooth_fixed": {"type": "flex_smooth_quant", "alpha": 0.6, "beta": 0.4},
+    "smooth_quant": {"type": "smooth_quant", "alpha": 0.5, "symmetric": True},
+    # msModelSlim's default adapter (--model_type default) finds norm -> linears only
+    "iter_smooth_norm": {"type": "iter_smooth", "enable_subgraph_type": ["norm-linear"]},
+    "flex_smooth_norm": {"type": "flex_smooth_quant", "enable_subgraph_type": ["norm-linear"]},
+}
+for _smoothing, _entry in SMOOTHINGS.items():
+    for _base in ("w8a8_dynamic", "w8a8_asym"):
+        _scheme = SCHEMES[_base]
+        SCHEMES[f"{_smoothing}-{_base}"] = Scheme(
+            f"{_smoothing}-{_base}", _scheme.qconfig, _scheme.quant_type, smoothing=_entry
+        )
 
 
 #: The ``ssz`` weight method (tests/oracle/test_ssz_oracle.py): kept apart from :data:`SCHEMES`,
@@ -144,7 +165,8 @@ def config_for(scheme: Scheme, dataset: Path) -> dict[str, Any]:
         "apiversion": "modelslim_v1",
         "metadata": {"config_id": f"oracle-{scheme.name}"},
         "spec": {
-            "process": [{"type": "linear_quant", "qconfig": scheme.qconfig, "include": ["*"]}],
+            "process": ([scheme.smoothing] if scheme.smoothing else [])
+            + [{"type": "linear_quant", "qconfig": scheme.qconfig, "include": ["*"]}],
             "save": [{"type": "ascendv1_saver", "part_file_size": 0}],
             "dataset": str(dataset),
         },
@@ -243,7 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV)
-    exported = [name for name, scheme in all_schemes().items() if scheme.refused is None]
+    exported = [
+        name
+        for name, scheme in all_schemes().items()
+        if scheme.refused is None and not scheme.smoothing
+    ]
     parser.add_argument("--scheme", nargs="*", default=exported, choices=list(all_schemes()))
     parser.add_argument("--arch", nargs="*", default=list(ARCHS), choices=list(ARCHS))
     args = parser.parse_args(argv)

@@ -1,0 +1,233 @@
+"""Smoothing numerics (SmoothQuant family): per-channel scales that move activation outliers into
+the weights, folded so that the float model computes the same function (pure functions).
+
+A linear layer ``y = x W^T`` equals ``y = (x / s) (W * s)^T`` for any positive per-input-channel
+``s``. Dividing an activation channel by ``s`` is free when the producer of ``x`` is a norm (its
+weight divided by ``s``) or a linear layer (its output rows divided by ``s``); multiplying ``W``'s
+columns by ``s`` is folded into ``W``. With ``s = a^alpha / w^beta`` (``a`` the activation's
+per-channel absolute maximum over the calibration tokens, ``w`` the weights' per-input-channel
+absolute maximum), large activation channels shrink and the weights absorb them, which makes
+per-token int8 activations far more accurate.
+
+These are msModelSlim 26.1.0's definitions, learned from its documentation and its observable
+results (``tests/oracle``), re-implemented here:
+
+* ``iter_smooth`` / ``smooth_quant``: ``s = clamp(a^alpha / w^(1-alpha), min=scale_min)`` with
+  ``w`` clamped at 1e-5. For a norm -> linears subgraph ``w`` is the absolute column maximum over
+  all the linears; for a linear -> linear pair (``up-down``, ``ov``, ``linear-linear``) msModelSlim
+  takes the column maximum of the second linear's *signed* weights (clamped at 1e-5), which
+  :func:`iter_weight_stat` reproduces.
+* ``flex_smooth_quant``: ``s = clamp(a^alpha / w^beta, min=1e-5)`` with ``w`` the absolute column
+  maximum (clamped at 1e-5); ``alpha`` and ``beta``, when not given, are searched on a 0.05 grid
+  (:func:`search_alpha_beta`).
+* ``ov`` (v_proj -> o_proj) with grouped-query attention: one scale per channel of each key/value
+  head, shared by the query heads that read it: the mean (``iter_smooth``) or the maximum
+  (``flex_smooth_quant``) over those heads (:func:`ov_scales_mean`, :func:`ov_scales_max`).
+
+Every function computes in the tensors' dtype and returns the same dtype (float32 in practice:
+the statistics of float32 models); the folds change tensors in place, as msModelSlim multiplies by
+reciprocals (``w * (1 / s)``), so the rounding matches its exports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "WEIGHT_STAT_MIN",
+    "abs_column_max",
+    "flex_scales",
+    "fold_into_norm",
+    "fold_into_linear_rows",
+    "fold_into_linear_columns",
+    "iter_scales",
+    "iter_weight_stat",
+    "ov_scales_max",
+    "ov_scales_mean",
+    "quant_int8_sym_rows",
+    "search_alpha_beta",
+    "smoothing_error",
+    "update_channel_max",
+]
+
+#: Floor of a weight statistic (msModelSlim's), so that a zero column gives a finite scale.
+WEIGHT_STAT_MIN = 1e-5
+#: The grid of the alpha / beta search: 0, 0.05, ..., 1 (msModelSlim's step).
+SEARCH_STEP = 0.05
+
+
+def update_channel_max(running: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """The per-channel (last dimension) maximum of ``|x|`` over all of its rows, combined with
+    ``running`` (the maximum over the batches seen so far, None for the first)."""
+    current = x.reshape(-1, x.shape[-1]).abs().amax(dim=0)
+    return current if running is None else torch.maximum(running, current)
+
+
+def _clamp(x: torch.Tensor, low: float, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(torch.float32).clamp(min=low).to(dtype)
+
+
+def abs_column_max(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-input-channel absolute maximum over the columns of every weight (``[out, in]``,
+    equal ``in``), floored at :data:`WEIGHT_STAT_MIN`."""
+    stat = torch.stack([w.abs().amax(dim=0) for w in weights]).amax(dim=0)
+    return _clamp(stat, WEIGHT_STAT_MIN, weights[0].dtype)
+
+
+def iter_weight_stat(weights: Sequence[torch.Tensor], signed: bool) -> torch.Tensor:
+    """``iter_smooth``'s weight statistic: the absolute column maximum over ``weights`` (a norm
+    -> linears subgraph), or with ``signed`` the column maximum of the one weight's signed values
+    (msModelSlim's linear -> linear pairs), floored at :data:`WEIGHT_STAT_MIN`."""
+    if not signed:
+        return abs_column_max(weights)
+    (weight,) = weights
+    return _clamp(weight.amax(dim=0), WEIGHT_STAT_MIN, weight.dtype)
+
+
+def iter_scales(
+    act_max: torch.Tensor, weight_stat: torch.Tensor, alpha: float, scale_min: float
+) -> torch.Tensor:
+    """``iter_smooth`` / ``smooth_quant`` scales: ``a^alpha / w^(1 - alpha)``, floored at
+    ``scale_min``, in ``weight_stat``'s dtype."""
+    dtype = weight_stat.dtype
+    scales = act_max.pow(alpha).to(weight_stat.device) / weight_stat.pow(1 - alpha)
+    return _clamp(scales, scale_min, dtype)
+
+
+def flex_scales(
+    act_max: torch.Tensor, weight_stat: torch.Tensor, alpha: float, beta: float
+) -> torch.Tensor:
+    """``flex_smooth_quant`` scales: ``a^alpha / w^beta`` floored at 1e-5, in ``act_max``'s dtype."""
+    return _clamp(act_max.pow(alpha) / weight_stat.pow(beta), 1e-5, act_max.dtype)
+
+
+def ov_scales_mean(
+    scales: torch.Tensor, heads: int, kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel scales of o_proj's input (``heads * head_dim``) reduced to one per channel of
+    each key/value head by the mean over the query heads sharing it (consecutive heads, as
+    ``repeat_kv`` lays them out).
+
+    :returns: ``(o_scales, v_scales)``: the reduced scales repeated for every query head
+        (``heads * head_dim``, o_proj's columns) and the reduced ones (``kv_heads * head_dim``,
+        v_proj's rows).
+    """
+    _check_heads(scales, heads, kv_heads)
+    head_dim = scales.numel() // heads
+    reduced = scales.reshape(kv_heads, heads // kv_heads, head_dim).mean(dim=1)
+    repeated = reduced.repeat_interleave(heads // kv_heads, dim=0)
+    return repeated.reshape(-1), reduced.reshape(-1)
+
+
+def ov_scales_max(
+    act_max: torch.Tensor,
+    weight_stat: torch.Tensor,
+    alpha: float,
+    beta: float,
+    heads: int,
+    kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flex_smooth_quant``'s o/v scales: the activation and weight statistics of o_proj's input
+    channels reduced by their maximum over the query heads sharing a key/value head, then
+    ``a^alpha / w^beta`` floored at 1e-5. Returns ``(o_scales, v_scales)`` as
+    :func:`ov_scales_mean`."""
+    _check_heads(act_max, heads, kv_heads)
+    ratio = heads // kv_heads
+    head_dim = act_max.numel() // heads
+    act = act_max.reshape(-1, ratio, head_dim).amax(dim=1)
+    weight = weight_stat.reshape(-1, ratio, head_dim).amax(dim=1)
+    grouped = _clamp(act.pow(alpha) / weight.pow(beta), 1e-5, weight_stat.dtype)
+    return grouped.repeat_interleave(ratio, dim=0).reshape(-1), grouped.reshape(-1)
+
+
+def _check_heads(scales: torch.Tensor, heads: int, kv_heads: int) -> None:
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads or scales.numel() % heads:
+        raise ValueError(
+            f"ov smoothing: {scales.numel()} channels cannot be split into {heads} attention "
+            f"heads sharing {kv_heads} key/value heads"
+        )
+
+
+@torch.no_grad()
+def fold_into_norm(weight: torch.Tensor, bias: torch.Tensor | None, scales: torch.Tensor) -> None:
+    """Divide a norm's output channels by ``scales`` (its weight and bias, in place)."""
+    inverse = 1.0 / scales
+    if bias is not None:
+        bias.mul_(inverse)
+    weight.mul_(inverse.reshape(weight.shape))
+
+
+@torch.no_grad()
+def fold_into_linear_rows(
+    weight: torch.Tensor, bias: torch.Tensor | None, scales: torch.Tensor
+) -> None:
+    """Divide a linear layer's outputs by ``scales`` (its weight rows and bias, in place)."""
+    inverse = 1.0 / scales
+    if bias is not None:
+        bias.mul_(inverse)
+    weight.mul_(inverse.reshape(-1, 1))
+
+
+@torch.no_grad()
+def fold_into_linear_columns(weight: torch.Tensor, scales: torch.Tensor) -> None:
+    """Multiply a linear layer's input channels by ``scales`` (its weight columns, in place)."""
+    weight.mul_(scales.reshape(1, -1))
+
+
+def quant_int8_sym_rows(x: torch.Tensor) -> torch.Tensor:
+    """Symmetric int8 fake quantization of each row (last dimension) of ``x`` (codes in
+    [-127, 127], scale ``max|row| / 127``): per-token activations, per-output-channel weights."""
+    step = x.abs().amax(dim=-1, keepdim=True) / 127
+    return torch.div(x, step).round_().clamp_(-127, 127).mul_(step)
+
+
+def smoothing_error(
+    act: torch.Tensor,
+    weight: torch.Tensor,
+    alpha: float,
+    beta: float,
+    reference: torch.Tensor | None = None,
+) -> float:
+    """The search objective of ``flex_smooth_quant``: the root-mean-square error of the int8
+    product (per-token activations, per-channel weights) after smoothing with
+    ``|act|_max^alpha * |weight|_max^-beta``, relative to the root mean square of the float
+    product ``act @ weight^T`` (``reference``, computed when not given).
+
+    :param act: calibration inputs ``[tokens, in]``; ``weight``: ``[out, in]``.
+    """
+    golden = act @ weight.T if reference is None else reference
+    normal = golden.pow(2).mean().sqrt()
+    scale = act.abs().amax(dim=0, keepdim=True).pow(alpha) * weight.abs().amax(
+        dim=0, keepdim=True
+    ).pow(-beta)
+    product = quant_int8_sym_rows(act / scale) @ quant_int8_sym_rows(weight * scale).T
+    return float((product.sub_(golden).square_().mean().sqrt() / normal).item())
+
+
+def _grid() -> list[float]:
+    steps = round(1 / SEARCH_STEP)
+    return [round(i * SEARCH_STEP, 2) for i in range(steps + 1)]
+
+
+def search_alpha_beta(act: torch.Tensor, weight: torch.Tensor) -> tuple[float, float, float]:
+    """``flex_smooth_quant``'s search: the best ``alpha`` on the grid 0, 0.05, ..., 1 with
+    ``beta = 1 - alpha``, then the best ``beta`` on the same grid with that ``alpha``, by
+    :func:`smoothing_error` (ties go to the later grid point; the beta search keeps ``1 - alpha``
+    unless a ``beta`` does at least as well).
+
+    :returns: ``(alpha, beta, error)``.
+    """
+    reference = act @ weight.T
+    best_alpha, best = 0.0, float("inf")
+    for alpha in _grid():
+        error = smoothing_error(act, weight, alpha, 1.0 - alpha, reference)
+        if error <= best:
+            best_alpha, best = alpha, error
+    best_beta = 0.0
+    for beta in _grid():
+        error = smoothing_error(act, weight, best_alpha, beta, reference)
+        if error <= best:
+            best_beta, best = beta, error
+    return best_alpha, best_beta, best

@@ -1,0 +1,133 @@
+"""The YAML of the smoothing processors: msModelSlim 26.1.0's fields and defaults.
+
+``alpha``, ``beta`` and ``scale_min`` are floats strictly between 0 and 1 (msModelSlim's rule);
+``enable_subgraph_type`` names msModelSlim's subgraph types; ``include`` / ``exclude`` are globs on
+the name of a subgraph's producing module (a norm, ``v_proj``, ``up_proj``), as msModelSlim
+matches them. ``symmetric: false`` (msModelSlim's shift of the norm's output by each channel's
+midpoint, which adds biases to the norm and the linears) is refused: no shipped best practice
+uses it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from msquant import SUBGRAPH_TYPES, ConfigIssue, ProcessorConfig, SubgraphType, pattern_problem
+
+__all__ = [
+    "FlexSmoothQuantConfig",
+    "IterSmoothConfig",
+    "SmoothQuantConfig",
+    "SmoothingConfig",
+    "smoothing_issues",
+]
+
+INCLUDE = "globs on the producing module of each subgraph (a norm, v_proj, up_proj); default all"
+EXCLUDE = "globs on the producing module of each subgraph left unsmoothed"
+SUBGRAPHS = (
+    "subgraph types to smooth: norm-linear (a norm -> the linears it feeds), ov (v_proj -> "
+    "o_proj), up-down (up_proj -> down_proj), linear-linear (a linear -> the next one)"
+)
+
+
+def _open_unit(value: float | None, info: object) -> float | None:
+    if value is not None and not 0 < value < 1:
+        raise ValueError("must be strictly between 0 and 1 (msModelSlim's range)")
+    return value
+
+
+class SmoothingConfig(ProcessorConfig):
+    """Fields every smoothing processor has."""
+
+    include: list[str] | None = Field(default=None, description=INCLUDE)
+    exclude: list[str] | None = Field(default=None, description=EXCLUDE)
+
+    @property
+    def subgraph_types(self) -> tuple[SubgraphType, ...]:
+        """The subgraph types this entry smooths."""
+        return SUBGRAPH_TYPES
+
+
+class SmoothQuantConfig(SmoothingConfig):
+    """``smooth_quant``: SmoothQuant on norm -> linears only, ``s = a^alpha / w^(1-alpha)``."""
+
+    type: Literal["smooth_quant"] = "smooth_quant"
+    alpha: float = Field(default=0.5, description="migration strength, in (0, 1)")
+    symmetric: bool = Field(default=True, description="true only (asymmetric shift refused)")
+
+    _alpha = field_validator("alpha")(_open_unit)
+
+    @property
+    def subgraph_types(self) -> tuple[SubgraphType, ...]:
+        return ("norm-linear",)
+
+
+class IterSmoothConfig(SmoothingConfig):
+    """``iter_smooth``: ``s = max(a^alpha / w^(1-alpha), scale_min)`` on every subgraph type."""
+
+    type: Literal["iter_smooth"] = "iter_smooth"
+    alpha: float = Field(default=0.9, description="migration strength, in (0, 1)")
+    scale_min: float = Field(default=1e-5, description="lower bound of a scale, in (0, 1)")
+    symmetric: bool = Field(default=True, description="true only (asymmetric shift refused)")
+    enable_subgraph_type: list[str] = Field(
+        default_factory=lambda: ["norm-linear", "linear-linear", "ov", "up-down"],
+        description=SUBGRAPHS,
+    )
+
+    _unit = field_validator("alpha", "scale_min")(_open_unit)
+
+    @property
+    def subgraph_types(self) -> tuple[SubgraphType, ...]:
+        return tuple(t for t in SUBGRAPH_TYPES if t in self.enable_subgraph_type)
+
+
+class FlexSmoothQuantConfig(SmoothingConfig):
+    """``flex_smooth_quant``: ``s = a^alpha / w^beta``, alpha and beta searched per subgraph
+    when not both given."""
+
+    type: Literal["flex_smooth_quant"] = "flex_smooth_quant"
+    alpha: float | None = Field(
+        default=None, description="in (0, 1); searched (with beta) when alpha or beta is unset"
+    )
+    beta: float | None = Field(
+        default=None, description="in (0, 1); searched (with alpha) when alpha or beta is unset"
+    )
+    enable_subgraph_type: list[str] = Field(
+        default_factory=lambda: ["norm-linear", "linear-linear", "ov", "up-down"],
+        description=SUBGRAPHS,
+    )
+
+    _unit = field_validator("alpha", "beta")(_open_unit)
+
+    @property
+    def subgraph_types(self) -> tuple[SubgraphType, ...]:
+        return tuple(t for t in SUBGRAPH_TYPES if t in self.enable_subgraph_type)
+
+
+def smoothing_issues(config: SmoothingConfig) -> list[ConfigIssue]:
+    """Semantic checks: known subgraph types, valid globs, symmetric smoothing only."""
+    issues = []
+    for index, name in enumerate(getattr(config, "enable_subgraph_type", [])):
+        if name not in SUBGRAPH_TYPES:
+            issues.append(
+                ConfigIssue(
+                    f"enable_subgraph_type[{index}]",
+                    f"unknown subgraph type {name!r}; use {', '.join(sorted(SUBGRAPH_TYPES))}",
+                )
+            )
+    if getattr(config, "symmetric", True) is False:
+        issues.append(
+            ConfigIssue(
+                "symmetric",
+                "symmetric: false (msModelSlim's shift of each norm channel by its midpoint, which "
+                "adds biases to the norm and the linears) is not implemented; use symmetric: true",
+            )
+        )
+    for key in ("include", "exclude"):
+        for index, pattern in enumerate(getattr(config, key) or []):
+            problem = pattern_problem(pattern)
+            if problem:
+                issues.append(ConfigIssue(f"{key}[{index}]", problem))
+    return issues

@@ -1,0 +1,143 @@
+"""Apply one smoothing subgraph's scales to the model's modules (the glue around the pure
+numerics of :mod:`msquant.quant.smoothing`).
+
+A :class:`ScaleRule` says how a processor turns statistics into scales (``iter_smooth`` and
+``smooth_quant``: fixed ``alpha``; ``flex_smooth_quant``: ``alpha`` / ``beta``, searched when not
+given); :func:`smooth_subgraph` computes the subgraph's weight statistic, asks the rule for the
+scales and folds them, in msModelSlim's order of operations.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from msquant import (
+    SmoothingSubgraph,
+    abs_column_max,
+    flex_scales,
+    fold_into_linear_columns,
+    fold_into_linear_rows,
+    fold_into_norm,
+    iter_scales,
+    iter_weight_stat,
+    ov_scales_max,
+    ov_scales_mean,
+    search_alpha_beta,
+)
+
+__all__ = ["MAX_SEARCH_TOKENS", "ScaleRule", "search_rows", "smooth_subgraph"]
+
+logger = logging.getLogger(__name__)
+
+#: The alpha/beta search evaluates its objective on at most this many calibration tokens (evenly
+#: spaced over all of them); the activation maxima of the scales use every token.
+MAX_SEARCH_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class ScaleRule:
+    """How scales follow from statistics.
+
+    :param kind: ``"iter"`` (``a^alpha / w^(1-alpha)`` floored at ``scale_min``; o/v scales
+        averaged over the query heads of a key/value head; signed weight maxima for linear ->
+        linear pairs) or ``"flex"`` (``a^alpha / w^beta`` floored at 1e-5; o/v statistics
+        reduced by their maximum; ``alpha`` / ``beta`` searched when either is None).
+    """
+
+    kind: str
+    alpha: float | None
+    beta: float | None = None
+    scale_min: float = 1e-5
+
+    def alpha_beta(self, rows: torch.Tensor | None, weight: torch.Tensor) -> tuple[float, float]:
+        """The flex rule's ``(alpha, beta)``: as given, or searched on ``rows``."""
+        if self.alpha is not None and self.beta is not None:
+            return self.alpha, self.beta
+        if rows is None:
+            raise ValueError("flex_smooth_quant: no calibration rows to search alpha and beta on")
+        alpha, beta, error = search_alpha_beta(search_rows(rows).to(weight.dtype), weight)
+        logger.debug("alpha %.2f beta %.2f (relative error %.5f)", alpha, beta, error)
+        return alpha, beta
+
+
+def search_rows(rows: torch.Tensor, limit: int = MAX_SEARCH_TOKENS) -> torch.Tensor:
+    """At most ``limit`` rows of ``rows``, evenly spaced (all of them when there are fewer)."""
+    if rows.shape[0] <= limit:
+        return rows
+    index = torch.linspace(0, rows.shape[0] - 1, limit, device=rows.device).round().long()
+    return rows[index]
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight.data
+
+
+def _bias(module: nn.Module) -> torch.Tensor | None:
+    bias = getattr(module, "bias", None)
+    return bias.data if isinstance(bias, torch.Tensor) else None
+
+
+@torch.no_grad()
+def smooth_subgraph(
+    model: nn.Module,
+    subgraph: SmoothingSubgraph,
+    rule: ScaleRule,
+    act_max: torch.Tensor,
+    rows: torch.Tensor | None,
+) -> torch.Tensor:
+    """Compute ``subgraph``'s scales from ``act_max`` (the per-channel absolute maximum of its
+    first target's input) and fold them into its modules in place; returns the scales.
+
+    :param rows: the first target's input rows, for the flex rule's search (else unused).
+    """
+    source = model.get_submodule(subgraph.source)
+    targets = [model.get_submodule(name) for name in subgraph.targets]
+    weights = [_weight(t) for t in targets]
+    act_max = act_max.to(weights[0].device)
+    if subgraph.kind == "norm-linear":
+        if rule.kind == "iter":
+            assert rule.alpha is not None
+            scales = iter_scales(act_max, abs_column_max(weights), rule.alpha, rule.scale_min)
+        else:
+            alpha, beta = rule.alpha_beta(rows, torch.cat(weights, dim=0))
+            scales = flex_scales(act_max, abs_column_max(weights), alpha, beta)
+        for weight in weights:
+            fold_into_linear_columns(weight, scales)
+        fold_into_norm(_weight(source), _bias(source), scales)
+        return scales
+    (weight,) = weights
+    if subgraph.kind == "ov":
+        assert subgraph.heads is not None
+        heads, kv_heads = subgraph.heads
+        if rule.kind == "iter":
+            assert rule.alpha is not None
+            scales = iter_scales(
+                act_max, iter_weight_stat([weight], signed=True), rule.alpha, rule.scale_min
+            )
+            o_scales, v_scales = ov_scales_mean(scales, heads, kv_heads)
+        else:
+            alpha, beta = rule.alpha_beta(rows, weight)
+            o_scales, v_scales = ov_scales_max(
+                act_max, abs_column_max([weight]), alpha, beta, heads, kv_heads
+            )
+        fold_into_linear_columns(weight, o_scales)
+        fold_into_linear_rows(_weight(source), _bias(source), v_scales)
+        return v_scales
+    # up-down, linear-linear: the source's outputs are the target's inputs, channel by channel
+    if rule.kind == "iter":
+        assert rule.alpha is not None
+        scales = iter_scales(
+            act_max, iter_weight_stat([weight], signed=True), rule.alpha, rule.scale_min
+        )
+    else:
+        alpha, beta = rule.alpha_beta(rows, weight)
+        scales = flex_scales(act_max, abs_column_max([weight]), alpha, beta)
+    fold_into_linear_columns(weight, scales)
+    fold_into_linear_rows(_weight(source), _bias(source), scales)
+    return scales

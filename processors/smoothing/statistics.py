@@ -1,0 +1,56 @@
+"""What a smoothing processor gathers from the calibration forward: per subgraph, the per-channel
+absolute maximum of the input of its first linear layer, and for the alpha/beta search the input
+rows themselves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from msquant import update_channel_max
+
+__all__ = ["InputStatistics"]
+
+
+class InputStatistics:
+    """Forward hooks recording the inputs of named linear layers during one calibration pass."""
+
+    def __init__(self, keep_rows: bool) -> None:
+        #: also keep every input row (``[tokens, in]``), for the alpha/beta search
+        self.keep_rows = keep_rows
+        self.channel_max: dict[str, torch.Tensor] = {}
+        self.rows: dict[str, list[torch.Tensor]] = {}
+        self._handles: list[RemovableHandle] = []
+
+    def hook(self, name: str, module: nn.Module) -> None:
+        """Record the inputs of ``module`` (named ``name``) from now on."""
+
+        def record(_module: nn.Module, inputs: tuple[Any, ...], _output: Any) -> None:
+            x = inputs[0].detach()
+            if x.numel() == 0:
+                return
+            self.channel_max[name] = update_channel_max(self.channel_max.get(name), x)
+            if self.keep_rows:
+                self.rows.setdefault(name, []).append(x.reshape(-1, x.shape[-1]))
+
+        self._handles.append(module.register_forward_hook(record))
+
+    def unhook(self) -> None:
+        """Stop recording (what was recorded stays)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def input_rows(self, name: str) -> torch.Tensor | None:
+        """Every recorded input row of ``name``, ``[tokens, in]``, or None."""
+        rows = self.rows.get(name)
+        return torch.cat(rows, dim=0) if rows else None
+
+    def clear(self) -> None:
+        """Forget everything recorded (the next layer starts afresh)."""
+        self.unhook()
+        self.channel_max.clear()
+        self.rows.clear()
