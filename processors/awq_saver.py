@@ -36,7 +36,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from msquant import (
+from msquant.plugin import (
     DecoderLayer,
     ModelPlan,
     OutputHeadStage,

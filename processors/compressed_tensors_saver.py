@@ -82,7 +82,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from msquant import (
+from msquant.plugin import (
     ModelPlan,
     PlanReview,
     QuantizedLinear,

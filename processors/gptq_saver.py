@@ -90,7 +90,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from msquant import (
+from msquant.plugin import (
     DecoderLayer,
     ModelPlan,
     NameSet,

@@ -77,7 +77,7 @@ from functools import cached_property
 
 from torch import nn
 
-from msquant import (
+from msquant.plugin import (
     BASE_SOURCE,
     ActivationQuant,
     BaseScheme,

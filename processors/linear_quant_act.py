@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from msquant import (
+from msquant.plugin import (
     ActivationQuant,
     ActQConfig,
     ConfigIssue,

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from msquant import (
+from msquant.plugin import (
     DecoderLayer,
     DynamicRule,
     ModuleDecision,

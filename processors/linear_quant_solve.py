@@ -11,7 +11,7 @@ from dataclasses import replace
 from torch import nn
 from tqdm.auto import tqdm
 
-from msquant import (
+from msquant.plugin import (
     DecoderLayer,
     ModuleReport,
     QuantizedWeight,

@@ -31,6 +31,8 @@ from typing import Any
 from pydantic import BaseModel
 
 import msquant
+import msquant.plugin
+from msquant.config import build_config_model
 
 __all__ = ["DEFAULT_OUTPUT", "generate", "main"]
 
@@ -91,7 +93,7 @@ class Section:
     rows: list[tuple[str, str, str, str, str]] = field(default_factory=list)
 
 
-METHODS = msquant.default_method_registry()
+METHODS = msquant.plugin.default_method_registry()
 
 
 def _anchor(text: str) -> str:
@@ -265,12 +267,14 @@ def _bounds(node: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _registry(include_plugins: bool) -> msquant.ProcessorRegistry:
-    registry = msquant.default_registry()
+def _registry(include_plugins: bool) -> msquant.plugin.ProcessorRegistry:
+    registry = msquant.plugin.default_registry()
     if include_plugins:
         return registry
     classes = [registry.get(name) for name in registry.names()]
-    return msquant.ProcessorRegistry(c for c in classes if c.__module__.startswith(BUILTIN_PREFIX))
+    return msquant.plugin.ProcessorRegistry(
+        c for c in classes if c.__module__.startswith(BUILTIN_PREFIX)
+    )
 
 
 def _table(rows: Sequence[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
@@ -283,7 +287,7 @@ def generate(include_plugins: bool = False) -> str:
     """The Markdown text of the YAML reference."""
     registry = _registry(include_plugins)
     schema = msquant.config_json_schema(registry)
-    config_model = msquant.build_config_model(registry)
+    config_model = build_config_model(registry)
     classes = _model_classes(config_model)
     builder = _Builder(schema, classes)
 

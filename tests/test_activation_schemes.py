@@ -24,20 +24,19 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import msquant
-from msquant import (
+import msquant.plugin
+from msquant import ConfigError, QuantizationError, load_config_text, verify_export
+from msquant.evaluate.models import load_model_for_eval
+from msquant.load.calibration import read_calibration_texts
+from msquant.planning.render import render_plan
+from msquant.plugin import (
     ActivationQuant,
-    ConfigError,
     OnlineMinMax,
-    QuantizationError,
     QuantizedLinear,
     QuantizedWeight,
     decode_deq_scale,
     default_registry,
-    load_config_text,
-    verify_export,
 )
-from msquant.evaluate.models import load_model_for_eval
-from msquant.load.calibration import read_calibration_texts
 from msquant.run.checkpoint.store import LayerStore
 from msquant.run.runner import batch_token_limit
 
@@ -176,10 +175,10 @@ def test_static_activations_refuse_a_dp_group() -> None:
     registry = default_registry()
     entry = load_config_text(json.dumps(config(act())), registry).spec.process[0]
     processor = registry.get(entry.type)(entry)
-    group = SimpleNamespace(dist=msquant.Distributed(rank=0, world_size=2))
+    group = SimpleNamespace(dist=msquant.plugin.Distributed(rank=0, world_size=2))
     with pytest.raises(QuantizationError, match="dp_layer_wise group of 2 processes"):
         processor.setup(group)  # type: ignore[arg-type]
-    processor.setup(SimpleNamespace(dist=msquant.Distributed()))  # type: ignore[arg-type]
+    processor.setup(SimpleNamespace(dist=msquant.plugin.Distributed()))  # type: ignore[arg-type]
 
 
 # --- W8A8 static ----------------------------------------------------------------------------
@@ -368,12 +367,12 @@ def test_w4a8_dynamic_export_layout_and_numerics(
 
 
 def test_w4a8_dynamic_dense_layers_warn_for_vllm_ascend(tiny_llama: Path) -> None:
-    plan = msquant.build_plan(tiny_llama, config(act("per_token", True), weight=WEIGHT_INT4))
+    plan = msquant.plugin.build_plan(tiny_llama, config(act("per_token", True), weight=WEIGHT_INT4))
     warnings = [w for w in plan.warnings if "vLLM-Ascend" in w]
     assert len(warnings) == 1 and "MoE experts only" in warnings[0]
     assert "W4A16" not in warnings[0]
     assert plan.rows[0].act == "W4A8_DYNAMIC"
-    table = msquant.render_plan(plan).splitlines()
+    table = render_plan(plan).splitlines()
     assert table[0].split()[:6] == ["module", "bits", "group", "sym", "method", "act"]
     assert table[1].split()[:6] == [
         "model.layers.0.self_attn.q_proj", "4", "channel", "yes", "minmax", "W4A8_DYNAMIC"
@@ -405,7 +404,7 @@ def test_dynamic_schemes_on_moe_experts(
         assert tensors[f"{expert}.scale_bias"].shape == (hidden, 16)
     report = verify_export(save, model_path=model_dir)
     assert report.ok, report.errors
-    plan = msquant.build_plan(model_dir, config(act("per_token", True), weight=weight))
+    plan = msquant.plugin.build_plan(model_dir, config(act("per_token", True), weight=weight))
     assert not [w for w in plan.warnings if "MoE experts" in w and "cannot load" in w]
 
 

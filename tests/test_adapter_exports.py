@@ -22,13 +22,14 @@ import torch
 from consumer_rules import vllm_linear_scheme
 
 import msquant
-from msquant import (
+import msquant.plugin
+from msquant import QuantizationError
+from msquant.plugin import (
     ExportFormat,
     ExportReader,
     FormatRegistry,
     LayerReport,
     ModelAdapter,
-    QuantizationError,
     QuantizedLinear,
 )
 from msquant.processors.adapters.qwen3_5 import Qwen35Adapter
@@ -231,9 +232,11 @@ def test_the_saver_base_refuses_a_half_quantized_qwen3_5_projection(
     model = AutoModelForCausalLM.from_pretrained(tiny_model_factory("qwen3_5_text"))
     layer = model.model.layers[0]
     linear = layer.linear_attn.in_proj_qkv
-    qweight = msquant.quantize_weight_minmax(linear.weight.detach(), 4, True, 32)
+    qweight = msquant.plugin.quantize_weight_minmax(linear.weight.detach(), 4, True, 32)
     layer.linear_attn.in_proj_qkv = QuantizedLinear.from_linear(linear, qweight, "minmax")
-    ctx = msquant.RunContext(model, tmp_path, tmp_path / "out", msquant.get_backend("cpu"), [])
+    ctx = msquant.plugin.RunContext(
+        model, tmp_path, tmp_path / "out", msquant.plugin.get_backend("cpu"), []
+    )
     saver = AWQSaver(AWQSaverConfig())
     saver.setup(ctx)
     assert type(saver.adapter) is Qwen35Adapter

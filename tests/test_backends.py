@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from msquant import DeviceError, get_backend, parse_device
+from msquant import DeviceError
 from msquant.backends import BACKENDS
 from msquant.backends.cpu import CpuBackend
 from msquant.backends.device import DeviceSpec
+from msquant.plugin import get_backend, parse_device
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import msquant
+import msquant.plugin
 from msquant import (
     CalibrationDataError,
     ConfigError,
@@ -89,7 +90,7 @@ def previous_export(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) 
     msquant.quantize(
         tiny_llama,
         out,
-        msquant.load_config_text(GOOD_YAML, msquant.default_registry()),
+        msquant.load_config_text(GOOD_YAML, msquant.plugin.default_registry()),
         progress=False,
     )
     assert (out / "quant_model_description.json").is_file()
@@ -609,7 +610,7 @@ def test_api_raises_typed_exceptions(
     tiny_llama: Path,
     model_copies: Callable[[str], Path],
 ) -> None:
-    registry = msquant.default_registry()
+    registry = msquant.plugin.default_registry()
     good = msquant.load_config_text(GOOD_YAML, registry)
     kwargs: dict[str, Any] = {
         "model_path": tiny_llama,

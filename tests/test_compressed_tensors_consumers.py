@@ -22,6 +22,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import msquant
+import msquant.plugin
 
 SAVER_LOGGER = "msquant.processors.compressed_tensors_saver"
 IDS = torch.tensor([[1, 5, 17, 42, 99, 200, 301, 7, 64, 128, 3, 250]])
@@ -123,7 +124,7 @@ def test_a_head_sharing_the_base_scheme_is_named_and_loads(
     with torch.no_grad():
         for module in reference.modules():
             if isinstance(module, nn.Linear):  # the head included
-                q = msquant.quantize_weight_minmax(module.weight, 8, True, None)
+                q = msquant.plugin.quantize_weight_minmax(module.weight, 8, True, None)
                 module.weight.copy_(q.dequantize())
         expected = reference(IDS).logits
     assert float((logits - expected).abs().max() / expected.abs().max()) <= 1e-3

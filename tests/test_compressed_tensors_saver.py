@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM
 from transformers.utils.quantization_config import CompressedTensorsConfig
 
 import msquant
+import msquant.plugin
 from msquant.processors.formats.compressed_tensors.config import (
     COMPRESSED_TENSORS_VERSION,
     WeightScheme,
@@ -134,10 +135,12 @@ def _reference_logits(
         for name, (bits, symmetric, group_size) in schemes.items():
             linear = model.get_submodule(name)
             assert isinstance(linear, nn.Linear)
-            q = msquant.quantize_weight_minmax(linear.weight, bits, symmetric, group_size)
+            q = msquant.plugin.quantize_weight_minmax(linear.weight, bits, symmetric, group_size)
             if scale_dtype is not None:
                 scale = q.scale.to(scale_dtype).float()
-                q = msquant.QuantizedWeight(q.codes, scale, q.offset, bits, symmetric, group_size)
+                q = msquant.plugin.QuantizedWeight(
+                    q.codes, scale, q.offset, bits, symmetric, group_size
+                )
             linear.weight.copy_(q.dequantize().to(linear.weight.dtype))
         return model(IDS).logits.float()
 
@@ -256,7 +259,7 @@ def test_export_layout_config_and_packed_codes(
         w = original[f"{module}.weight"]
         out_features, in_features = w.shape
         groups = 1 if group_size is None else in_features // group_size
-        expected = msquant.quantize_weight_minmax(w, bits, symmetric, group_size)
+        expected = msquant.plugin.quantize_weight_minmax(w, bits, symmetric, group_size)
         packed = tensors[f"{module}.weight_packed"]
         assert packed.dtype == torch.int32
         assert tuple(packed.shape) == (out_features, -(-in_features * bits // 32))
@@ -376,10 +379,12 @@ def test_nothing_quantized_is_refused(tiny_llama: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
-def _qweight(codes: list[list[int]], bits: int, scale: float = 0.5) -> msquant.QuantizedWeight:
+def _qweight(
+    codes: list[list[int]], bits: int, scale: float = 0.5
+) -> msquant.plugin.QuantizedWeight:
     data = torch.tensor(codes, dtype=torch.int8)
     params = torch.full((data.shape[0], 1), scale)
-    return msquant.QuantizedWeight(data, params, torch.zeros_like(params), bits, True, None)
+    return msquant.plugin.QuantizedWeight(data, params, torch.zeros_like(params), bits, True, None)
 
 
 def test_packed_words_by_hand() -> None:
@@ -405,7 +410,7 @@ def test_asymmetric_zero_points_pack_along_output_dim() -> None:
     codes = torch.zeros(9, 4, dtype=torch.int8)
     scale = torch.ones(9, 2)
     offset = torch.arange(-4, 5, dtype=torch.float32).unsqueeze(1).repeat(1, 2)  # -4..4 per row
-    qweight = msquant.QuantizedWeight(codes, scale, offset, 4, False, 2)
+    qweight = msquant.plugin.QuantizedWeight(codes, scale, offset, 4, False, 2)
     zero = pack_quantized_tensors("p", qweight, None, torch.bfloat16)["p.weight_zero_point"]
     assert zero.dtype == torch.int32 and tuple(zero.shape) == (2, 2)
     assert torch.equal(unpack_int32(zero.T, 4, 9).T, (offset + 8).to(torch.int64))
@@ -431,7 +436,7 @@ def test_bit_widths_outside_2_to_8_are_refused() -> None:
 
 
 def test_non_integer_zero_point_is_refused() -> None:
-    qweight = msquant.QuantizedWeight(
+    qweight = msquant.plugin.QuantizedWeight(
         torch.zeros(1, 2, dtype=torch.int8),
         torch.ones(1, 1),
         torch.full((1, 1), 0.5),
@@ -472,7 +477,9 @@ def test_config_groups_for_three_schemes_validate_in_compressed_tensors() -> Non
 )
 def test_saver_config_is_validated(saver: dict[str, Any], path: str) -> None:
     with pytest.raises(msquant.ConfigError) as info:
-        msquant.validate_config(_config(_entry(8, True, None), **saver), msquant.default_registry())
+        msquant.validate_config(
+            _config(_entry(8, True, None), **saver), msquant.plugin.default_registry()
+        )
     assert path in [issue.path for issue in info.value.issues]
 
 

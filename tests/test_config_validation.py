@@ -11,21 +11,17 @@ import pytest
 import yaml
 
 from msquant import (
-    ActQConfig,
     ConfigError,
     ConfigIssue,
     MsquantInputError,
-    ProcessorRegistry,
-    QDType,
-    QScope,
     QuantConfig,
     config_json_schema,
-    default_registry,
     load_config,
     load_config_text,
     validate_config,
 )
 from msquant.config.yaml_loader import MAX_CONFIG_BYTES
+from msquant.plugin import ActQConfig, ProcessorRegistry, QDType, QScope, default_registry
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "yaml_examples"
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))

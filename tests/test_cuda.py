@@ -17,6 +17,7 @@ from ascend_reader import read_ascend_export
 from conftest import CALIB_TXT
 
 import msquant
+import msquant.plugin
 from msquant.backends import get_backend
 from msquant.evaluate.perplexity import evaluate_perplexity
 
@@ -128,7 +129,9 @@ def test_gptq_classes_on_cuda_match_float64_cpu() -> None:
     x = torch.randn(2048, 256, generator=generator) @ torch.randn(256, 256, generator=generator)
     results = []
     for device in ("cpu", "cuda"):
-        gptq = msquant.WeightPerGroupGPTQ(bits=4, symmetric=True, group_size=64, name="probe")
+        gptq = msquant.plugin.WeightPerGroupGPTQ(
+            bits=4, symmetric=True, group_size=64, name="probe"
+        )
         for rows in x.to(device).split(256):
             gptq.add_batch(rows)
         results.append(gptq.quantize(weight.to(device), backend=get_backend(device)))

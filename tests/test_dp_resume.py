@@ -26,8 +26,9 @@ from conftest import CALIB_TXT
 from test_resume import _assert_same_export, _export
 
 import msquant
-from msquant import ResumeError, RunContext
+from msquant import ResumeError
 from msquant.cli import main
+from msquant.plugin import RunContext
 from msquant.run.checkpoint.folder import RunCheckpoints
 from msquant.run.checkpoint.layout import PROGRESS_FILE, partial_path
 

@@ -21,11 +21,13 @@ from conftest import CALIB_TXT, CliResult
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import msquant
+import msquant.plugin
 from msquant.evaluate.data import read_eval_tokens
 from msquant.evaluate.models import load_model_for_eval
 from msquant.evaluate.run_evaluation import prepare_evaluation
 from msquant.evaluate.windows import measure_perplexity, sliding_window_perplexity, sliding_windows
 from msquant.load.model_folder import load_model_config
+from msquant.report.run_report import REPORT_FILE
 
 SEQLEN = 64
 TEXT_CHARS = 2500  # the start of calib.txt: about 1,000 tokens of the tiny tokenizer
@@ -126,11 +128,11 @@ def _fake_quantized(model_dir: Path, fp16_scales: bool = False) -> torch.nn.Modu
         spec = INT8_ATTENTION if "self_attn" in name else INT4_MLP
         bits = 8 if spec["dtype"] == "int8" else 4
         group_size = spec.get("ext", {}).get("group_size")
-        qw = msquant.quantize_weight_minmax(
+        qw = msquant.plugin.quantize_weight_minmax(
             module.weight.detach(), bits, bool(spec["symmetric"]), group_size
         )
         if fp16_scales:  # GPTQ checkpoints store scales in float16 by definition of the format
-            qw = msquant.QuantizedWeight(
+            qw = msquant.plugin.QuantizedWeight(
                 qw.codes, qw.scale.half().float(), qw.offset, bits, qw.symmetric, group_size
             )
         with torch.no_grad():
@@ -274,9 +276,7 @@ def test_run_report_perplexity_equals_eval_of_the_export(
     """``quant --eval_data`` evaluates the in-memory model; ``msquant eval`` reads the export
     back: the same weights, so the same numbers (GPTQ stores its scales in float16, the one
     place the export rounds what the run computed)."""
-    evaluation = json.loads((exports / msquant.REPORT_FILE).read_text(encoding="utf-8"))[
-        "evaluation"
-    ]
+    evaluation = json.loads((exports / REPORT_FILE).read_text(encoding="utf-8"))["evaluation"]
     out = tmp_path / "ppl.json"
     result = run_cli("eval", exports / saver, "--data", text, "--seqlen", SEQLEN, "--json", out)
     assert result.code == 0, result.err

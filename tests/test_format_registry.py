@@ -17,19 +17,20 @@ import torch
 from safetensors.torch import load_file
 
 import msquant
-from msquant import (
+import msquant.plugin
+from msquant import ExportVerificationError, RegistryError, verify_export
+from msquant.evaluate.models import load_model_for_eval
+from msquant.plugin import (
     FORMAT_ENTRY_POINT_GROUP,
     DecodedLayer,
     ExportFormat,
     ExportReader,
-    ExportVerificationError,
     Findings,
     FormatRegistry,
     LayerReport,
     Processor,
     ProcessorConfig,
     QuantizedLinear,
-    RegistryError,
     RunContext,
     Saver,
     SaverConfig,
@@ -40,9 +41,7 @@ from msquant import (
     open_weights,
     read_json,
     trivial_g_idx,
-    verify_export,
 )
-from msquant.evaluate.models import load_model_for_eval
 
 BUILTIN_FORMATS = ["ascend", "mindie", "gptq", "compressed-tensors", "awq"]
 BUILTIN_SAVERS = {
@@ -89,7 +88,7 @@ def test_two_default_savers_or_none_are_refused() -> None:
     registry.register(OtherDefault)
     with pytest.raises(RegistryError, match="several registered savers declare themselves"):
         default_saver(registry)
-    empty = msquant.ProcessorRegistry()
+    empty = msquant.plugin.ProcessorRegistry()
     with pytest.raises(RegistryError, match="no registered saver declares itself the default"):
         default_saver(empty)
 
@@ -270,7 +269,7 @@ def toy_registered(monkeypatch: pytest.MonkeyPatch) -> Callable[[type[Processor]
     assert sys.modules[__name__].TOY is TOY  # the entry point below loads this module
     _fake_format_entry_points(monkeypatch, ("toy", f"{__name__}:TOY"))
 
-    def registry(saver: type[Processor]) -> msquant.ProcessorRegistry:
+    def registry(saver: type[Processor]) -> msquant.plugin.ProcessorRegistry:
         built = default_registry()
         built.register(saver, "toy_saver")
         return built

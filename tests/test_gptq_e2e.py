@@ -24,6 +24,7 @@ from conftest import CALIB_TXT, EXAMPLES, CliResult
 from torch import nn
 
 import msquant
+import msquant.plugin
 from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
 from msquant.processors.methods.gptq import GPTQExt
@@ -130,9 +131,9 @@ def test_seed_yaml_runs_and_matches_direct_gptq(
     for module, xs in inputs.items():
         weight = original[f"{module}.weight"]
         symmetric = weight_cfg.get("symmetric", True)
-        gptq: msquant.WeightPerChannelGPTQ | msquant.WeightPerGroupGPTQ
+        gptq: msquant.plugin.WeightPerChannelGPTQ | msquant.plugin.WeightPerGroupGPTQ
         if per_group:
-            gptq = msquant.WeightPerGroupGPTQ(
+            gptq = msquant.plugin.WeightPerGroupGPTQ(
                 symmetric=symmetric,
                 group_size=ext["group_size"],
                 static_groups=resolved.resolved_static_groups(),
@@ -140,7 +141,7 @@ def test_seed_yaml_runs_and_matches_direct_gptq(
                 **options,
             )
         else:
-            gptq = msquant.WeightPerChannelGPTQ(symmetric=symmetric, name=module, **options)
+            gptq = msquant.plugin.WeightPerChannelGPTQ(symmetric=symmetric, name=module, **options)
         for x in xs:
             gptq.add_batch(x)
         direct = gptq.quantize(weight).quantized
@@ -153,7 +154,7 @@ def test_seed_yaml_runs_and_matches_direct_gptq(
         )
         # GPTQ beats round-to-nearest on the calibration activations it was fitted to
         x = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs])
-        rtn = msquant.quantize_weight_minmax(
+        rtn = msquant.plugin.quantize_weight_minmax(
             weight, 8, True, ext["group_size"] if per_group else None
         )
         reference = x @ weight.T
@@ -201,7 +202,7 @@ def test_modules_reading_the_same_input_share_one_hessian() -> None:
     config = LinearQuantConfig.model_validate({"qconfig": {"weight": {"method": "gptq"}}})
     proc = LinearQuantProcessor(config)
     collector = proc._collector
-    collector.quantizers = {n: msquant.WeightPerChannelGPTQ(name=n) for n in ("q", "k", "o")}
+    collector.quantizers = {n: msquant.plugin.WeightPerChannelGPTQ(name=n) for n in ("q", "k", "o")}
     for _ in range(2):
         shared, other = torch.randn(5, 8), torch.randn(5, 8)
         collector.accumulate("q", shared)
@@ -281,7 +282,7 @@ def test_true_sequential_calibrates_the_mlp_on_the_quantized_attention(
     inputs = _true_sequential_inputs(tiny_llama_128, 48, export)
     assert sorted(inputs) == sorted(export.quantized_modules())
     for module, xs in inputs.items():
-        gptq = msquant.WeightPerChannelGPTQ(name=module, percdamp=0.01, block_size=128)
+        gptq = msquant.plugin.WeightPerChannelGPTQ(name=module, percdamp=0.01, block_size=128)
         for x in xs:
             gptq.add_batch(x)
         direct = gptq.quantize(original[f"{module}.weight"]).quantized

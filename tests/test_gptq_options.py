@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import msquant
-from msquant import GPTQOptions, GPTQQuantizer, MSEOptions, QuantizationError, gptq_quantize
+import msquant.plugin
+from msquant import QuantizationError
+from msquant.plugin import GPTQOptions, GPTQQuantizer, MSEOptions, gptq_quantize
 from msquant.processors.linear_quant import LinearQuantConfig, LinearQuantProcessor
 
 
@@ -44,15 +46,15 @@ def test_the_solver_takes_the_options_or_their_fields_never_both() -> None:
 
 
 def test_the_class_names_build_the_same_quantizer() -> None:
-    per_group = msquant.WeightPerGroupGPTQ(4, True, group_size=32, percdamp=0.05, mse=True)
+    per_group = msquant.plugin.WeightPerGroupGPTQ(4, True, group_size=32, percdamp=0.05, mse=True)
     assert isinstance(per_group, GPTQQuantizer)
     assert per_group.options == GPTQOptions(
         bits=4, symmetric=True, group_size=32, percdamp=0.05, mse=MSEOptions()
     )
-    per_channel = msquant.WeightPerChannelGPTQ(8, False, desc_act=True)
+    per_channel = msquant.plugin.WeightPerChannelGPTQ(8, False, desc_act=True)
     assert per_channel.options == GPTQOptions(bits=8, symmetric=False, desc_act=True)
     with pytest.raises(TypeError):
-        msquant.WeightPerChannelGPTQ(group_size=32)  # type: ignore[call-arg]
+        msquant.plugin.WeightPerChannelGPTQ(group_size=32)  # type: ignore[call-arg]
     with pytest.raises(QuantizationError, match=r"x: invalid GPTQ options: bits must be"):
         GPTQOptions.from_flat("x", bits=1)
 
@@ -75,8 +77,8 @@ def test_a_module_gets_ext_with_its_rule_applied() -> None:
         }
     )
     proc = LinearQuantProcessor(config)
-    base = msquant.resolve_module_scheme("m.up_proj", proc.base_scheme, proc.rules)
-    rule = msquant.resolve_module_scheme("m.down_proj", proc.base_scheme, proc.rules)
+    base = msquant.plugin.resolve_module_scheme("m.up_proj", proc.base_scheme, proc.rules)
+    rule = msquant.plugin.resolve_module_scheme("m.down_proj", proc.base_scheme, proc.rules)
     assert proc.method.solve_options(base) == GPTQOptions(
         bits=4, symmetric=True, group_size=32, percdamp=0.01, block_size=64, desc_act=True,
         mse=MSEOptions(grid=50), full_range=True,

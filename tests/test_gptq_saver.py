@@ -24,11 +24,12 @@ from gptq_reader import GPTQExport, read_gptq_export, read_module, resolve_schem
 from safetensors.torch import load_file
 
 import msquant
-from msquant import (
+import msquant.plugin
+from msquant import QuantizationError
+from msquant.plugin import (
     DecoderLayer,
     Processor,
     ProcessorConfig,
-    QuantizationError,
     QuantizedLinear,
     QuantizedWeight,
     RunContext,
@@ -163,7 +164,7 @@ def test_minmax_export_matches_reference(case: str, tiny_llama: Path, tmp_path: 
 
     for name in quantized:
         w = original[f"{name}.weight"]
-        expected = msquant.quantize_weight_minmax(
+        expected = msquant.plugin.quantize_weight_minmax(
             w, bits, scheme["sym"], None if group == -1 else group
         )
         module = export.modules[name]
@@ -285,7 +286,7 @@ def test_mixed_precision_rules(tiny_llama: Path, tmp_path: Path) -> None:
         assert want is not None
         weight = original[f"{name}.weight"]
         group = None if want["group_size"] == -1 else want["group_size"]
-        reference = msquant.quantize_weight_minmax(weight, want["bits"], True, group)
+        reference = msquant.plugin.quantize_weight_minmax(weight, want["bits"], True, group)
         assert_module_matches(module, reference, "gptq_v2", name)
     assert len(export.modules) == 11
 
@@ -308,7 +309,7 @@ def test_rules_match_exact_names_only() -> None:
             f"model.layers.{layer}.{leaf}": (scheme(layer, leaf), torch.nn.Linear(128, 128))
             for leaf in leaves
         }
-        units += layer_units(f"model.layers.{layer}", linears, msquant.ModelAdapter())
+        units += layer_units(f"model.layers.{layer}", linears, msquant.plugin.ModelAdapter())
     qc = build_quantization_config(units, "gptq", ["minmax"])
     assert len(qc["dynamic"]) == 3  # -: layer 1 gate; +: layer 10 gate, layer 10 down
     for layer in range(12):
@@ -417,7 +418,7 @@ def test_layers_quantized_differently_warn_that_transformers_ignores_dynamic(
 def test_unknown_keys_and_formats_are_rejected() -> None:
     config = make_config(W4_G32_SYM, checkpoint_format="gptq_v3", zero_minus_one=True)
     with pytest.raises(msquant.ConfigError) as error:
-        msquant.validate_config(config, msquant.default_registry())
+        msquant.validate_config(config, msquant.plugin.default_registry())
     text = str(error.value)
     assert "spec.save[0].checkpoint_format" in text and "spec.save[0].zero_minus_one" in text
 
@@ -470,7 +471,7 @@ def test_gptq_method_qwen2_with_bias_matches_in_memory_weights(
     tiny_model_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
     model = tiny_model_factory("qwen2", num_layers=1)
-    registry = msquant.default_registry()
+    registry = msquant.plugin.default_registry()
     registry.register(CaptureProcessor)
     CaptureProcessor.captured.clear()
     weight = {**W4_G32_ASYM, "method": "gptq"}

@@ -14,7 +14,9 @@ import yaml
 from conftest import CliResult
 
 import msquant
-from msquant import QuantizationError, hessian_clip_qparams, quantize_weight_hessian_clip
+import msquant.plugin
+from msquant import QuantizationError
+from msquant.plugin import hessian_clip_qparams, quantize_weight_hessian_clip
 from msquant.quant.int_quant import compute_qparams, qrange
 from msquant.quant.mse_clip import shrink_factors
 from msquant.quant.output_error import relative_output_errors
@@ -88,13 +90,15 @@ def test_a_rows_output_error_never_exceeds_min_max() -> None:
     output error drops well below min/max's."""
     weight, hessian = _layer(64, 128, seed=5)
     clipped = quantize_weight_hessian_clip(weight, hessian, 4, True).dequantize()
-    rtn = msquant.quantize_weight_minmax(weight, 4, True, None).dequantize()
+    rtn = msquant.plugin.quantize_weight_minmax(weight, 4, True, None).dequantize()
     for row in range(64):
         d_clip, d_rtn = clipped[row] - weight[row], rtn[row] - weight[row]
         assert float(d_clip @ hessian @ d_clip) <= float(d_rtn @ hessian @ d_rtn) * (1 + 1e-5)
     clip_error, rtn_error = relative_output_errors(weight, [clipped, rtn], hessian)
     assert clip_error < 0.9 * rtn_error, (clip_error, rtn_error)
-    mse = msquant.quantize_weight_minmax(weight, 4, True, None, mse=msquant.MSEOptions())
+    mse = msquant.plugin.quantize_weight_minmax(
+        weight, 4, True, None, mse=msquant.plugin.MSEOptions()
+    )
     (mse_error,) = relative_output_errors(weight, [mse.dequantize()], hessian)
     assert clip_error < mse_error  # weighing columns by their activations beats plain MSE here
 

@@ -5,13 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from msquant import (
-    QuantizationError,
-    QuantizedWeight,
-    compute_qparams,
-    qrange,
-    quantize_weight_minmax,
-)
+from msquant import QuantizationError
+from msquant.plugin import QuantizedWeight, compute_qparams, qrange, quantize_weight_minmax
 
 
 def reference_minmax(

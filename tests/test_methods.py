@@ -19,15 +19,9 @@ import yaml
 from conftest import CliResult
 
 import msquant
-from msquant import (
-    BaseScheme,
-    MethodOptions,
-    MethodRegistry,
-    QDType,
-    QScope,
-    QuantMethod,
-    RegistryError,
-)
+import msquant.plugin
+from msquant import RegistryError
+from msquant.plugin import BaseScheme, MethodOptions, MethodRegistry, QDType, QScope, QuantMethod
 from msquant.processors.methods.gptq import GPTQMethod
 from msquant.processors.methods.minmax import MinMaxMethod
 
@@ -51,14 +45,14 @@ class _Rounder(QuantMethod):
         return BaseScheme(bits=8, group_size=None, sym=True)
 
     def quantize_rtn(self, weight, scheme, name):  # type: ignore[no-untyped-def]
-        return msquant.quantize_weight_minmax(weight, scheme.bits, True, None, name=name)
+        return msquant.plugin.quantize_weight_minmax(weight, scheme.bits, True, None, name=name)
 
 
 # -- the registry ----------------------------------------------------------------------------------
 
 
 def test_the_built_in_methods_come_from_entry_points() -> None:
-    registry = msquant.default_method_registry()
+    registry = msquant.plugin.default_method_registry()
     assert registry.names() == sorted(BUILTIN_METHODS)
     assert registry.get("gptq") is GPTQMethod and registry.get("minmax") is MinMaxMethod
     assert GPTQMethod.calibrated and not MinMaxMethod.calibrated

@@ -19,11 +19,13 @@ from tiny_models import ARCHS
 from transformers import AutoConfig
 
 import msquant
-from msquant import FusedGroup, ModelAdapter, ModelAdapterRegistry, RegistryError
+import msquant.plugin
+from msquant import RegistryError
 from msquant.config.processors import build_processors
 from msquant.config.resolve import resolve_config
 from msquant.load.model_folder import build_meta_model
 from msquant.model import adapter_registry
+from msquant.plugin import FusedGroup, ModelAdapter, ModelAdapterRegistry
 from msquant.processors.adapters.qwen3_5 import Qwen35Adapter
 
 QWEN3_5_TYPES = ["qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"]
@@ -79,13 +81,13 @@ def test_a_model_type_without_adapter_gets_the_default_one() -> None:
 
 
 def test_the_installed_entry_points_register_qwen3_5_and_nothing_the_suite_covers() -> None:
-    registry = msquant.default_adapter_registry()
+    registry = msquant.plugin.default_adapter_registry()
     for model_type in QWEN3_5_TYPES:
         assert type(registry.get(model_type)) is Qwen35Adapter
     for arch in COVERED:
         model_type = ARCHS[arch]["model_type"]
         assert model_type not in registry, f"{model_type} has an adapter: its plans would change"
-        assert type(msquant.adapter_for(meta_model(arch))) is ModelAdapter
+        assert type(msquant.plugin.adapter_for(meta_model(arch))) is ModelAdapter
 
 
 def test_a_model_type_claimed_by_two_adapters_is_refused() -> None:
@@ -108,7 +110,7 @@ def test_a_model_type_claimed_by_two_adapters_is_refused() -> None:
 def test_entry_points_are_loaded_and_broken_plugins_reported(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    group = msquant.MODEL_ADAPTER_GROUP
+    group = msquant.plugin.MODEL_ADAPTER_GROUP
     points = [EntryPoint("mine", "msquant.processors.adapters.qwen3_5:Qwen35Adapter", group)]
     monkeypatch.setattr(adapter_registry, "entry_points", lambda group: points)
     assert ModelAdapterRegistry().load_entry_points().model_types() == ["mine"]
@@ -133,22 +135,22 @@ def test_entry_points_are_loaded_and_broken_plugins_reported(
 )
 def test_the_default_adapter_answers_with_the_generic_heuristics(arch: str, fused: str) -> None:
     model = meta_model(arch)
-    adapter = msquant.adapter_for(model)
+    adapter = msquant.plugin.adapter_for(model)
     layers = adapter.decoder_layers(model)
     assert [layer.name for layer in layers] == ["model.layers.0", "model.layers.1"]
     assert adapter.output_head(model) == ("lm_head", model.lm_head)
     assert adapter.final_norm(model, layers) is model.model.norm
     names = [name for layer in layers for name, _ in layer.named_linears()]
     assert fused in {group.fused_name for group in adapter.fused_groups(names)}
-    assert adapter.fused_groups(names) == msquant.fused_groups(names)
-    assert adapter.engine_names(names) == msquant.engine_names(names)
+    assert adapter.fused_groups(names) == msquant.plugin.fused_groups(names)
+    assert adapter.engine_names(names) == msquant.plugin.engine_names(names)
 
 
 # -- Qwen3.5 ----------------------------------------------------------------------------------------
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:
-    layers = msquant.adapter_for(model).decoder_layers(model)
+    layers = msquant.plugin.adapter_for(model).decoder_layers(model)
     return [name for layer in layers for name, _ in layer.named_linears()]
 
 
@@ -157,7 +159,7 @@ def test_qwen3_5_fused_projections_are_vllms() -> None:
     ``in_proj_ba = [in_proj_b, in_proj_a]``, shards in that order; the default heuristics see
     only the full-attention layer's qkv_proj and the MLPs' gate_up_proj."""
     model = meta_model("qwen3_5_text")
-    adapter = msquant.adapter_for(model)
+    adapter = msquant.plugin.adapter_for(model)
     assert type(adapter) is Qwen35Adapter
     names = linear_names(model)
     found = adapter.fused_groups(names)
@@ -179,7 +181,7 @@ def test_qwen3_5_plan_refuses_a_fused_projection_half_quantized(weightless_qwen3
     """Excluding ``in_proj_z`` and ``in_proj_a`` leaves vLLM's fused matrices half quantized (vLLM:
     "Detected some but not all shards ... are quantized"); the default heuristics let it pass."""
     cfg = config(exclude=["*in_proj_z", "*in_proj_a"])
-    result = msquant.build_plan(weightless_qwen3_5, cfg)
+    result = msquant.plugin.build_plan(weightless_qwen3_5, cfg)
     assert len(result.errors) == 2
     qkvz, ba = result.errors
     assert qkvz.startswith(
@@ -192,11 +194,13 @@ def test_qwen3_5_plan_refuses_a_fused_projection_half_quantized(weightless_qwen3
     )
     assert ba.startswith("model.layers.0.linear_attn.in_proj_ba is loaded as one fused matrix")
     # before this adapter: the same plan under the generic heuristics has no error
-    resolved = resolve_config(cfg, msquant.default_registry())
-    processors = build_processors(resolved.config, msquant.default_registry())
+    resolved = resolve_config(cfg, msquant.plugin.default_registry())
+    processors = build_processors(resolved.config, msquant.plugin.default_registry())
     model = build_meta_model(AutoConfig.from_pretrained(weightless_qwen3_5))
     layers = ModelAdapter().decoder_layers(model)
-    assert msquant.analyse_plan(processors, model, layers, adapter=ModelAdapter()).errors == []
+    assert (
+        msquant.plugin.analyse_plan(processors, model, layers, adapter=ModelAdapter()).errors == []
+    )
 
 
 def test_qwen3_5_rules_splitting_a_fused_projection_inside_one_entry_are_refused(
@@ -206,7 +210,7 @@ def test_qwen3_5_rules_splitting_a_fused_projection_inside_one_entry_are_refused
     match the fused ``in_proj_qkvz``): the split is refused and the rule warned about, although
     one entry selects both shards (the processors check only the generic table)."""
     cfg = config(dynamic={"-:.*in_proj_qkv": {}})
-    result = msquant.build_plan(weightless_qwen3_5, cfg)
+    result = msquant.plugin.build_plan(weightless_qwen3_5, cfg)
     assert len(result.errors) == 1
     assert result.errors[0].startswith("model.layers.0.linear_attn.in_proj_qkvz is loaded as one")
     assert (
@@ -217,11 +221,11 @@ def test_qwen3_5_rules_splitting_a_fused_projection_inside_one_entry_are_refused
     assert len(mismatch) == 1
     assert "make it match all of in_proj_qkv, in_proj_z, in_proj_qkvz or none" in mismatch[0]
     # the generic heuristics: neither the error nor the warning
-    resolved = resolve_config(cfg, msquant.default_registry())
-    processors = build_processors(resolved.config, msquant.default_registry())
+    resolved = resolve_config(cfg, msquant.plugin.default_registry())
+    processors = build_processors(resolved.config, msquant.plugin.default_registry())
     model = build_meta_model(AutoConfig.from_pretrained(weightless_qwen3_5))
     layers = ModelAdapter().decoder_layers(model)
-    before = msquant.analyse_plan(processors, model, layers, adapter=ModelAdapter())
+    before = msquant.plugin.analyse_plan(processors, model, layers, adapter=ModelAdapter())
     assert before.errors == [] and not [w for w in before.warnings if "in_proj" in w]
 
 

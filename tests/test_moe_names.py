@@ -24,7 +24,8 @@ from conftest import CALIB_TXT, NEEDS_MOE_TRANSFORMERS
 from safetensors import safe_open
 
 import msquant
-from msquant import (
+import msquant.plugin
+from msquant.plugin import (
     DecoderLayer,
     Processor,
     ProcessorConfig,
@@ -93,8 +94,8 @@ class _Capture(Processor):
                 )  # fmt: skip
 
 
-def _registry() -> msquant.ProcessorRegistry:
-    registry = msquant.default_registry()
+def _registry() -> msquant.plugin.ProcessorRegistry:
+    registry = msquant.plugin.default_registry()
     registry.register(_Capture)
     return registry
 
@@ -431,7 +432,7 @@ def test_disk_name_maps_modules_and_their_tensors_and_keeps_the_rest() -> None:
 
 
 def test_writer_stores_renamed_tensors_and_restores_them(tmp_path: Path) -> None:
-    from msquant import ShardedSafetensorsWriter
+    from msquant.plugin import ShardedSafetensorsWriter
 
     first = ShardedSafetensorsWriter(tmp_path, "model", 1 << 20, rename=mixtral_disk_name)
     first.add("model.layers.0.mlp.experts.2.down_proj.qweight", torch.zeros(2, dtype=torch.int32))

@@ -34,6 +34,7 @@ from ascend_reader import read_ascend_export
 from conftest import CALIB_TXT
 
 import msquant
+import msquant.plugin
 from msquant.errors import QuantizationError
 from msquant.load.model_folder import load_causal_lm
 from msquant.processors.methods.gptq import GPTQExt
@@ -363,7 +364,7 @@ def _linear_quant(weight: str) -> str:
 
 @pytest.mark.parametrize("method", ["minmax", "gptq"])
 def test_yaml_accepts_mse(method: str) -> None:
-    registry = msquant.default_registry()
+    registry = msquant.plugin.default_registry()
     text = _linear_quant(f"{{method: {method}, scope: per_group, ext: {{mse: true}}}}")
     weight = msquant.load_config_text(text, registry).spec.process[0].qconfig.weight
     ext = weight.ext
@@ -396,7 +397,7 @@ def test_yaml_rejects_bad_mse_values_with_paths(
 ) -> None:
     text = _linear_quant(f"{{method: {method}, ext: {ext}}}")
     with pytest.raises(msquant.ConfigError) as info:
-        msquant.load_config_text(text, msquant.default_registry())
+        msquant.load_config_text(text, msquant.plugin.default_registry())
     issues = [issue for issue in info.value.issues if issue.path == f"{W}.ext.{key}"]
     assert len(issues) == 1, [str(issue) for issue in info.value.issues]
     assert message in issues[0].message

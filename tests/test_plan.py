@@ -17,6 +17,7 @@ import yaml
 from safetensors.torch import save_file
 
 import msquant
+import msquant.plugin
 from msquant.config.processors import build_processors
 from msquant.config.resolve import resolve_config
 from msquant.load.model_folder import build_meta_model, load_model_config
@@ -115,7 +116,7 @@ def test_a_module_selected_by_two_entries_is_refused(weightless_llama: Path) -> 
     negative = config(
         entry(INT4_G32, dynamic={"-:.*down_proj": {}}), entry(INT8_CH, include=["*down_proj"])
     )
-    result = msquant.build_plan(weightless_llama, negative)
+    result = msquant.plugin.build_plan(weightless_llama, negative)
     assert not result.ok and "both select model.layers.0.mlp.down_proj" in result.errors[0]
 
 
@@ -123,7 +124,7 @@ def test_fused_shards_split_between_entries_are_refused(weightless_llama: Path) 
     split = config(
         entry(INT4_G32, include=["*q_proj", "*k_proj"]), entry(INT8_CH, include=["*v_proj"])
     )
-    result = msquant.build_plan(weightless_llama, split)
+    result = msquant.plugin.build_plan(weightless_llama, split)
     assert len(result.errors) == 2  # one per layer
     first = result.errors[0]
     assert first.startswith("model.layers.0.self_attn.qkv_proj is loaded as one fused matrix")
@@ -133,11 +134,13 @@ def test_fused_shards_split_between_entries_are_refused(weightless_llama: Path) 
     same = config(
         entry(INT8_CH, include=["*q_proj", "*k_proj"]), entry(INT8_CH, include=["*v_proj"])
     )
-    assert msquant.build_plan(weightless_llama, same).errors == []
+    assert msquant.plugin.build_plan(weightless_llama, same).errors == []
 
 
 def test_a_fused_shard_left_out_is_refused_with_the_reason(weightless_llama: Path) -> None:
-    result = msquant.build_plan(weightless_llama, config(entry(INT4_G32, exclude=["*up_proj"])))
+    result = msquant.plugin.build_plan(
+        weightless_llama, config(entry(INT4_G32, exclude=["*up_proj"]))
+    )
     assert len(result.errors) == 2
     assert "model.layers.1.mlp.gate_up_proj is loaded as one fused matrix" in result.errors[1]
     assert (
@@ -148,7 +151,7 @@ def test_a_fused_shard_left_out_is_refused_with_the_reason(weightless_llama: Pat
 
 def test_rules_splitting_fused_shards_inside_one_entry_are_refused(weightless_llama: Path) -> None:
     cfg = config(entry(INT4_G32, dynamic={r".*\.1\..*k_proj": {"bits": 8}, "-:.*0.*up_proj": {}}))
-    result = msquant.build_plan(weightless_llama, cfg)
+    result = msquant.plugin.build_plan(weightless_llama, cfg)
     assert len(result.errors) == 2
     assert result.errors[0].startswith("linear_quant: model.layers.0.mlp.gate_up_proj")
     assert (
@@ -164,7 +167,7 @@ def test_rules_splitting_fused_shards_inside_one_entry_are_refused(weightless_ll
 
 def test_group_size_from_a_rule_must_divide_and_the_rule_is_named(weightless_llama: Path) -> None:
     cfg = config(entry(INT8_CH, dynamic={".*down_proj": {"group_size": 48}}))
-    result = msquant.build_plan(weightless_llama, cfg)
+    result = msquant.plugin.build_plan(weightless_llama, cfg)
     assert result.errors == [
         f"model.layers.{i}.mlp.down_proj: group_size 48 does not divide in_features 128 "
         '(weight [64, 128], group_size set by dynamic[".*down_proj"]); valid group sizes: '
@@ -173,7 +176,7 @@ def test_group_size_from_a_rule_must_divide_and_the_rule_is_named(weightless_lla
     ]
     # a rule that sets other keys is not blamed for the base group size
     g128 = {**INT4_G32, "ext": {"group_size": 128}}
-    errors = msquant.build_plan(
+    errors = msquant.plugin.build_plan(
         weightless_llama, config(entry(g128, include=["*q_proj"], dynamic={".*": {"bits": 8}}))
     ).errors
     assert errors[0] == (
@@ -186,7 +189,7 @@ def test_group_size_from_a_rule_must_divide_and_the_rule_is_named(weightless_lla
             INT4_G32, dynamic={".*down_proj": {"group_size": 128}, ".*o_proj": {"group_size": -1}}
         )
     )
-    assert msquant.build_plan(weightless_llama, fine).ok
+    assert msquant.plugin.build_plan(weightless_llama, fine).ok
 
 
 def test_warnings_name_the_entry(weightless_llama: Path) -> None:
@@ -198,7 +201,7 @@ def test_warnings_name_the_entry(weightless_llama: Path) -> None:
         ),
         entry(INT8_CH, include=["*mlp*", "*typo_proj"]),
     )
-    result = msquant.build_plan(weightless_llama, cfg)
+    result = msquant.plugin.build_plan(weightless_llama, cfg)
     assert result.ok
     warnings = result.warnings
     assert (
@@ -244,7 +247,7 @@ def test_check_plan_is_the_run_check(
     weightless_llama: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """What a run calls on the meta model after the processors' own check_model."""
-    registry = msquant.default_registry()
+    registry = msquant.plugin.default_registry()
     cfg = config(
         entry(INT4_G32, exclude=["*v_proj"]), entry(INT8_CH, include=["*down_proj", "*none*"])
     )
@@ -252,7 +255,7 @@ def test_check_plan_is_the_run_check(
     meta = build_meta_model(load_model_config(weightless_llama))
     layers = find_decoder_layers(meta)
     with caplog.at_level(logging.WARNING, logger="msquant"):
-        errors = msquant.check_plan(processors, meta, layers)
+        errors = msquant.plugin.check_plan(processors, meta, layers)
     assert len(errors) == 3  # the overlap on down_proj, then the qkv split in each layer
     assert errors[0].startswith(
         "spec.process[0] and spec.process[1] both select model.layers.0.mlp.down_proj"
@@ -384,7 +387,7 @@ def test_rules_on_vllm_fused_names_apply_to_every_shard(
 ) -> None:
     """vLLM reads a rule against ``qkv_proj`` / ``gate_up_proj``; msquant applies it to the shards
     (it used to match none of them, and the run quantized them with the base scheme)."""
-    result = msquant.build_plan(
+    result = msquant.plugin.build_plan(
         weightless_llama, config(entry(INT4_G32, dynamic={rule: overrides}))
     )
     assert result.ok, result.errors
@@ -406,7 +409,7 @@ def test_rule_matching_a_fused_name_and_some_shards_is_still_a_split(
 ) -> None:
     """``.*v_proj`` matches ``qkv_proj`` for vLLM and only ``v_proj`` for GPTQModel: ambiguous, so
     it applies to ``v_proj`` alone and the split is refused, as before."""
-    result = msquant.build_plan(
+    result = msquant.plugin.build_plan(
         weightless_llama, config(entry(INT4_G32, dynamic={".*v_proj": {"bits": 8}}))
     )
     assert len(result.errors) == 2 and "qkv_proj is loaded as one fused matrix" in result.errors[0]
@@ -458,7 +461,7 @@ def test_config_quantizing_nothing_is_refused_before_weights_load(
 
 
 def test_config_without_a_quantizing_entry_is_refused(weightless_llama: Path) -> None:
-    result = msquant.build_plan(weightless_llama, config())
+    result = msquant.plugin.build_plan(weightless_llama, config())
     assert result.errors == [
         "spec.process has no entry that quantizes linear layers, so the export would be the "
         "float model; add a linear_quant entry"
@@ -482,20 +485,22 @@ def test_cli_refuses_a_config_quantizing_nothing_before_loading(
     assert not (tmp_path / "out").exists()
 
 
-class _ReviewerConfig(msquant.ProcessorConfig):
+class _ReviewerConfig(msquant.plugin.ProcessorConfig):
     type: Literal["plan_reviewer"] = "plan_reviewer"
 
 
-class _Reviewer(msquant.Processor):
+class _Reviewer(msquant.plugin.Processor):
     """A saver that refuses plans quantizing down_proj and warns about every quantized layer."""
 
     type_name: ClassVar[str] = "plan_reviewer"
     config_class = _ReviewerConfig
     stage = "save"
 
-    def review_plan(self, plan: msquant.ModelPlan, model: torch.nn.Module) -> msquant.PlanReview:
+    def review_plan(
+        self, plan: msquant.plugin.ModelPlan, model: torch.nn.Module
+    ) -> msquant.plugin.PlanReview:
         quantized = [row.module for row in plan.rows if not row.skipped]
-        return msquant.PlanReview(
+        return msquant.plugin.PlanReview(
             errors=[f"plan_reviewer: {m} refused" for m in quantized if m.endswith("down_proj")],
             warnings=[f"plan_reviewer: {len(quantized)} quantized, model {type(model).__name__}"],
         )
@@ -504,17 +509,17 @@ class _Reviewer(msquant.Processor):
 def test_savers_review_the_plan_before_weights_load(weightless_llama: Path, tmp_path: Path) -> None:
     """A processor with ``review_plan`` sees the finished plan (every row) on the weightless
     model; its warnings join the plan's, its errors refuse the run before weights load."""
-    registry = msquant.default_registry()
+    registry = msquant.plugin.default_registry()
     registry.register(_Reviewer)
     cfg = {
         "apiversion": "modelslim_v1",
         "spec": {"process": [entry(INT8_CH)], "save": [{"type": "plan_reviewer"}]},
     }
-    plan = msquant.build_plan(weightless_llama, cfg, registry=registry)
+    plan = msquant.plugin.build_plan(weightless_llama, cfg, registry=registry)
     assert plan.warnings == ["plan_reviewer: 14 quantized, model LlamaForCausalLM"]
     assert plan.errors == [f"plan_reviewer: model.layers.{i}.mlp.down_proj refused" for i in (0, 1)]
     with pytest.raises(msquant.QuantizationError, match="down_proj refused"):
         msquant.quantize(weightless_llama, tmp_path / "out", cfg, registry=registry, progress=False)
     assert not (tmp_path / "out").exists()
     cfg["spec"]["process"][0]["exclude"] = ["*down_proj"]
-    assert msquant.build_plan(weightless_llama, cfg, registry=registry).ok
+    assert msquant.plugin.build_plan(weightless_llama, cfg, registry=registry).ok

@@ -16,22 +16,18 @@ from pydantic import BaseModel, Field
 from torch import nn
 
 import msquant
-from msquant import (
+from msquant import ConfigError, ConfigIssue, RegistryError, config_json_schema, load_config_text
+from msquant.load.calibration import read_calibration_texts
+from msquant.plugin import (
     ENTRY_POINT_GROUP,
-    ConfigError,
-    ConfigIssue,
     DecoderLayer,
     Processor,
     ProcessorConfig,
     ProcessorRegistry,
     QuantizedLinear,
-    RegistryError,
     RunContext,
-    config_json_schema,
     default_registry,
-    load_config_text,
 )
-from msquant.load.calibration import read_calibration_texts
 
 CALIB_TXT = Path(__file__).parent / "data" / "calib.txt"
 RunCli = Callable[..., Any]

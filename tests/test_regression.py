@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 from conftest import CALIB_TXT, CliResult
 
-import msquant
-from msquant import MsquantInputError, compare_reports, parse_tolerance
+from msquant import MsquantInputError, compare_reports
+from msquant.report.document import strip_timings
+from msquant.report.regression import parse_tolerance
 
 GPTQ_YAML = """\
 spec:
@@ -222,7 +223,7 @@ def test_quant_perplexity_gate_exit_codes(
     )
     assert again.code == 0, again.err
     rerun = json.loads((tmp_path / "int8_again" / "quant_report.json").read_text(encoding="utf-8"))
-    assert msquant.strip_timings(rerun["evaluation"]) == msquant.strip_timings(
+    assert strip_timings(rerun["evaluation"]) == strip_timings(
         baseline["evaluation"]
     )  # deterministic apart from timings
 

@@ -16,8 +16,12 @@ from conftest import CALIB_TXT
 from torch import nn
 
 import msquant
+import msquant.plugin
 from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
+from msquant.report.document import strip_timings
+from msquant.report.hashes import calibration_sha256, config_sha256
+from msquant.report.run_report import REPORT_FILE
 
 MAX_TOKENS = 32
 
@@ -57,7 +61,7 @@ def gptq_runs(
 
 
 def _load(save: Path) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((save / msquant.REPORT_FILE).read_text(encoding="utf-8"))
+    data: dict[str, Any] = json.loads((save / REPORT_FILE).read_text(encoding="utf-8"))
     return data
 
 
@@ -71,54 +75,59 @@ def test_output_error_equals_direct_computation(dtype: torch.dtype, rtol: float)
     x = torch.randn(300, 48, generator=gen, dtype=torch.float64) * torch.linspace(0.1, 3, 48)
     weight = torch.randn(24, 48, generator=gen, dtype=torch.float64)
     noisy = [weight + 0.05 * torch.randn(24, 48, generator=gen, dtype=torch.float64) for _ in "ab"]
-    rtn = msquant.quantize_weight_minmax(weight.float(), 4, False, 16).dequantize()
+    rtn = msquant.plugin.quantize_weight_minmax(weight.float(), 4, False, 16).dequantize()
     candidates = [*noisy, rtn]
     hessian = (x.T @ x).to(dtype)
-    got = msquant.relative_output_errors(weight, candidates, hessian, dtype=dtype)
+    got = msquant.plugin.relative_output_errors(weight, candidates, hessian, dtype=dtype)
     reference = x @ weight.T
     expected = [float((x @ w.double().T - reference).norm() / reference.norm()) for w in candidates]
     assert got == pytest.approx(expected, rel=rtol)
     # any positive multiple of X^T X (the Hessian (2/n) X^T X itself) gives the same ratios
-    scaled = msquant.relative_output_errors(weight, candidates, hessian * (2 / 300), dtype=dtype)
+    scaled = msquant.plugin.relative_output_errors(
+        weight, candidates, hessian * (2 / 300), dtype=dtype
+    )
     assert scaled == pytest.approx(expected, rel=rtol)
 
 
 def test_output_error_edge_cases() -> None:
     weight = torch.ones(2, 3)
     zero_input = torch.zeros(3, 3)
-    assert msquant.relative_output_errors(weight, [weight, weight * 2], zero_input) == [0.0, 0.0]
-    assert msquant.relative_output_errors(weight, [weight], torch.eye(3)) == [0.0]
+    assert msquant.plugin.relative_output_errors(weight, [weight, weight * 2], zero_input) == [
+        0.0,
+        0.0,
+    ]
+    assert msquant.plugin.relative_output_errors(weight, [weight], torch.eye(3)) == [0.0]
     with pytest.raises(ValueError, match=r"hessian has shape \(2, 2\), expected \(3, 3\)"):
-        msquant.relative_output_errors(weight, [weight], torch.eye(2))
+        msquant.plugin.relative_output_errors(weight, [weight], torch.eye(2))
     with pytest.raises(ValueError, match=r"quantized weight has shape \(3, 2\), expected \(2, 3\)"):
-        msquant.relative_output_errors(weight, [weight.T], torch.eye(3))
+        msquant.plugin.relative_output_errors(weight, [weight.T], torch.eye(3))
 
 
 def test_calibration_hash_covers_ids_and_sample_boundaries() -> None:
     one = [torch.tensor([[1, 2]]), torch.tensor([[3]])]
-    digest = msquant.calibration_sha256(one)
-    assert digest == msquant.calibration_sha256([t.clone() for t in one])
-    assert digest != msquant.calibration_sha256([torch.tensor([[1]]), torch.tensor([[2, 3]])])
-    assert digest != msquant.calibration_sha256([torch.tensor([[1, 2]]), torch.tensor([[4]])])
+    digest = calibration_sha256(one)
+    assert digest == calibration_sha256([t.clone() for t in one])
+    assert digest != calibration_sha256([torch.tensor([[1]]), torch.tensor([[2, 3]])])
+    assert digest != calibration_sha256([torch.tensor([[1, 2]]), torch.tensor([[4]])])
     expected = hashlib.sha256()
     for ids in ([1, 2], [3]):
         expected.update(len(ids).to_bytes(8, "little"))
         expected.update(b"".join(i.to_bytes(8, "little", signed=True) for i in ids))
     assert digest == expected.hexdigest()
-    assert msquant.calibration_sha256(None) is None
-    assert msquant.calibration_sha256([]) is None
+    assert calibration_sha256(None) is None
+    assert calibration_sha256([]) is None
 
 
 def test_config_hash_ignores_key_order() -> None:
-    assert msquant.config_sha256({"a": 1, "b": [1, 2]}) == msquant.config_sha256(
-        {"b": [1, 2], "a": 1}
-    )
-    assert msquant.config_sha256({"a": 1}) != msquant.config_sha256({"a": 2})
+    assert config_sha256({"a": 1, "b": [1, 2]}) == config_sha256({"b": [1, 2], "a": 1})
+    assert config_sha256({"a": 1}) != config_sha256({"a": 2})
 
 
 def test_non_finite_values_become_null() -> None:
     report = msquant.RunReport()
-    report.add_module(msquant.ModuleReport("m", "gptq", 4, None, True, output_error=float("inf")))
+    report.add_module(
+        msquant.plugin.ModuleReport("m", "gptq", 4, None, True, output_error=float("inf"))
+    )
     assert json.loads(report.to_json())["modules"][0]["output_error"] is None
 
 
@@ -131,12 +140,12 @@ def test_two_identical_runs_give_identical_exports_and_reports(
     first, second = (run.save_path for run in gptq_runs)
     files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(second) for p in second.rglob("*") if p.is_file())
-    assert Path(msquant.REPORT_FILE) in files
+    assert Path(REPORT_FILE) in files
     for name in files:
-        if name != Path(msquant.REPORT_FILE):
+        if name != Path(REPORT_FILE):
             assert (first / name).read_bytes() == (second / name).read_bytes(), name
     report_a, report_b = _load(first), _load(second)
-    assert msquant.strip_timings(report_a) == msquant.strip_timings(report_b)
+    assert strip_timings(report_a) == strip_timings(report_b)
     timing_keys = {k for k in report_a if k.endswith("seconds")}
     assert timing_keys == {"capture_seconds", "total_seconds"}
     assert "seconds" in report_a["layers"][0] and "solve_seconds" in report_a["modules"][0]
@@ -154,13 +163,13 @@ def test_report_contents(
 
     assert report["transformers_version"] == transformers.__version__
     assert report["python_version"].count(".") == 2
-    validated = msquant.validate_config(_config("gptq"), msquant.default_registry())
+    validated = msquant.validate_config(_config("gptq"), msquant.plugin.default_registry())
     canonical = json.dumps(validated.model_dump(mode="json"), sort_keys=True)
     assert report["config_sha256"] == hashlib.sha256(canonical.encode()).hexdigest()
     samples = tokenize_samples(
         read_calibration_texts(CALIB_TXT), load_tokenizer(tiny_llama), MAX_TOKENS
     )
-    assert report["calibration_sha256"] == msquant.calibration_sha256(samples)
+    assert report["calibration_sha256"] == calibration_sha256(samples)
     assert report["calibration_samples"] == len(samples) == result.calibration_samples
     assert report["calibration_tokens"] == sum(s.numel() for s in samples)
     assert report["model_path"] == str(tiny_llama.absolute())
@@ -192,7 +201,9 @@ def test_report_contents(
         weight = original[f"{name}.weight"].double()
         reference = x @ weight.T
         gptq = (x @ export.dequantized(name).double().T - reference).norm() / reference.norm()
-        rtn_weight = msquant.quantize_weight_minmax(weight.float(), 4, False, 32).dequantize()
+        rtn_weight = msquant.plugin.quantize_weight_minmax(
+            weight.float(), 4, False, 32
+        ).dequantize()
         rtn = (x @ rtn_weight.double().T - reference).norm() / reference.norm()
         assert row["output_error"] == pytest.approx(float(gptq), rel=1e-3), name
         assert row["rtn_output_error"] == pytest.approx(float(rtn), rel=1e-3), name
@@ -216,7 +227,7 @@ def test_report_table_is_logged(
                     "rtn_output_error", "solve_seconds"):  # fmt: skip
             assert row[key] is None, key
     logged = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
-    table = next(m for m in logged if m.startswith(f"run report ({msquant.REPORT_FILE})"))
+    table = next(m for m in logged if m.startswith(f"run report ({REPORT_FILE})"))
     assert re.search(r"^model\.layers\.1\.mlp\.down_proj +minmax +4 +32 +no +- ", table, re.M)
     assert "14 module(s), 2 layer(s)" in table
 

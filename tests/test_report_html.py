@@ -28,6 +28,8 @@ from conftest import CALIB_TXT, CliResult
 import msquant
 from msquant.report.document import load_report, report_from_dict
 from msquant.report.html.page import render_html, write_html
+from msquant.report.run_report import REPORT_FILE
+from msquant.report.table import render_report
 
 SEQLEN = 64
 HOSTILE_NAME = 'model.layers.0.mlp.<script>alert("x")</script>"><img src=x onerror=alert(1)>'
@@ -136,7 +138,7 @@ def run(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> msquant.Q
 
 @pytest.fixture(scope="module")
 def report(run: msquant.QuantizeResult) -> dict[str, Any]:
-    return load_report(run.save_path / msquant.REPORT_FILE)
+    return load_report(run.save_path / REPORT_FILE)
 
 
 def _hostile(report: dict[str, Any]) -> dict[str, Any]:
@@ -288,10 +290,10 @@ def test_cli_prints_the_table_or_writes_the_page(
     tmp_path: Path,
     run_cli: Callable[..., CliResult],
 ) -> None:
-    path = run.save_path / msquant.REPORT_FILE
+    path = run.save_path / REPORT_FILE
     table = run_cli("report", path)
     assert table.code == 0, table.err
-    assert table.out == msquant.render_report(run.report) + "\n"
+    assert table.out == render_report(run.report) + "\n"
     assert "perplexity" in table.out.splitlines()[-1]
     out = tmp_path / "page.html"
     out.write_text("old page", encoding="utf-8")

@@ -21,18 +21,19 @@ import torch
 from conftest import CALIB_TXT, NEEDS_MOE_TRANSFORMERS, CliResult
 
 import msquant
-from msquant import (
-    DecoderLayer,
-    Processor,
-    ProcessorConfig,
-    ResumeError,
-    RunContext,
-    ShardedSafetensorsWriter,
-)
+import msquant.plugin
+from msquant import ResumeError
 from msquant.cli import main
 from msquant.errors import OutputPathError
 from msquant.export.recovery import SavePathLock, make_owned_dir
 from msquant.export.shards import WriterStateError, remove_temporaries
+from msquant.plugin import (
+    DecoderLayer,
+    Processor,
+    ProcessorConfig,
+    RunContext,
+    ShardedSafetensorsWriter,
+)
 from msquant.report.document import strip_timings
 from msquant.report.run_report import LayerTiming, ModuleReport, RunReport
 from msquant.run.checkpoint.folder import RunCheckpoints
@@ -489,7 +490,7 @@ class _Stateful(Processor):
 def test_a_processor_that_is_not_resumable_turns_checkpoints_off(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
-    registry = msquant.default_registry()
+    registry = msquant.plugin.default_registry()
     registry.register(_Stateful)
     config = _config("minmax")
     config["spec"]["process"].append({"type": "test_stateful"})

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 import msquant
-from msquant import BaseScheme, DynamicRule, FusedGroup, parse_dynamic, resolve_module_scheme
+import msquant.plugin
+from msquant.plugin import BaseScheme, DynamicRule, FusedGroup, parse_dynamic, resolve_module_scheme
 
 BASE = BaseScheme(bits=4, group_size=128, sym=True, desc_act=False, percdamp=0.01, mse=0.0)
 Q = "model.layers.0.self_attn.q_proj"
@@ -153,7 +154,7 @@ def test_invalid_rules_are_reported_with_their_path(
 
 
 def test_gptq_only_keys_are_refused_where_not_allowed() -> None:
-    allowed = [k for k in msquant.DYNAMIC_KEYS if k not in msquant.GPTQ_ONLY_KEYS]
+    allowed = [k for k in msquant.plugin.DYNAMIC_KEYS if k not in msquant.plugin.GPTQ_ONLY_KEYS]
     _, issues = parse_dynamic(
         {".*": {"desc_act": True, "bits": 8}}, allowed, {"desc_act": ["gptq"]}
     )
@@ -187,7 +188,7 @@ def test_errors_carry_the_full_yaml_path() -> None:
         },
     }
     with pytest.raises(msquant.ConfigError) as info:
-        msquant.validate_config(config, msquant.default_registry())
+        msquant.validate_config(config, msquant.plugin.default_registry())
     paths = [issue.path for issue in info.value.issues]
     assert paths == [
         'spec.process[0].dynamic["+:.*q_proj"].foo',
@@ -222,7 +223,9 @@ GATE_UP = FusedGroup(
 def test_rules_matching_fused_names_differently_are_found(
     pattern: str, group: FusedGroup, fused: bool, members: tuple[str, ...]
 ) -> None:
-    (found,) = msquant.fused_name_mismatches([DynamicRule.parse(pattern, {"bits": 8})], [group])
+    (found,) = msquant.plugin.fused_name_mismatches(
+        [DynamicRule.parse(pattern, {"bits": 8})], [group]
+    )
     assert found.fused_matched is fused
     assert tuple(m.rpartition(".")[2] for m in found.members_matched) == members
     text = found.describe()
@@ -241,7 +244,7 @@ def test_rules_matching_fused_names_differently_are_found(
 )
 def test_rules_treating_fused_layers_alike_are_not_reported(pattern: str) -> None:
     rule = DynamicRule.parse(pattern)
-    assert msquant.fused_name_mismatches([rule], [QKV, GATE_UP]) == []
+    assert msquant.plugin.fused_name_mismatches([rule], [QKV, GATE_UP]) == []
 
 
 # -- an independent transcription of vLLM's get_dynamic_override --------------------------------

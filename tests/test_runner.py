@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 import msquant
-from msquant import DecoderLayer, Processor, ProcessorConfig, RunContext
 from msquant.backends import get_backend
 from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
 from msquant.model.layers import find_decoder_layers
+from msquant.plugin import DecoderLayer, Processor, ProcessorConfig, RunContext
 from msquant.run.capture import batch_samples
 from msquant.run.runner import run_layer_wise
 

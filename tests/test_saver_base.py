@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from msquant import SAVER_STATE_FORMAT, SaverConfig, SaverState
+from msquant.plugin import SAVER_STATE_FORMAT, SaverConfig, SaverState
 from msquant.processors.ascendv1_saver import AscendSaverState, AscendV1Saver, AscendV1SaverConfig
 from msquant.processors.awq_saver import AWQSaverConfig
 from msquant.processors.compressed_tensors_saver import (

@@ -11,6 +11,7 @@ import pytest
 from conftest import NEEDS_MOE_TRANSFORMERS
 
 import msquant
+import msquant.plugin
 
 
 def _config(saver: str, group_size: int = 32, **entry: Any) -> dict[str, Any]:
@@ -21,7 +22,7 @@ def _config(saver: str, group_size: int = 32, **entry: Any) -> dict[str, Any]:
 
 
 def _sglang_warnings(model: Path, saver: str, group_size: int = 32, **entry: Any) -> list[str]:
-    result = msquant.build_plan(model, _config(saver, group_size, **entry))
+    result = msquant.plugin.build_plan(model, _config(saver, group_size, **entry))
     assert result.ok, result.errors
     return [w for w in result.warnings if "SGLang 0.5.23" in w]
 

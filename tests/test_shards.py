@@ -18,8 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from msquant import ShardedSafetensorsWriter, hf_weights_writer, unique_state_items
 from msquant.export import safetensors_file, shards
+from msquant.plugin import ShardedSafetensorsWriter, hf_weights_writer, unique_state_items
 
 
 def raw(tensor: torch.Tensor) -> bytes:

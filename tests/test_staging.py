@@ -11,7 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 import msquant
-from msquant import (
+import msquant.plugin
+from msquant.errors import OutputPathError
+from msquant.plugin import (
     DecoderLayer,
     Processor,
     ProcessorConfig,
@@ -19,7 +21,6 @@ from msquant import (
     ShardedSafetensorsWriter,
     StagedOutputDir,
 )
-from msquant.errors import OutputPathError
 
 CONFIG = {
     "spec": {"process": [{"type": "linear_quant", "qconfig": {"weight": {"method": "minmax"}}}]}
@@ -41,8 +42,8 @@ class Explode(Processor):
             raise RuntimeError("boom in layer 1")
 
 
-def _registry_with_explode() -> msquant.ProcessorRegistry:
-    registry = msquant.default_registry()
+def _registry_with_explode() -> msquant.plugin.ProcessorRegistry:
+    registry = msquant.plugin.default_registry()
     registry.register(Explode)
     return registry
 

@@ -14,19 +14,18 @@ from safetensors.torch import load_file
 from torch import nn
 
 import msquant
-from msquant import (
-    ConfigError,
+from msquant import ConfigError, ModelLoadError
+from msquant.load.model_folder import build_meta_model, load_causal_lm, load_model_config
+from msquant.load.streaming import StreamedWeights, streaming_device_map
+from msquant.model.layers import find_decoder_layers
+from msquant.plugin import (
     DecoderLayer,
-    ModelLoadError,
     Processor,
     ProcessorConfig,
     ProcessorRegistry,
     RunContext,
     default_registry,
 )
-from msquant.load.model_folder import build_meta_model, load_causal_lm, load_model_config
-from msquant.load.streaming import StreamedWeights, streaming_device_map
-from msquant.model.layers import find_decoder_layers
 from msquant.quant.minmax import quantize_weight_minmax
 from msquant.quant.quantized_linear import QuantizedLinear
 from msquant.quant.spill import MergedWeights

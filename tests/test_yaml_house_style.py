@@ -13,17 +13,17 @@ import torch
 from safetensors.torch import save_file
 
 import msquant
-from msquant import (
-    ConfigError,
+import msquant.plugin
+from msquant import ConfigError, load_config_text
+from msquant.model.matching import MAX_EXPANSIONS, expand_braces, glob_matches
+from msquant.plugin import (
     ProcessorRegistry,
     default_registry,
     first_matching_pattern,
     is_selected,
-    load_config_text,
     pattern_problem,
     unmatched_patterns,
 )
-from msquant.model.matching import MAX_EXPANSIONS, expand_braces, glob_matches
 
 # The shape of msModelSlim's best practices: a scheme defined once as an anchor beside spec.
 ANCHORED = """\
@@ -133,11 +133,11 @@ def test_huge_brace_expansion_is_refused_with_its_path(registry: ProcessorRegist
         expand_braces(pattern)
 
 
-def _plan(folder: Path, **fields: Any) -> msquant.ModelPlan:
+def _plan(folder: Path, **fields: Any) -> msquant.plugin.ModelPlan:
     weight = {"dtype": "int8", "scope": "per_channel", "symmetric": True, "method": "minmax"}
     entry = {"type": "linear_quant", "qconfig": {"weight": weight}, **fields}
     config = {"apiversion": "modelslim_v1", "spec": {"process": [entry]}}
-    return msquant.build_plan(folder, config)
+    return msquant.plugin.build_plan(folder, config)
 
 
 def test_brace_exclude_keeps_those_layers_float_in_the_plan(weightless_llama: Path) -> None:

@@ -27,6 +27,7 @@ __all__ = [
     "model_type_of",
 ]
 
+#: The entry-point group model adapters are registered in (``model_type = "package.module:Class"``).
 MODEL_ADAPTER_GROUP = "msquant.model_adapters"
 logger = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMAT_ENTRY_POINT_GROUP", "ExportFormat", "FormatRegistry", "default_formats"]
 
+#: The entry-point group export formats are registered in (``name = "package.module:OBJECT"``).
 FORMAT_ENTRY_POINT_GROUP = "msquant.formats"
 logger = logging.getLogger(__name__)
 

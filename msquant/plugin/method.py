@@ -54,6 +54,7 @@ __all__ = [
     "default_method_registry",
 ]
 
+#: The entry-point group quantization methods are registered in (``name = "package.module:Class"``).
 METHOD_ENTRY_POINT_GROUP = "msquant.methods"
 logger = logging.getLogger(__name__)
 

@@ -18,6 +18,7 @@ from msquant.plugin.processor import Processor, ProcessorConfig, Stage
 
 __all__ = ["ENTRY_POINT_GROUP", "ProcessorRegistry", "default_registry"]
 
+#: The entry-point group processors are registered in (``name = "package.module:Class"``).
 ENTRY_POINT_GROUP = "msquant.processors"
 logger = logging.getLogger(__name__)
 

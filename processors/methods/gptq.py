@@ -18,7 +18,7 @@ import torch
 from pydantic import Field, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
-from msquant import (
+from msquant.plugin import (
     DYNAMIC_KEYS,
     Backend,
     BaseScheme,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from msquant import ModelAdapter
+from msquant.plugin import ModelAdapter
 
 __all__ = ["QUANT_METHOD", "VERSION", "build_quantization_config"]
 

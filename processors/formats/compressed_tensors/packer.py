@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from msquant import QuantizationError, QuantizedWeight, pack_int32
+from msquant.plugin import QuantizationError, QuantizedWeight, pack_int32
 
 __all__ = ["MIN_BITS", "MAX_BITS", "pack_quantized_tensors"]
 

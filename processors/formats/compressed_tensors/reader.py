@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from msquant import (
+from msquant.plugin import (
     DecodedLayer,
     ExportReader,
     Findings,

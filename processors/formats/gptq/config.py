@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msquant
-from msquant import ModelAdapter, QuantizationError, QuantizedLinear, parse_expert_linear
+from msquant.plugin import ModelAdapter, QuantizationError, QuantizedLinear, parse_expert_linear
 from msquant.processors.formats.gptq.scheme import (
     CheckpointFormat,
     GPTQScheme,
