@@ -2,7 +2,7 @@
 which pass gathers each module's Hessian, and the Hessians themselves while a pass runs.
 
 Pure bookkeeping, no numerics: the quantizers come from the method object
-(:meth:`msquant.QuantMethod.new_quantizer`), the solve is the method's too.
+(:meth:`msquant.plugin.QuantMethod.new_quantizer`), the solve is the method's too.
 """
 
 from __future__ import annotations

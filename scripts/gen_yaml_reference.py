@@ -4,7 +4,7 @@
 The reference is derived, never written by hand: the structure, types, defaults, allowed values and
 descriptions come from ``msquant.config_json_schema(registry)`` (the same JSON Schema that
 ``msquant schema`` prints) and the ``ext`` option models of the methods registered in the
-``msquant.methods`` entry-point group (``msquant.default_method_registry()``). Defaults
+``msquant.methods`` entry-point group (``msquant.plugin.default_method_registry()``). Defaults
 that pydantic computes with a factory (which JSON Schema omits) are read from the models.
 
 Usage::

@@ -120,6 +120,6 @@ def test_torch_npu_is_not_imported_by_msquant() -> None:
     import subprocess
     import sys
 
-    code = "import sys, msquant, msquant.cli; msquant.default_registry(); print('torch_npu' in sys.modules)"
+    code = "import sys, msquant, msquant.cli; msquant.plugin.default_registry(); print('torch_npu' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -108,7 +108,7 @@ def test_registration_rules() -> None:
         registry.register(ExportFormat("toy", "other", _is_toy))
     with pytest.raises(RegistryError, match="claimed by two export formats"):
         registry.register(ExportFormat("toy2", "other", _is_toy, savers=("toy_saver",)))
-    with pytest.raises(RegistryError, match="is not a msquant.ExportFormat"):
+    with pytest.raises(RegistryError, match="is not a msquant.plugin.ExportFormat"):
         registry.register("toy")  # type: ignore[arg-type]
 
 
@@ -122,15 +122,15 @@ def _fake_format_entry_points(monkeypatch: pytest.MonkeyPatch, *extra: tuple[str
             found += [EntryPoint(name=n, value=v, group=group) for n, v in extra]
         return found
 
-    monkeypatch.setattr("msquant.plugin.format.entry_points", fake)
+    monkeypatch.setattr("msquant.registry_base.entry_points", fake)
 
 
 @pytest.mark.parametrize(
     ("name", "value", "needle"),
     [
         ("broken", "msquant_no_such_format_pkg:FMT", "No module named"),
-        ("not_a_format", "json:dumps", "is not a msquant.ExportFormat"),
-        ("other_name", f"{__name__}:TOY", "holds the export format 'toy'"),
+        ("not_a_format", "json:dumps", "is not a msquant.plugin.ExportFormat"),
+        ("other_name", f"{__name__}:TOY", "names the export format 'toy'"),
     ],
     ids=["import_error", "not_a_format", "name_mismatch"],
 )

@@ -1,4 +1,4 @@
-"""One frozen :class:`msquant.GPTQOptions` travels from the config to the solver: the method
+"""One frozen :class:`msquant.plugin.GPTQOptions` travels from the config to the solver: the method
 resolves a module's options from ``ext`` and its rule, the quantizer carries them, the solver
 takes them; msModelSlim's two class names build the same value from keywords."""
 

@@ -1,6 +1,6 @@
 """``gptq_saver``: exports of the tiny models read back with the independent ``gptq_reader``.
 
-Expected codes come from ``msquant.quantize_weight_minmax`` run on the original float weights (the
+Expected codes come from ``msquant.plugin.quantize_weight_minmax`` run on the original float weights (the
 ``minmax`` pipeline is deterministic), or, for ``method: gptq``, from the in-memory quantized layers
 captured by a test processor; the reader knows only the on-disk layout (formats.md 3.1).
 """

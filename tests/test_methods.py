@@ -85,13 +85,16 @@ def test_an_entry_point_must_name_a_method_class_under_its_own_name(
 ) -> None:
     def fake(*specs: tuple[str, str]) -> None:
         eps = [EntryPoint(name=n, value=v, group="msquant.methods") for n, v in specs]
-        monkeypatch.setattr("msquant.plugin.method.entry_points", lambda *, group: eps)
+        monkeypatch.setattr("msquant.registry_base.entry_points", lambda *, group: eps)
 
     fake(("alias", f"{__name__}:_Rounder"))
-    with pytest.raises(RegistryError, match="names method 'test_rounder'; the two must be equal"):
+    with pytest.raises(
+        RegistryError,
+        match="names the quantization method 'test_rounder'; the two names must be equal",
+    ):
         MethodRegistry().load_entry_points()
     fake(("test_rounder", f"{__name__}:_NoOptions"))
-    with pytest.raises(RegistryError, match="is not a msquant.plugin.method.QuantMethod subclass"):
+    with pytest.raises(RegistryError, match="is not a msquant.plugin.QuantMethod subclass"):
         MethodRegistry().load_entry_points()
     fake(("test_rounder", "msquant_no_such_method_pkg:X"))
     with pytest.raises(RegistryError, match="cannot load quantization method plugin"):

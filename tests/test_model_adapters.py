@@ -24,7 +24,6 @@ from msquant import RegistryError
 from msquant.config.processors import build_processors
 from msquant.config.resolve import resolve_config
 from msquant.load.model_folder import build_meta_model
-from msquant.model import adapter_registry
 from msquant.plugin import FusedGroup, ModelAdapter, ModelAdapterRegistry
 from msquant.processors.adapters.qwen3_5 import Qwen35Adapter
 
@@ -97,11 +96,11 @@ def test_a_model_type_claimed_by_two_adapters_is_refused() -> None:
     registry = ModelAdapterRegistry([("qwen3_5", Qwen35Adapter)])
     registry.register("qwen3_5", Qwen35Adapter)  # the same class twice is harmless
     with pytest.raises(
-        RegistryError, match="model type 'qwen3_5' has two model adapters: "
+        RegistryError, match="model adapter for model type 'qwen3_5' is registered twice: by "
     ) as info:
         registry.register("qwen3_5", Other)
     assert "qwen3_5.Qwen35Adapter" in str(info.value) and "Other" in str(info.value)
-    with pytest.raises(RegistryError, match="must be a msquant.ModelAdapter subclass"):
+    with pytest.raises(RegistryError, match="must be a msquant.plugin.ModelAdapter subclass"):
         registry.register("llama", dict)  # type: ignore[arg-type]
     with pytest.raises(RegistryError, match="non-empty model_type"):
         registry.register("", Other)
@@ -112,7 +111,7 @@ def test_entry_points_are_loaded_and_broken_plugins_reported(
 ) -> None:
     group = msquant.plugin.MODEL_ADAPTER_GROUP
     points = [EntryPoint("mine", "msquant.processors.adapters.qwen3_5:Qwen35Adapter", group)]
-    monkeypatch.setattr(adapter_registry, "entry_points", lambda group: points)
+    monkeypatch.setattr("msquant.registry_base.entry_points", lambda group: points)
     assert ModelAdapterRegistry().load_entry_points().model_types() == ["mine"]
     points[:] = [EntryPoint("broken", "no_such_module_xyz:Adapter", group)]
     with pytest.raises(RegistryError, match="cannot load model adapter plugin 'broken' from"):

@@ -312,11 +312,11 @@ def _bad_classes() -> dict[str, type]:
 
 
 BAD_CLASS_MESSAGES = {
-    "not_a_processor": "not a msquant.Processor subclass",
+    "not_a_processor": "not a msquant.plugin.Processor subclass",
     "no_type_name": "'type_name'",
     "no_config_class": "'config_class'",
-    "config_not_processor_config": "must subclass msquant.ProcessorConfig",
-    "config_not_a_class": "must subclass msquant.ProcessorConfig",
+    "config_not_processor_config": "must subclass msquant.plugin.ProcessorConfig",
+    "config_not_a_class": "must subclass msquant.plugin.ProcessorConfig",
     "wrong_stage": "'process' or 'save', got 'train'",
     "type_not_literal": "Literal['untyped']",
     "type_mismatch": "Literal['mismatch']",
@@ -629,14 +629,14 @@ def test_failing_plugin_leaves_no_output(tiny_llama: Path, tmp_path: Path) -> No
 
 
 def fake_entry_points(monkeypatch: pytest.MonkeyPatch, *specs: tuple[str, str]) -> list[str]:
-    """Make ``msquant.plugin.registry.entry_points`` return ``specs`` (name, value); returns the groups asked."""
+    """Make ``msquant.registry_base.entry_points`` return ``specs`` (name, value); returns the groups asked."""
     asked: list[str] = []
 
     def fake(*, group: str) -> list[EntryPoint]:
         asked.append(group)
         return [EntryPoint(name=name, value=value, group=group) for name, value in specs]
 
-    monkeypatch.setattr("msquant.plugin.registry.entry_points", fake)
+    monkeypatch.setattr("msquant.registry_base.entry_points", fake)
     return asked
 
 
@@ -676,7 +676,7 @@ def test_load_entry_points_tolerates_the_same_entry_twice(monkeypatch: pytest.Mo
     [
         ("broken_plugin", "msquant_no_such_plugin_pkg.module:Processor", "No module named"),
         ("missing_attr", "msquant.processors.linear_quant:NoSuchClass", "NoSuchClass"),
-        ("not_a_processor", "json:dumps", "not a msquant.Processor subclass"),
+        ("not_a_processor", "json:dumps", "not a msquant.plugin.Processor subclass"),
         ("alias_name", f"{__name__}:ProbeProcessor", "declares type_name 'test_probe'"),
         ("linear_quant", f"{__name__}:ProbeProcessor", "declares type_name"),
     ],

@@ -104,7 +104,7 @@ def test_a_state_with_unknown_keys_is_refused() -> None:
     ids=["gptq", "compressed_tensors", "awq"],
 )
 def test_savers_take_part_file_size_from_the_base(config_class: type[SaverConfig]) -> None:
-    """One definition of the shard size (``msquant.SaverConfig``), not one copy per saver."""
+    """One definition of the shard size (``msquant.plugin.SaverConfig``), not one copy per saver."""
     assert "part_file_size" not in config_class.__annotations__
     assert config_class().part_file_size == 4 and config_class(part_file_size=0).part_file_size == 0
     with pytest.raises(ValidationError, match="greater than or equal to 0"):

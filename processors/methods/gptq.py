@@ -3,7 +3,7 @@ numerics switch (``ext.numerics``), act-order, static groups, the grid, how laye
 the Cholesky retry policy and the MSE scale search.
 
 :class:`GPTQExt` is the typed ``ext``; :class:`GPTQMethod` resolves it, per module, into the one
-:class:`msquant.GPTQOptions` value the solver takes.
+:class:`msquant.plugin.GPTQOptions` value the solver takes.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ def layer_units(
 
     :param linears: full module name -> (scheme, module) of every linear layer of the layer;
         fused members must already be known to agree.
-    :param adapter: the model's adapter (:func:`msquant.adapter_for`): which linears vLLM loads as
+    :param adapter: the model's adapter (:func:`msquant.plugin.adapter_for`): which linears vLLM loads as
         one fused matrix, so that a group gets one rule matching the fused name too (Qwen3.5's
         ``in_proj_qkvz`` as well as ``qkv_proj``).
     """
