@@ -29,7 +29,7 @@ from msquant.plugin import (
     default_registry,
 )
 
-CALIB_TXT = Path(__file__).parent / "data" / "calib.txt"
+CALIB_TXT = Path(__file__).parents[1] / "data" / "calib.txt"
 RunCli = Callable[..., Any]
 
 # --- a third-party plugin, defined here as a plugin package would ---------------------------------

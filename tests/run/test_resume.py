@@ -22,9 +22,8 @@ from conftest import CALIB_TXT, NEEDS_MOE_TRANSFORMERS, CliResult
 
 import msquant
 import msquant.plugin
-from msquant import ResumeError
+from msquant import OutputPathError, ResumeError
 from msquant.cli import main
-from msquant.errors import OutputPathError
 from msquant.export.recovery import SavePathLock, make_owned_dir
 from msquant.export.shards import WriterStateError, remove_temporaries
 from msquant.plugin import (

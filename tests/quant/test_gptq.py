@@ -23,9 +23,9 @@ import pytest
 import torch
 from gptq_reference import ReferenceResult, reference_gptq
 
+from msquant import QuantizationError
 from msquant.backends.cpu import CpuBackend
-from msquant.backends.device import DeviceSpec
-from msquant.errors import QuantizationError
+from msquant.plugin import DeviceSpec
 from msquant.quant.gptq import (
     GPTQ_EXT_DEFAULTS,
     GPTQResult,

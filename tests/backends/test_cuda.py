@@ -1,7 +1,7 @@
 """The whole pipeline on a CUDA device, compared with the same run on the CPU.
 
 Skipped where no CUDA device exists (CI has none); run on a GPU machine with
-``python -m pytest tests/test_cuda.py``. The GPU sums Hessians and runs the sweep in a different
+``python -m pytest tests/backends/test_cuda.py``. The GPU sums Hessians and runs the sweep in a different
 order than the CPU, so a few codes may land on the other side of a rounding tie: the comparisons
 allow a small share of differing codes and bound the scale differences, and both exports are
 checked against the float model by the export verifier.
@@ -18,8 +18,8 @@ from conftest import CALIB_TXT
 
 import msquant
 import msquant.plugin
+from msquant import evaluate_perplexity
 from msquant.backends import get_backend
-from msquant.evaluate.perplexity import evaluate_perplexity
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

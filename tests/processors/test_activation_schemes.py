@@ -608,7 +608,7 @@ def test_killed_w8a8_run_resumes_to_the_uninterrupted_export(
 ) -> None:
     """The online-calibrated layer 0's outputs (the hidden states entering layer 1) and its
     activation parameters come back from the checkpoint: the resumed export is byte-identical."""
-    from test_resume import _assert_same_export, _kill, _quantize
+    from run.test_resume import _assert_same_export, _kill, _quantize
 
     cfg = config(act("per_tensor", False))
     _quantize(tiny_llama, tmp_path / "reference", cfg)

@@ -17,7 +17,7 @@ from conftest import NEEDS_MOE_TRANSFORMERS
 from safetensors import safe_open
 from torch import nn
 
-from msquant.errors import ModelLoadError
+from msquant import ModelLoadError
 from msquant.load.model_folder import build_meta_model, load_causal_lm, load_model_config
 from msquant.load.streaming import StreamedWeights
 from msquant.model.checkpoint_names import checkpoint_names

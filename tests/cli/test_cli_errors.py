@@ -32,7 +32,7 @@ from msquant import (
     QuantizationError,
 )
 
-CALIB_TXT = Path(__file__).parent / "data" / "calib.txt"
+CALIB_TXT = Path(__file__).parents[1] / "data" / "calib.txt"
 
 GOOD_YAML = """\
 spec:

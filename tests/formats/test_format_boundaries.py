@@ -8,7 +8,7 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 #: The built-in savers' and formats' type names the engine (``msquant/``) must never spell.
 BUILTIN_NAMES = ("ascendv1_saver", "gptq_saver", "compressed_tensors", "mindie_format_saver")
 #: The engine's packing helpers, which a reader must not use either.

@@ -25,7 +25,7 @@ from msquant.plugin import BaseScheme, MethodOptions, MethodRegistry, QDType, QS
 from msquant.processors.methods.gptq import GPTQMethod
 from msquant.processors.methods.minmax import MinMaxMethod
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BUILTIN_METHODS = ("minmax", "gptq", "hessian_clip")
 
 

@@ -51,7 +51,7 @@ BUILTIN_SAVERS = {
     "compressed_tensors",
     "awq_saver",
 }
-CALIB_TXT = Path(__file__).parent / "data" / "calib.txt"
+CALIB_TXT = Path(__file__).parents[1] / "data" / "calib.txt"
 
 
 # --- built-ins -------------------------------------------------------------------------------

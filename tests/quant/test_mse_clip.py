@@ -35,7 +35,7 @@ from conftest import CALIB_TXT
 
 import msquant
 import msquant.plugin
-from msquant.errors import QuantizationError
+from msquant import QuantizationError
 from msquant.load.model_folder import load_causal_lm
 from msquant.processors.methods.gptq import GPTQExt
 from msquant.processors.methods.minmax import MinMaxExt

@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 import msquant
 import msquant.plugin
+from msquant import verify_export
 from msquant.plugin import (
     DecoderLayer,
     Processor,
@@ -35,7 +36,6 @@ from msquant.plugin import (
 )
 from msquant.run.checkpoint.folder import RunCheckpoints
 from msquant.run.checkpoint.layout import PROGRESS_FILE, partial_path
-from msquant.verify import verify_export
 
 pytestmark = NEEDS_MOE_TRANSFORMERS
 

@@ -26,7 +26,7 @@ import msquant.plugin
 
 SAVER_LOGGER = "msquant.processors.compressed_tensors_saver"
 IDS = torch.tensor([[1, 5, 17, 42, 99, 200, 301, 7, 64, 128, 3, 250]])
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def _weight(bits: int, group_size: int | None = None) -> dict[str, Any]:

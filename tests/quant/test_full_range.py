@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 from gptq_reference import reference_gptq
+from quant.test_gptq import assert_matches_oracle, hessian_of, make_layer
 from safetensors.torch import load_file
-from test_gptq import assert_matches_oracle, hessian_of, make_layer
 
 import msquant
 from msquant.plugin import compute_qparams, gptq_quantize, quantize_weight_minmax

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from conftest import CALIB_TXT
-from test_resume import _assert_same_export, _export
+from run.test_resume import _assert_same_export, _export
 
 import msquant
 from msquant import ResumeError

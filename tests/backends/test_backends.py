@@ -14,7 +14,7 @@ from msquant.backends.cpu import CpuBackend
 from msquant.backends.device import DeviceSpec
 from msquant.plugin import get_backend, parse_device
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(

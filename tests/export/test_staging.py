@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import msquant
 import msquant.plugin
-from msquant.errors import OutputPathError
+from msquant import OutputPathError
 from msquant.plugin import (
     DecoderLayer,
     Processor,

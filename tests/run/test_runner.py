@@ -11,15 +11,14 @@ import torch
 from torch import nn
 
 import msquant
-from msquant.backends import get_backend
 from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
 from msquant.model.layers import find_decoder_layers
-from msquant.plugin import DecoderLayer, Processor, ProcessorConfig, RunContext
+from msquant.plugin import DecoderLayer, Processor, ProcessorConfig, RunContext, get_backend
 from msquant.run.capture import batch_samples
 from msquant.run.runner import run_layer_wise
 
-CALIB = Path(__file__).parent / "data" / "calib.txt"
+CALIB = Path(__file__).parents[1] / "data" / "calib.txt"
 
 
 class ProbeConfig(ProcessorConfig):

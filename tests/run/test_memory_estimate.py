@@ -9,7 +9,7 @@ import pytest
 from conftest import CALIB_TXT, NEEDS_MOE_TRANSFORMERS, CliResult
 from transformers import AutoConfig
 
-from msquant.errors import MsquantInputError
+from msquant import MsquantInputError
 from msquant.load.model_folder import build_meta_model, load_model_config
 from msquant.model.layers import find_decoder_layers
 from msquant.run.memory_estimate import (

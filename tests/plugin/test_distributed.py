@@ -16,8 +16,8 @@ import torch
 import yaml
 from conftest import CALIB_TXT, CliResult
 
+from msquant import MsquantInputError
 from msquant.cli.quant_options import process_devices
-from msquant.errors import MsquantInputError
 from msquant.plugin import SINGLE, HessianAccumulator, balanced_owners
 
 SAVE = [{"type": "ascendv1_saver"}, {"type": "gptq_saver"}]

@@ -23,7 +23,7 @@ from msquant import (
 from msquant.config.yaml_loader import MAX_CONFIG_BYTES
 from msquant.plugin import ActQConfig, ProcessorRegistry, QDType, QScope, default_registry
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "yaml_examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "yaml_examples"
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
 
 # The user's two msModelSlim examples, verbatim (comments aside): they must validate unchanged.

@@ -245,7 +245,7 @@ def test_default_numerics_solve_matches_the_float64_reference(group: int | None,
     ``numerics: msmodelslim`` equals the reference without them."""
     import torch
     from gptq_reference import reference_gptq
-    from test_gptq import assert_matches_oracle, hessian_of, make_layer
+    from quant.test_gptq import assert_matches_oracle, hessian_of, make_layer
 
     weight, x = make_layer(16, 64, rows=256, seed=5)
     hessian = hessian_of(x)

@@ -23,11 +23,11 @@ from msquant.plugin import (
     Processor,
     ProcessorConfig,
     ProcessorRegistry,
+    QuantizedLinear,
     RunContext,
     default_registry,
+    quantize_weight_minmax,
 )
-from msquant.quant.minmax import quantize_weight_minmax
-from msquant.quant.quantized_linear import QuantizedLinear
 from msquant.quant.spill import MergedWeights
 from msquant.run.checkpoint.store import LayerStore
 
