@@ -68,7 +68,7 @@ PLUGIN_API = [
     *("SaverConfig", "SaverState", "SAVER_STATE_FORMAT", "NameSet", "ENTRY_POINT_GROUP"),
     *("QuantMethod", "MethodOptions", "MethodRegistry", "CalibratedQuantizer"),
     *("default_method_registry", "METHOD_ENTRY_POINT_GROUP", "RunContext", "DecoderLayer"),
-    *("Distributed", "SINGLE", "balanced_owners", "MoEInfo", "expert_fallback"),
+    *("Distributed", "SINGLE", "balanced_owners", "MoEInfo", "enough_expert_tokens"),
     *("DEFAULT_EXPERT_TOKEN_RATIO", "moe_routers", "OutputHeadStage", "OutputHeadUser"),
     *("find_output_head", "find_final_norm", "head_is_tied", "tied_head_message"),
     *("is_selected", "first_matching_pattern", "pattern_problem", "unmatched_patterns"),

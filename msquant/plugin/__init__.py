@@ -77,7 +77,7 @@ from msquant.model.matching import (
 from msquant.model.moe import (
     DEFAULT_EXPERT_TOKEN_RATIO,
     MoEInfo,
-    expert_fallback,
+    enough_expert_tokens,
     moe_routers,
 )
 from msquant.planning.analysis import (
@@ -284,7 +284,7 @@ __all__ = [
     "SINGLE",
     "balanced_owners",
     "MoEInfo",
-    "expert_fallback",
+    "enough_expert_tokens",
     "DEFAULT_EXPERT_TOKEN_RATIO",
     "moe_routers",
     "OutputHeadStage",

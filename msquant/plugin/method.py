@@ -39,6 +39,7 @@ from pydantic import (
 
 from msquant.backends.base import Backend
 from msquant.errors import ConfigIssue, RegistryError
+from msquant.model.moe.token_counts import enough_expert_tokens
 from msquant.quant.hessian import HessianAccumulator
 from msquant.quant.qconfig import QDType, QScope, WeightQConfig
 from msquant.quant.quantized_weight import QuantizedWeight
@@ -179,6 +180,12 @@ class QuantMethod(ABC):
     def expert_min_tokens(self) -> float:
         """MoE experts with fewer tokens than this times ``in_features`` are rounded instead."""
         return float(getattr(self.options, "expert_min_tokens", 0.0))
+
+    def solves_expert(self, token_count: int, in_features: int) -> bool:
+        """Whether an MoE expert's linear layer that received ``token_count`` calibration tokens
+        is solved by this method; otherwise it is rounded to nearest (:meth:`quantize_rtn`).
+        The default: at least :attr:`expert_min_tokens` x ``in_features`` tokens, and one."""
+        return enough_expert_tokens(token_count, in_features, self.expert_min_tokens)
 
     def new_quantizer(
         self, name: str, in_features: int, scheme: ResolvedScheme

@@ -27,7 +27,7 @@ from msquant.model.moe import (
     DEFAULT_EXPERT_TOKEN_RATIO,
     ExpertTokenCounter,
     UnfusedExperts,
-    expert_fallback,
+    enough_expert_tokens,
     unfuse_experts,
 )
 
@@ -356,29 +356,31 @@ def test_layout_errors_name_module_class_and_reason() -> None:
 @pytest.mark.parametrize(
     ("tokens", "in_features", "ratio", "expected"),
     [
-        (0, 64, 0.0, "rtn"),  # never solve on an empty Hessian
-        (1, 64, 0.0, "gptq"),
-        (63, 64, 1.0, "rtn"),
-        (64, 64, 1.0, "gptq"),
-        (127, 64, 2.0, "rtn"),
-        (128, 64, 2.0, "gptq"),
-        (32, 64, 0.5, "gptq"),
-        (31, 64, 0.5, "rtn"),
+        (0, 64, 0.0, False),  # never solve on an empty Hessian
+        (1, 64, 0.0, True),
+        (63, 64, 1.0, False),
+        (64, 64, 1.0, True),
+        (127, 64, 2.0, False),
+        (128, 64, 2.0, True),
+        (32, 64, 0.5, True),
+        (31, 64, 0.5, False),
     ],
 )
-def test_expert_fallback_policy(tokens: int, in_features: int, ratio: float, expected: str) -> None:
-    assert expert_fallback(tokens, in_features, ratio) == expected
+def test_expert_fallback_policy(
+    tokens: int, in_features: int, ratio: float, expected: bool
+) -> None:
+    assert enough_expert_tokens(tokens, in_features, ratio) is expected
 
 
 def test_expert_fallback_default_and_errors() -> None:
     assert DEFAULT_EXPERT_TOKEN_RATIO == 2.0
-    assert expert_fallback(4095, 2048) == "rtn"
-    assert expert_fallback(4096, 2048) == "gptq"
+    assert enough_expert_tokens(4095, 2048) is False
+    assert enough_expert_tokens(4096, 2048) is True
     with pytest.raises(ValueError, match="token_count must be an int >= 0, got -1"):
-        expert_fallback(-1, 64)
+        enough_expert_tokens(-1, 64)
     with pytest.raises(ValueError, match="in_features must be an int > 0, got 0"):
-        expert_fallback(5, 0)
+        enough_expert_tokens(5, 0)
     with pytest.raises(ValueError, match="threshold_ratio must be a finite number >= 0, got nan"):
-        expert_fallback(5, 64, float("nan"))
+        enough_expert_tokens(5, 64, float("nan"))
     with pytest.raises(ValueError, match="threshold_ratio must be a finite number >= 0, got -0.5"):
-        expert_fallback(5, 64, -0.5)
+        enough_expert_tokens(5, 64, -0.5)

@@ -124,13 +124,34 @@ def _string_constants(path: Path) -> list[tuple[int, str]]:
 
 
 #: Where the engine may still spell these words, and why: the GPTQ *format* (a checkpoint's
-#: ``quant_method``), the preset that writes a YAML document naming msModelSlim's method, and
-#: ``expert_fallback``'s decision literal (model/, another extension point's code).
+#: ``quant_method``) and the preset that writes a YAML document naming msModelSlim's method.
 NOT_A_METHOD = (
     "msquant/verify/",
     "msquant/config/presets.py",
-    "msquant/model/moe/token_counts.py",
 )
+
+
+def test_the_method_decides_whether_an_moe_expert_is_solved() -> None:
+    """``solves_expert`` (what linear_quant asks for each MoE expert): at least
+    ``ext.expert_min_tokens`` x in_features tokens and one; a method may override it."""
+    from msquant.processors.linear_quant import LinearQuantConfig
+
+    weight = {"dtype": "int4", "scope": "per_group", "method": "gptq"}
+    config = LinearQuantConfig.model_validate(
+        {"qconfig": {"weight": {**weight, "ext": {"group_size": 32, "expert_min_tokens": 2.0}}}}
+    )
+    gptq = GPTQMethod(config.qconfig.weight)
+    assert [gptq.solves_expert(n, 64) for n in (0, 127, 128)] == [False, False, True]
+    zero = LinearQuantConfig.model_validate(
+        {"qconfig": {"weight": {**weight, "ext": {"group_size": 32, "expert_min_tokens": 0.0}}}}
+    )
+    assert [GPTQMethod(zero.qconfig.weight).solves_expert(n, 64) for n in (0, 1)] == [False, True]
+
+    class NeverSolves(GPTQMethod):
+        def solves_expert(self, token_count: int, in_features: int) -> bool:
+            return False
+
+    assert NeverSolves(config.qconfig.weight).solves_expert(10**6, 64) is False
 
 
 def test_the_engine_names_no_built_in_method() -> None:
