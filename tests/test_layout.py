@@ -28,6 +28,7 @@ TOP_LEVEL = {
     "test_layout.py",
     "test_public_api.py",
     "test_registry_base.py",
+    "test_retarget_imports.py",
     "test_smollm2.py",
     "test_type_names.py",
 }
