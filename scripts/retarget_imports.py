@@ -118,7 +118,7 @@ def _split_import(node: ast.ImportFrom, comment: str) -> str | None:
     statements = [
         f"from {module} import {', '.join(names)}{suffix}" for module, names in groups.items()
     ]
-    return ("\n" + indent).join(statements) + "\n"
+    return "".join(f"{indent}{statement}\n" for statement in statements)
 
 
 def _add_imports(source: str, added: dict[str, set[str]]) -> str:

@@ -24,6 +24,8 @@ from msquant import expert_fallback as fallback, load_config
 
 
 def f(report):
+    from msquant import Saver, ConfigError
+
     registry = msquant.default_registry()
     msquant.quantize("m", "o", "c.yaml", registry=registry)
     return msquant.strip_timings(report), msquant.expert_fallback(1, 2)
@@ -39,6 +41,9 @@ from msquant import load_config
 
 
 def f(report):
+    from msquant.plugin import Saver
+    from msquant import ConfigError
+
     registry = msquant.plugin.default_registry()
     msquant.quantize("m", "o", "c.yaml", registry=registry)
     return strip_timings(report), msquant.plugin.enough_expert_tokens(1, 2)
