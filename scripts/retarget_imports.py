@@ -66,7 +66,7 @@ def rewrite(source: str) -> str:
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module == "msquant" and node.level == 0:
             last = lines[(node.end_lineno or node.lineno) - 1]
-            comment = last[node.end_col_offset :].strip()  # a trailing "# noqa: ..." is kept
+            comment = last[node.end_col_offset :].strip()  # a trailing comment (noqa) is kept
             text = _split_import(node, comment)
             if text is not None:
                 edits.append((node.lineno, 0, node.end_lineno or node.lineno, len(last), text))
