@@ -135,8 +135,8 @@ def as_minmax(config: dict[str, Any], full_range: bool) -> dict[str, Any]:
 
 def resolved_grid(config: dict[str, Any]) -> bool:
     """Whether a GPTQ config's modules use the full_range grid (its qconfig's width)."""
+    from msquant.plugin import QDType
     from msquant.processors.methods.gptq import GPTQExt
-    from msquant.quant.qconfig import QDType
 
     weight = weight_of(config)
     bits = QDType(weight.get("dtype", "int8")).bits

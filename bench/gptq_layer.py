@@ -31,11 +31,15 @@ from typing import TypeVar
 
 import torch
 
-from msquant.backends import Backend, get_backend
-from msquant.quant.gptq_solver import gptq_quantize
-from msquant.quant.hessian import HessianAccumulator
-from msquant.quant.int_quant import compute_qparams, qrange
-from msquant.quant.minmax import quantize_weight_minmax
+from msquant.plugin import (
+    Backend,
+    HessianAccumulator,
+    compute_qparams,
+    get_backend,
+    gptq_quantize,
+    qrange,
+    quantize_weight_minmax,
+)
 
 T = TypeVar("T")
 

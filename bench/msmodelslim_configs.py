@@ -150,7 +150,7 @@ def missing_of(issues: list[msquant.ConfigIssue], data: dict[str, Any]) -> list[
     return sorted(set(found))
 
 
-def check(name: str, text: str, registry: msquant.ProcessorRegistry) -> Row | None:
+def check(name: str, text: str, registry: msquant.plugin.ProcessorRegistry) -> Row | None:
     """The row of one file (None for a YAML file that is not a config: no ``apiversion``)."""
     try:
         data = load_yaml_text(text, name)
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     wheel = args.wheel
     if wheel is None and args.dir is None:
         wheel = wheel_path(args.cache, args.version)
-    registry = msquant.default_registry()
+    registry = msquant.plugin.default_registry()
     checked = [
         (row, name, text)
         for name, text in yaml_files(wheel, args.dir)

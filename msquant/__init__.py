@@ -1,20 +1,24 @@
 """msquant: YAML-driven quantization of large language models for Ascend NPUs and CUDA GPUs.
 
-The public API for embedding: :func:`quantize` (what ``msquant quant`` does), config loading and
-validation, the processor contract and registry for plugins, the quantization numerics, and the
-typed exceptions. Nothing here prints; everything logs through ``logging`` under ``msquant``.
+The API for users of msquant, the Python side of the ``msquant`` command: :func:`quantize`
+(``msquant quant``), :func:`plan` (``msquant plan``), :func:`verify_export` (``msquant verify``),
+:func:`evaluate_perplexity` (``msquant eval``), loading and validating configs, reading and
+comparing run reports, and the typed exceptions to catch. Processor, method, format and
+model-adapter authors import from :mod:`msquant.plugin`. The names in ``__all__`` are the promise
+(docs/api.md); modules under ``msquant`` are not. Nothing here prints; everything logs through
+``logging`` under ``msquant``.
 """
 
-from msquant.backends import Backend, DeviceSpec, get_backend, parse_device
+# The plugin facade first: it loads the engine in dependency order, so that no engine module
+# finds it half-initialised (they import its submodules, never the facade itself).
+from msquant import plugin as plugin  # isort: skip
 from msquant.config import (
     QuantConfig,
-    build_config_model,
     config_json_schema,
     load_config,
     load_config_text,
     validate_config,
 )
-from msquant.config.resolve import ConfigLike
 from msquant.errors import (
     CalibrationDataError,
     ConfigError,
@@ -27,405 +31,82 @@ from msquant.errors import (
     OutputPathError,
     QuantizationError,
     RegistryError,
-    validation_message,
 )
-from msquant.evaluate.errors import EvaluationError
-from msquant.evaluate.perplexity import compare_perplexity, evaluate_perplexity
-from msquant.evaluate.results import PerplexityComparison, PerplexityResult
-from msquant.export import (
-    ShardedSafetensorsWriter,
-    StagedOutputDir,
-    copy_model_files,
-    hf_weights_writer,
-    pack_int4_pairs,
-    pack_int32,
-    packed_length,
-    safe_file_stem,
-    unique_state_items,
-    write_hf_config,
+from msquant.evaluate.errors import (
+    EvaluationError,
 )
-from msquant.model.adapter import ModelAdapter
-from msquant.model.adapter_registry import (
-    MODEL_ADAPTER_GROUP,
-    ModelAdapterRegistry,
-    adapter_for,
-    default_adapter_registry,
+from msquant.evaluate.perplexity import (
+    compare_perplexity,
+    evaluate_perplexity,
 )
-from msquant.model.fused import (
-    FUSED_SHARDS,
-    FusedGroup,
-    engine_names,
-    expert_group_problems,
-    expert_groups,
-    fused_group_problems,
-    fused_groups,
-    parse_expert_linear,
+from msquant.evaluate.results import (
+    PerplexityComparison,
+    PerplexityResult,
 )
-from msquant.model.head import (
-    OutputHeadStage,
-    find_final_norm,
-    find_output_head,
-    head_is_tied,
-    tied_head_message,
+from msquant.planning.build import (
+    plan,
 )
-from msquant.model.layers import DecoderLayer
-from msquant.model.matching import (
-    first_matching_pattern,
-    is_selected,
-    pattern_problem,
-    unmatched_patterns,
-)
-from msquant.model.moe import DEFAULT_EXPERT_TOKEN_RATIO, MoEInfo, expert_fallback, moe_routers
-from msquant.model.rotation_layout import LayerRotationLayout, NormReaders, RotationLayout
-from msquant.model.subgraphs import SUBGRAPH_TYPES, SmoothingSubgraph, SubgraphType
-from msquant.planning.analysis import analyse_plan, check_plan
-from msquant.planning.build import build_plan, plan
 from msquant.planning.model import (
-    ModelPlan,
-    ModuleDecision,
-    ModulePlanner,
-    PlanReview,
-    PlanReviewer,
     PlanRow,
 )
-from msquant.planning.render import render_plan
-from msquant.plugin.context import RunContext
-from msquant.plugin.distributed import SINGLE, Distributed, balanced_owners
-from msquant.plugin.format import (
-    FORMAT_ENTRY_POINT_GROUP,
-    ExportFormat,
-    FormatRegistry,
-    default_formats,
+from msquant.report.document import (
+    load_report,
 )
-from msquant.plugin.method import (
-    METHOD_ENTRY_POINT_GROUP,
-    CalibratedQuantizer,
-    MethodOptions,
-    MethodRegistry,
-    QuantMethod,
-    default_method_registry,
-)
-from msquant.plugin.processor import (
-    NestedProcessors,
-    OutputHeadUser,
-    Processor,
-    ProcessorConfig,
-    ProcessorConfigList,
-    ProcessorContainer,
-)
-from msquant.plugin.registry import ENTRY_POINT_GROUP, ProcessorRegistry, default_registry
-from msquant.plugin.saver import SAVER_STATE_FORMAT, NameSet, Saver, SaverConfig, SaverState
-from msquant.quant.activation import ActivationQuant, OnlineMinMax
-from msquant.quant.clip_search import hessian_clip_qparams, quantize_weight_hessian_clip
-from msquant.quant.gptq import GPTQQuantizer, WeightPerChannelGPTQ, WeightPerGroupGPTQ
-from msquant.quant.gptq_options import GPTQOptions
-from msquant.quant.gptq_solver import GPTQResult, gptq_quantize, resolve_block_size
-from msquant.quant.hessian import HessianAccumulator
-from msquant.quant.int_quant import compute_qparams, dequantize, minmax_qparams, qrange
-from msquant.quant.int_quant import quantize as quantize_codes
-from msquant.quant.minmax import check_weight, divisors, quantize_weight_minmax
-from msquant.quant.mse_clip import MSEOptions, mse_minmax_qparams, mse_qparams
-from msquant.quant.output_error import relative_output_errors
-from msquant.quant.qconfig import ActQConfig, LinearQConfig, QDType, QScope, WeightQConfig
-from msquant.quant.quantized_linear import QuantizedLinear, replace_module
-from msquant.quant.quantized_weight import QuantizedWeight
-from msquant.quant.rotation import (
-    DEFAULT_ROTATION_SEED,
-    block_diagonal,
-    fuse_norm_into_linear,
-    hadamard_core_order,
-    hadamard_matrix,
-    is_power_of_two,
-    paley_hadamard,
-    random_hadamard,
-    rotate_input,
-    rotate_output,
-    rotation_for,
-    sylvester_hadamard,
-)
-from msquant.quant.rules import (
-    BASE_SOURCE,
-    DYNAMIC_KEYS,
-    GPTQ_ONLY_KEYS,
-    BaseScheme,
-    DynamicOverrides,
-    DynamicRule,
-    FusedNameMismatch,
-    ResolvedScheme,
-    fused_name_mismatches,
-    parse_dynamic,
-    resolve_module_scheme,
-    written_for_engine_name,
-)
-from msquant.quant.smoothing import (
-    abs_column_max,
-    flex_scales,
-    fold_into_linear_columns,
-    fold_into_linear_rows,
-    fold_into_norm,
-    iter_scales,
-    iter_weight_stat,
-    ov_scales_max,
-    ov_scales_mean,
-    search_alpha_beta,
-    smoothing_error,
-    update_channel_max,
-)
-from msquant.quant.w8a8_params import (
-    decode_deq_scale,
-    deq_scale,
-    encode_deq_scale,
-    pack_int4_rows,
-    quant_bias,
-    scale_bias,
-    unpack_int4_rows,
-)
-from msquant.report.document import load_report, report_from_dict, strip_timings
-from msquant.report.hashes import calibration_sha256, config_sha256
-from msquant.report.html.page import render_html, write_html
 from msquant.report.regression import (
     RegressionResult,
-    check_ppl_baseline,
     compare_reports,
     load_baseline_report,
-    parse_tolerance,
 )
 from msquant.report.run_report import (
-    REPORT_FILE,
-    EvaluationReport,
-    LayerTiming,
-    ModuleReport,
     RunReport,
-    write_report,
 )
-from msquant.report.table import render_report
-from msquant.run.checkpoint.layout import ResumeError
-from msquant.run.quantize import QuantizeResult, quantize
+from msquant.run.checkpoint.layout import (
+    ResumeError,
+)
+from msquant.run.quantize import (
+    QuantizeResult,
+    quantize,
+)
 from msquant.verify import (
     ExportReadError,
     ExportVerificationError,
-    LayerReport,
     VerifyReport,
     check_export,
     verify_export,
 )
-from msquant.verify.base import ExportReader, module_of, read_json, ties_word_embeddings
-from msquant.verify.detect import (
-    detect_format,
-    hf_export_format,
-    hf_quant_method,
-    read_model_config,
+from msquant.version import (
+    __version__,
 )
-from msquant.verify.layer import DecodedLayer, trivial_g_idx
-from msquant.verify.report import Findings
-from msquant.verify.tensors import TensorStore, open_weights, weight_files_present
-from msquant.verify.unpack import unpack_int4_pairs, unpack_int32_stream, words_needed
-from msquant.version import __version__
 
 __all__ = [
     "__version__",
-    # running
+    # running and planning
     "quantize",
     "QuantizeResult",
-    "ConfigLike",
+    "plan",
+    "PlanRow",
     # configs
     "QuantConfig",
     "load_config",
     "load_config_text",
     "validate_config",
-    "build_config_model",
     "config_json_schema",
-    "LinearQConfig",
-    "WeightQConfig",
-    "ActQConfig",
-    "ActivationQuant",
-    "QDType",
-    "QScope",
-    # processors and plugins
-    "Processor",
-    "ProcessorConfig",
-    "ProcessorRegistry",
-    "default_registry",
-    "Saver",
-    "SaverConfig",
-    "SaverState",
-    "SAVER_STATE_FORMAT",
-    "NameSet",
-    "ENTRY_POINT_GROUP",
-    "QuantMethod",
-    "MethodOptions",
-    "MethodRegistry",
-    "CalibratedQuantizer",
-    "default_method_registry",
-    "METHOD_ENTRY_POINT_GROUP",
-    "RunContext",
-    "DecoderLayer",
-    "Distributed",
-    "SINGLE",
-    "balanced_owners",
-    "MoEInfo",
-    "expert_fallback",
-    "DEFAULT_EXPERT_TOKEN_RATIO",
-    "moe_routers",
-    "OutputHeadStage",
-    "OutputHeadUser",
-    "NestedProcessors",
-    "ProcessorConfigList",
-    "ProcessorContainer",
-    "find_output_head",
-    "find_final_norm",
-    "head_is_tied",
-    "tied_head_message",
-    "is_selected",
-    "first_matching_pattern",
-    "pattern_problem",
-    "unmatched_patterns",
-    # devices
-    "Backend",
-    "DeviceSpec",
-    "get_backend",
-    "parse_device",
-    # numerics and quantized representation
-    "QuantizedWeight",
-    "QuantizedLinear",
-    "OnlineMinMax",
-    "decode_deq_scale",
-    "deq_scale",
-    "encode_deq_scale",
-    "quant_bias",
-    "scale_bias",
-    "pack_int4_rows",
-    "unpack_int4_rows",
-    "replace_module",
-    "quantize_weight_minmax",
-    "quantize_weight_hessian_clip",
-    "hessian_clip_qparams",
-    "GPTQQuantizer",
-    "GPTQOptions",
-    "WeightPerChannelGPTQ",
-    "WeightPerGroupGPTQ",
-    "GPTQResult",
-    "HessianAccumulator",
-    "gptq_quantize",
-    "resolve_block_size",
-    "check_weight",
-    "divisors",
-    "compute_qparams",
-    "minmax_qparams",
-    "MSEOptions",
-    "mse_qparams",
-    "mse_minmax_qparams",
-    "quantize_codes",
-    "dequantize",
-    "qrange",
-    # export helpers
-    "StagedOutputDir",
-    "ShardedSafetensorsWriter",
-    "copy_model_files",
-    "safe_file_stem",
-    "hf_weights_writer",
-    "unique_state_items",
-    "write_hf_config",
-    "pack_int32",
-    "pack_int4_pairs",
-    "packed_length",
-    # per-module rules and plans
-    "plan",
-    "build_plan",
-    "check_plan",
-    "analyse_plan",
-    "render_plan",
-    "PlanRow",
-    "PlanReview",
-    "PlanReviewer",
-    "ModelPlan",
-    "ModuleDecision",
-    "ModulePlanner",
-    "BaseScheme",
-    "ResolvedScheme",
-    "DynamicRule",
-    "DynamicOverrides",
-    "FusedNameMismatch",
-    "parse_dynamic",
-    "resolve_module_scheme",
-    "written_for_engine_name",
-    "fused_name_mismatches",
-    "BASE_SOURCE",
-    "DYNAMIC_KEYS",
-    "GPTQ_ONLY_KEYS",
-    # model adapters (architecture knowledge keyed by config.model_type)
-    "ModelAdapter",
-    "ModelAdapterRegistry",
-    "MODEL_ADAPTER_GROUP",
-    "adapter_for",
-    "default_adapter_registry",
-    # fused layers
-    "FUSED_SHARDS",
-    "FusedGroup",
-    "fused_groups",
-    "engine_names",
-    "expert_groups",
-    "expert_group_problems",
-    "parse_expert_linear",
-    "fused_group_problems",
-    # verification
+    # checking an export
     "verify_export",
     "check_export",
     "VerifyReport",
-    "LayerReport",
-    # export formats (for format authors: registry, reader contract, reading helpers)
-    "ExportFormat",
-    "FormatRegistry",
-    "default_formats",
-    "FORMAT_ENTRY_POINT_GROUP",
-    "detect_format",
-    "ExportReader",
-    "Findings",
-    "DecodedLayer",
-    "TensorStore",
-    "trivial_g_idx",
-    "read_json",
-    "module_of",
-    "ties_word_embeddings",
-    "read_model_config",
-    "hf_quant_method",
-    "hf_export_format",
-    "open_weights",
-    "weight_files_present",
-    "unpack_int32_stream",
-    "unpack_int4_pairs",
-    "words_needed",
     # evaluation
     "evaluate_perplexity",
     "compare_perplexity",
     "PerplexityResult",
     "PerplexityComparison",
-    "EvaluationError",
-    # run report
+    # run reports and the regression gate
     "RunReport",
-    "ModuleReport",
-    "LayerTiming",
-    "EvaluationReport",
-    "REPORT_FILE",
-    "write_report",
-    "render_report",
-    "strip_timings",
-    "config_sha256",
-    "calibration_sha256",
-    "relative_output_errors",
     "load_report",
-    "report_from_dict",
-    "render_html",
-    "write_html",
-    # regression gate
-    "RegressionResult",
-    "check_ppl_baseline",
     "compare_reports",
     "load_baseline_report",
-    "parse_tolerance",
-    # errors
-    "ExportReadError",
-    "ExportVerificationError",
+    "RegressionResult",
+    # errors (every one a MsquantError; MsquantInputError ones mean bad input, exit 2 in the CLI)
     "MsquantError",
     "MsquantInputError",
     "ConfigError",
@@ -437,38 +118,8 @@ __all__ = [
     "QuantizationError",
     "NotImplementedYetError",
     "RegistryError",
-    "validation_message",
     "ResumeError",
-    # residual-stream rotation (QuaRot): layout and numerics
-    "RotationLayout",
-    "LayerRotationLayout",
-    "NormReaders",
-    "DEFAULT_ROTATION_SEED",
-    "block_diagonal",
-    "fuse_norm_into_linear",
-    "hadamard_core_order",
-    "hadamard_matrix",
-    "is_power_of_two",
-    "paley_hadamard",
-    "random_hadamard",
-    "rotate_input",
-    "rotate_output",
-    "rotation_for",
-    "sylvester_hadamard",
-    # smoothing (smooth_quant, iter_smooth, flex_smooth_quant)
-    "SUBGRAPH_TYPES",
-    "SmoothingSubgraph",
-    "SubgraphType",
-    "abs_column_max",
-    "flex_scales",
-    "fold_into_linear_columns",
-    "fold_into_linear_rows",
-    "fold_into_norm",
-    "iter_scales",
-    "iter_weight_stat",
-    "ov_scales_max",
-    "ov_scales_mean",
-    "search_alpha_beta",
-    "smoothing_error",
-    "update_channel_max",
+    "ExportReadError",
+    "ExportVerificationError",
+    "EvaluationError",
 ]

@@ -47,7 +47,7 @@ documents as ``(weight + offset) * scale``, while this format means ``(weight - 
 scale``: the sign is unsettled until checked on hardware). They are warnings, not errors: the
 same files serve MindIE, and msModelSlim writes these types itself.
 
-Lifecycle (:class:`msquant.Saver`): ``after_layer`` queues the layer's tensors (written shard by
+Lifecycle (:class:`msquant.plugin.Saver`): ``after_layer`` queues the layer's tensors (written shard by
 shard; the head stage alike); ``finalize`` adds the remaining tensors (embeddings, final norm, a
 float head) and writes the description and copied files. Resumable: a checkpoint holds the
 writer's state and the types recorded so far. The tensors are packed by
@@ -66,7 +66,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from msquant import (
+from msquant.plugin import (
     DecoderLayer,
     ModelPlan,
     MsquantInputError,

@@ -26,7 +26,7 @@ plan`` shows why); other widths and per-module schemes go to ``gptq_saver`` or
 The weights quantization (minmax or GPTQ) is msquant's, not AWQ's activation-aware scaling:
 this saver writes the AWQ *file layout*, which vLLM's ``awq`` method loads.
 
-Built on :class:`msquant.Saver` (writer, checkpoints, fused check); resumable.
+Built on :class:`msquant.plugin.Saver` (writer, checkpoints, fused check); resumable.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from msquant import (
+from msquant.plugin import (
     DecoderLayer,
     ModelPlan,
     OutputHeadStage,

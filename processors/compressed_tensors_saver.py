@@ -84,7 +84,7 @@ fused groups and queues its tensors (written shard by shard; the head stage alik
 adds the remaining tensors, refuses an export with nothing quantized, and writes ``config.json``.
 Resumable: a checkpoint holds the writer's state and the schemes recorded so far. The format's
 code is in :mod:`msquant.processors.formats.compressed_tensors` (``packer``, ``config``,
-``consumers``); this module is the processor around it (:class:`msquant.Saver`).
+``consumers``); this module is the processor around it (:class:`msquant.plugin.Saver`).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from msquant import (
+from msquant.plugin import (
     ModelPlan,
     PlanReview,
     QuantizedLinear,

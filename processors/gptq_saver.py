@@ -36,7 +36,7 @@ The base ``quantization_config`` is the most common scheme (bits, group size, sy
 quantized otherwise get a positive ``dynamic`` rule, linear layers of the decoder layers left in
 float a negative (``-:``) one. Rules are full-name regexes written so that they also match the
 names vLLM matches them against: the fused ``qkv_proj`` / ``gate_up_proj`` (and the fused
-matrices the model's adapter names, :func:`msquant.adapter_for`), and the experts
+matrices the model's adapter names, :func:`msquant.plugin.adapter_for`), and the experts
 module of an MoE layer (``model.layers.N.mlp.experts``, Mixtral's
 ``...block_sparse_moe.experts``), which vLLM loads as one FusedMoE layer and looks up by that
 name only; one rule per experts module matches that name and every expert linear in it
@@ -72,7 +72,7 @@ Consumers (warnings at quant time name them; ``strict: true`` turns the vLLM one
   ``lm_head`` and MoE experts without error but randomly initialised (``GPTQModel.load`` and vLLM
   load them; for transformers use ``type: compressed_tensors``).
 
-Lifecycle (:class:`msquant.Saver`): ``after_layer`` checks and writes the layer's tensors (shard by
+Lifecycle (:class:`msquant.plugin.Saver`): ``after_layer`` checks and writes the layer's tensors (shard by
 shard) and records the scheme of each of its linear layers (for the head stage, the head's);
 ``finalize`` adds the remaining tensors (embeddings, final norm, a float head) and writes the
 configuration files. Resumable: a checkpoint holds the writer's state and the units, names and
@@ -90,7 +90,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from msquant import (
+from msquant.plugin import (
     DecoderLayer,
     ModelPlan,
     NameSet,

@@ -33,7 +33,7 @@ sym). A positive rule matching ``lm_head`` without the flag leaves the head in f
 reported as a warning. Models whose head is tied to the input embeddings are refused.
 
 The method (``qconfig.weight.method``) is an object from the ``msquant.methods`` registry
-(:class:`msquant.QuantMethod`): this processor selects modules, resolves their schemes and drives
+(:class:`msquant.plugin.QuantMethod`): this processor selects modules, resolves their schemes and drives
 the calibration; what a module's quantized weight is, the method decides. The helpers live beside
 this file: the config and its checks (:mod:`.linear_quant_config`), the checks on the weightless
 model (:mod:`.linear_quant_checks`), the calibration passes and Hessians
@@ -49,11 +49,11 @@ Lifecycle:
   all experts of an MoE experts module (one FusedMoE layer in vLLM), that this entry selects
   resolve alike; with ``lm_head: true`` the model has a linear output head (and,
   for GPTQ, a final norm to calibrate it on). A head tied to the embeddings is refused by
-  :func:`msquant.check_plan`. Cross-entry checks (overlaps, fused layers split between
+  :func:`msquant.plugin.check_plan`. Cross-entry checks (overlaps, fused layers split between
   entries) and warnings (include patterns or rules matching nothing, rules that vLLM would match
-  differently on fused names) come from :func:`msquant.check_plan` through :meth:`plan_modules`.
+  differently on fused names) come from :func:`msquant.plugin.check_plan` through :meth:`plan_modules`.
 * ``before_pass`` (a calibrated method, e.g. ``gptq``): a forward hook on each selected
-  ``nn.Linear`` of the pass feeds its inputs to the method's quantizer (:class:`~msquant.GPTQQuantizer`)
+  ``nn.Linear`` of the pass feeds its inputs to the method's quantizer (:class:`~msquant.plugin.GPTQQuantizer`)
   Hessian while the runner pushes the calibration set through the layer. The layer's inputs are
   the outputs of the already quantized previous layers (``ext.calib_inputs: quantized``, the
   default: the processor sets ``calibrate_on_quantized``) or of the float model
@@ -77,7 +77,7 @@ from functools import cached_property
 
 from torch import nn
 
-from msquant import (
+from msquant.plugin import (
     BASE_SOURCE,
     ActivationQuant,
     BaseScheme,
@@ -113,7 +113,7 @@ from msquant.processors.linear_quant_solve import Selected, solve_modules
 
 __all__ = ["LinearQuantConfig", "LinearQuantProcessor"]
 
-#: Why an MoE router stays float whatever the entry selects (see :func:`msquant.moe_routers`).
+#: Why an MoE router stays float whatever the entry selects (see :func:`msquant.plugin.moe_routers`).
 ROUTER_REASON = "MoE router: kept float (vLLM, vLLM-Ascend and SGLang load routers unquantized)"
 
 logger = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class LinearQuantProcessor(Processor):
         :param head: ``name`` is the output head, which only ``lm_head: true`` selects (globs
             never do); its ``dynamic`` rules apply as to any module.
         :param groups: the fused layers / experts modules serving engines load ``name`` as part
-            of (:func:`msquant.engine_names`); ``dynamic`` rules written for them apply to it.
+            of (:func:`msquant.plugin.engine_names`); ``dynamic`` rules written for them apply to it.
         """
         if head:
             if not self.config.lm_head:
@@ -227,7 +227,7 @@ class LinearQuantProcessor(Processor):
                 chosen.append((name, module, scheme))
         return chosen
 
-    # -- planning (msquant.ModulePlanner) -------------------------------------------------------
+    # -- planning (msquant.plugin.ModulePlanner) -------------------------------------------------------
 
     def plan_modules(
         self, model: nn.Module, layers: Sequence[DecoderLayer]

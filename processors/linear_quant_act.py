@@ -8,7 +8,7 @@ Implemented (msModelSlim's W8A8 family, the schemes vLLM-Ascend serves for dense
   are calibrated as msModelSlim 26.1.0 calibrates them (established on its exports, see
   docs/ascend-format.md): the samples go through each layer one at a time in the dataset's order;
   every selected linear first widens its running min/max with the sample's input
-  (:class:`msquant.OnlineMinMax`), then computes its output from that input fake-quantized with the
+  (:class:`msquant.plugin.OnlineMinMax`), then computes its output from that input fake-quantized with the
   range seen so far and from its fake-quantized weight; those outputs feed the rest of the layer
   and the next layer.
 * **W8A8_DYNAMIC**: ``act: {dtype: int8, scope: per_token, symmetric: true, method: minmax}`` with
@@ -22,7 +22,7 @@ Implemented (msModelSlim's W8A8 family, the schemes vLLM-Ascend serves for dense
 * **GPTQ weights** (``method: gptq``, per-channel symmetric int8 / int4) with per-token
   activations (W8A8_DYNAMIC, W4A8_DYNAMIC), which msModelSlim cannot do. GPTQ's Hessian sees each
   linear's input as it reaches the layer in the quantized model: the previous decoder layers
-  quantized, weights *and* per-token activations (their :class:`msquant.QuantizedLinear` fake-
+  quantized, weights *and* per-token activations (their :class:`msquant.plugin.QuantizedLinear` fake-
   quantizes its input), but the linear's own input not rounded to int8. Per-token rounding is
   applied afresh to every token at run time and adds an error of at most half a step
   (``max|x_token| / 254``) per entry, independent of the weight; GPTQ minimises ``||W X - Q X||``
@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from msquant import (
+from msquant.plugin import (
     ActivationQuant,
     ActQConfig,
     ConfigIssue,

@@ -2,7 +2,7 @@
 which pass gathers each module's Hessian, and the Hessians themselves while a pass runs.
 
 Pure bookkeeping, no numerics: the quantizers come from the method object
-(:meth:`msquant.QuantMethod.new_quantizer`), the solve is the method's too.
+(:meth:`msquant.plugin.QuantMethod.new_quantizer`), the solve is the method's too.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from msquant import CalibratedQuantizer, DecoderLayer, parse_expert_linear
+from msquant.plugin import CalibratedQuantizer, DecoderLayer, parse_expert_linear
 
 __all__ = ["HessianCollector", "plan_passes"]
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from msquant import (
+from msquant.plugin import (
     DecoderLayer,
     DynamicRule,
     ModuleDecision,
@@ -82,7 +82,7 @@ def head_problems(
 def fused_problems(decisions: Mapping[str, ModuleDecision]) -> list[str]:
     """Fused layers (q/k/v, gate/up) and MoE experts modules whose members this entry all
     selects but resolves differently (splits involving other entries are checked by
-    msquant.check_plan)."""
+    msquant.plugin.check_plan)."""
     schemes: dict[str, tuple[object, ...]] = {}
     describe: dict[str, str] = {}
     for group in [*fused_groups(decisions), *expert_groups(decisions)]:

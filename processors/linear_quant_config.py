@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from msquant import (
+from msquant.plugin import (
     DYNAMIC_KEYS,
     ConfigIssue,
     LinearQConfig,

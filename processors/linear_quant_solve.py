@@ -11,7 +11,7 @@ from dataclasses import replace
 from torch import nn
 from tqdm.auto import tqdm
 
-from msquant import (
+from msquant.plugin import (
     DecoderLayer,
     ModuleReport,
     QuantizedWeight,
@@ -19,7 +19,6 @@ from msquant import (
     ResolvedScheme,
     RunContext,
     balanced_owners,
-    expert_fallback,
     relative_output_errors,
 )
 from msquant.processors.linear_quant_calibration import HessianCollector
@@ -106,9 +105,9 @@ def _expert_fallback(
     if ctx.experts.expert_of(name) is None:
         return None
     tokens = collector.quantizers[name].nsamples
-    ratio = method.expert_min_tokens
-    if expert_fallback(tokens, module.in_features, ratio) == "gptq":
+    if method.solves_expert(tokens, module.in_features):
         return None
+    ratio = method.expert_min_tokens
     return (
         f"MoE expert received {tokens} calibration token(s), fewer than "
         f"{ratio:g} x in_features {module.in_features} (ext.expert_min_tokens)"

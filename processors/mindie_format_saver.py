@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from msquant import ConfigIssue, ProcessorConfig, SaverConfig
+from msquant.plugin import ConfigIssue, ProcessorConfig, SaverConfig
 from msquant.processors.ascendv1_saver import AscendV1Saver
 from msquant.processors.formats.ascend.config import QUANT_TYPE_PRIORITY
 

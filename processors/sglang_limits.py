@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from msquant import FusedGroup, ModelAdapter, ModelPlan, PlanRow, adapter_for
+from msquant.plugin import FusedGroup, ModelAdapter, ModelPlan, PlanRow, adapter_for
 
 __all__ = ["sglang_plan_warnings"]
 

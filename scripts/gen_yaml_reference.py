@@ -4,7 +4,7 @@
 The reference is derived, never written by hand: the structure, types, defaults, allowed values and
 descriptions come from ``msquant.config_json_schema(registry)`` (the same JSON Schema that
 ``msquant schema`` prints) and the ``ext`` option models of the methods registered in the
-``msquant.methods`` entry-point group (``msquant.default_method_registry()``). Defaults
+``msquant.methods`` entry-point group (``msquant.plugin.default_method_registry()``). Defaults
 that pydantic computes with a factory (which JSON Schema omits) are read from the models.
 
 Usage::
@@ -31,6 +31,8 @@ from typing import Any
 from pydantic import BaseModel
 
 import msquant
+import msquant.plugin
+from msquant.config import build_config_model
 
 __all__ = ["DEFAULT_OUTPUT", "generate", "main"]
 
@@ -95,7 +97,7 @@ class Section:
     rows: list[tuple[str, str, str, str, str]] = field(default_factory=list)
 
 
-METHODS = msquant.default_method_registry()
+METHODS = msquant.plugin.default_method_registry()
 
 
 def _anchor(text: str) -> str:
@@ -269,12 +271,14 @@ def _bounds(node: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _registry(include_plugins: bool) -> msquant.ProcessorRegistry:
-    registry = msquant.default_registry()
+def _registry(include_plugins: bool) -> msquant.plugin.ProcessorRegistry:
+    registry = msquant.plugin.default_registry()
     if include_plugins:
         return registry
     classes = [registry.get(name) for name in registry.names()]
-    return msquant.ProcessorRegistry(c for c in classes if c.__module__.startswith(BUILTIN_PREFIX))
+    return msquant.plugin.ProcessorRegistry(
+        c for c in classes if c.__module__.startswith(BUILTIN_PREFIX)
+    )
 
 
 def _table(rows: Sequence[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
@@ -287,7 +291,7 @@ def generate(include_plugins: bool = False) -> str:
     """The Markdown text of the YAML reference."""
     registry = _registry(include_plugins)
     schema = msquant.config_json_schema(registry)
-    config_model = msquant.build_config_model(registry)
+    config_model = build_config_model(registry)
     classes = _model_classes(config_model)
     builder = _Builder(schema, classes)
 

@@ -41,7 +41,8 @@ sys.path.insert(0, str(REPO / "tests"))
 from tiny_models import build_tiny_model  # noqa: E402
 
 import msquant  # noqa: E402
-from msquant import DecoderLayer, Processor, ProcessorConfig, RunContext  # noqa: E402
+import msquant.plugin  # noqa: E402
+from msquant.plugin import DecoderLayer, Processor, ProcessorConfig, RunContext  # noqa: E402
 
 CALIB = REPO / "tests" / "data" / "calib.txt"
 EXAMPLES = REPO / "yaml_examples"
@@ -147,8 +148,8 @@ class _Kill(Processor):
             raise KeyboardInterrupt
 
 
-def _registry() -> msquant.ProcessorRegistry:
-    registry = msquant.default_registry()
+def _registry() -> msquant.plugin.ProcessorRegistry:
+    registry = msquant.plugin.default_registry()
     registry.register(_Kill)
     return registry
 

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 __all__ = [
+    "FACADES",
     "ROOT_PACKAGE",
     "cycles",
     "import_graph",
@@ -29,6 +30,9 @@ __all__ = [
 ]
 
 ROOT_PACKAGE = "msquant"
+#: The two public facades: the user API (the root package) and the plugin-author API. Each
+#: re-exports names from every part of the engine, and no engine module imports either.
+FACADES = (ROOT_PACKAGE, f"{ROOT_PACKAGE}.plugin")
 
 
 def module_files(repo: Path) -> dict[str, Path]:
@@ -122,13 +126,14 @@ def subpackage(module: str) -> str:
 def package_graph(graph: Mapping[str, set[str]]) -> dict[str, set[str]]:
     """The import graph folded to first-level parts (:func:`subpackage`), without self-edges.
 
-    The root package ``msquant`` (the public API, which re-exports every part) is left out as a
-    source: it sits above everything by design.
+    The two facades (:data:`FACADES`: ``msquant`` for users, ``msquant.plugin`` for plugin
+    authors) are left out as sources: they re-export every part and sit above everything by
+    design (the modules of ``msquant.plugin`` below its ``__init__`` are not left out).
     """
     folded: dict[str, set[str]] = {}
     for module, targets in graph.items():
         source = subpackage(module)
-        if source == ROOT_PACKAGE:
+        if module in FACADES:
             continue
         folded.setdefault(source, set()).update(
             subpackage(t) for t in targets if subpackage(t) != source

@@ -59,13 +59,14 @@ def test_generator_check_detects_stale_and_missing_files(tmp_path: Path) -> None
 
 def test_yaml_reference_documents_every_method_and_processor() -> None:
     import msquant
+    import msquant.plugin
 
     text = (DOCS / "yaml-reference.md").read_text(encoding="utf-8")
-    registry = msquant.default_registry()
+    registry = msquant.plugin.default_registry()
     for name in registry.names():
         if registry.get(name).__module__.startswith("msquant."):
             assert f"type: {name}`" in text, name
-    methods = msquant.default_method_registry()
+    methods = msquant.plugin.default_method_registry()
     for method in map(methods.get, methods.names()):
         assert f"`method: {method.name}`" in text, method.name
         for option in method.options_class.model_fields:

@@ -304,6 +304,7 @@ def test_gptq_examples_run_on_smollm2(
     from ascend_reader import read_ascend_export
 
     import msquant
+    import msquant.plugin
 
     code = msquant_main(
         [
@@ -324,7 +325,9 @@ def test_gptq_examples_run_on_smollm2(
         assert tuple(scale.shape) == (weight.shape[0], groups)
         assert export.tensors[f"{module}.weight"].dtype == torch.int8
         gptq[module] = export.dequantized(module)
-        rtn[module] = msquant.quantize_weight_minmax(weight, 8, symmetric, group_size).dequantize()
+        rtn[module] = msquant.plugin.quantize_weight_minmax(
+            weight, 8, symmetric, group_size
+        ).dequantize()
     gptq_error = _logits_error(float_model, prompt_batch, gptq)
     rtn_error = _logits_error(float_model, prompt_batch, rtn)
     print(f"{yaml_name}: logits error GPTQ {gptq_error:.4f}, RTN {rtn_error:.4f}")

@@ -35,7 +35,7 @@ def hf_weights_writer(
 ) -> ShardedSafetensorsWriter:
     """A writer producing ``model.safetensors`` (size 0) or ``model-*-of-*.safetensors`` + index.
 
-    :param rename: model name -> name stored on disk (:meth:`msquant.RunContext.disk_name`), so
+    :param rename: model name -> name stored on disk (:meth:`msquant.plugin.RunContext.disk_name`), so
         that the checkpoint uses the original model's names; names are stored as given when None.
     """
     limit = part_file_size_gib * GIB if part_file_size_gib else None

@@ -143,7 +143,7 @@ class ShardedSafetensorsWriter:
     :param plain_when_single: when everything fits in one shard, write the unsharded
         ``{prefix}.safetensors`` without an index (formats whose readers expect one plain file).
     :param rename: maps each name given to :meth:`add` to the name stored in the file (e.g.
-        :meth:`msquant.RunContext.disk_name`, the checkpoint's names of a model whose modules
+        :meth:`msquant.plugin.RunContext.disk_name`, the checkpoint's names of a model whose modules
         transformers renames at load); names are stored as given when None. Checkpoint states
         hold the stored names, so a restored writer needs the same ``rename``.
     """

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from torch import nn
 
 from msquant.errors import RegistryError
 from msquant.model.adapter import ModelAdapter
+from msquant.registry_base import claim, plugin_classes, qualified_name
 
 __all__ = [
     "MODEL_ADAPTER_GROUP",
@@ -27,6 +27,7 @@ __all__ = [
     "model_type_of",
 ]
 
+#: The entry-point group model adapters are registered in (``model_type = "package.module:Class"``).
 MODEL_ADAPTER_GROUP = "msquant.model_adapters"
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class ModelAdapterRegistry:
         """
         if not (isinstance(cls, type) and issubclass(cls, ModelAdapter)):
             raise RegistryError(
-                f"model adapter for {model_type!r} must be a msquant.ModelAdapter subclass, "
+                f"model adapter for {model_type!r} must be a msquant.plugin.ModelAdapter subclass, "
                 f"got {cls!r}"
             )
         if not isinstance(model_type, str) or not model_type:
@@ -58,23 +59,12 @@ class ModelAdapterRegistry:
                 f"{cls.__qualname__} must be registered under a non-empty model_type, "
                 f"got {model_type!r}"
             )
-        existing = self._classes.get(model_type)
-        if existing is not None and existing is not cls:
-            raise RegistryError(
-                f"model type {model_type!r} has two model adapters: "
-                f"{_qualified(existing)} and {_qualified(cls)}; uninstall one of them"
-            )
-        self._classes[model_type] = cls
-        return cls
+        return claim(self._classes, model_type, cls, "model adapter for model type")
 
     def load_entry_points(self, group: str = MODEL_ADAPTER_GROUP) -> ModelAdapterRegistry:
         """Register every adapter advertised in the entry-point ``group``; returns ``self``."""
-        seen: set[tuple[str, str]] = set()
-        for ep in sorted(entry_points(group=group), key=lambda e: (e.name, e.value)):
-            if (ep.name, ep.value) in seen:  # the same distribution visible twice on sys.path
-                continue
-            seen.add((ep.name, ep.value))
-            self.register(ep.name, _load_entry_point(ep))
+        for ep, cls in plugin_classes(group, ModelAdapter, "model adapter"):
+            self.register(ep.name, cls)
         return self
 
     def get(self, model_type: str | None) -> ModelAdapter:
@@ -88,7 +78,9 @@ class ModelAdapterRegistry:
         model_type = model_type_of(model)
         adapter = self.get(model_type)
         if type(adapter) is not ModelAdapter:
-            logger.debug("model type %s: model adapter %s", model_type, _qualified(type(adapter)))
+            logger.debug(
+                "model type %s: model adapter %s", model_type, qualified_name(type(adapter))
+            )
         return adapter
 
     def model_types(self) -> list[str]:
@@ -122,21 +114,3 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
     :raises RegistryError: when an installed adapter plugin is broken or two claim one type.
     """
     return default_adapter_registry().for_model(model)
-
-
-def _qualified(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _load_entry_point(ep: EntryPoint) -> type[ModelAdapter]:
-    try:
-        obj = ep.load()
-    except Exception as exc:  # a broken plugin must be reported, not swallowed
-        raise RegistryError(
-            f"cannot load model adapter plugin {ep.name!r} from entry point {ep.value!r}: {exc}"
-        ) from exc
-    if not (isinstance(obj, type) and issubclass(obj, ModelAdapter)):
-        raise RegistryError(
-            f"entry point {ep.name!r} = {ep.value!r} is not a msquant.ModelAdapter subclass"
-        )
-    return obj

@@ -3,7 +3,7 @@ embeddings, the final norm before it, and the head presented as one more stage a
 layers.
 
 Quantizing the head is opt-in (``linear_quant``'s ``lm_head: true``). A run presents it to the
-processors as an :class:`OutputHeadStage`, a :class:`~msquant.DecoderLayer` whose
+processors as an :class:`OutputHeadStage`, a :class:`~msquant.plugin.DecoderLayer` whose
 ``named_linears()`` yields the head itself under its own name (``lm_head``), so quantizers and
 savers treat it like any layer (:mod:`msquant.run.output_head` runs that stage).
 """

@@ -26,6 +26,7 @@ from msquant.model.layers import DecoderLayer
 
 __all__ = ["SUBGRAPH_TYPES", "SmoothingSubgraph", "SubgraphType", "default_subgraphs"]
 
+#: The kinds of subgraph a smoothing scale is folded into (msModelSlim's ``enable_subgraph_type`` values).
 SubgraphType = Literal["norm-linear", "linear-linear", "ov", "up-down"]
 #: msModelSlim's subgraph type names, in the order their folds are applied within a layer.
 SUBGRAPH_TYPES: tuple[SubgraphType, ...] = ("up-down", "ov", "linear-linear", "norm-linear")

@@ -46,7 +46,7 @@ class RunContext:
         ``after_layer`` (savers must write a layer's tensors there, not in ``finalize``).
     :param spill: for a streamed run, where the runner keeps each released layer's quantized
         weights for the read-back check of the exports.
-    :param dist: this process's place in a ``dp_layer_wise`` group (:data:`msquant.SINGLE` when
+    :param dist: this process's place in a ``dp_layer_wise`` group (:data:`msquant.plugin.SINGLE` when
         the run has one process): each process sees its share of the calibration batches;
         processors add up what they accumulate with its collectives (``linear_quant`` sums its
         Hessians and shares the solves out); only ``dist.is_main`` runs the savers.

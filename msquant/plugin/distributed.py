@@ -104,6 +104,7 @@ class Distributed:
         return list(items[self.rank :: self.world_size])
 
 
+#: The single-process run: rank 0 of a world of 1 (what a run without ``dp_layer_wise`` gets).
 SINGLE = Distributed()
 
 

@@ -5,12 +5,12 @@ naming it: how to recognise an export folder of it (``detect``), the reader that
 ``msquant verify``, ``msquant eval`` and the read-back check every run makes (``reader``; a format
 without one is written but never verified), and the savers (``spec.save`` types) whose output it
 is. How a format packs its tensors and writes its quantization config is its savers' business
-(:class:`msquant.Saver`); the engine only reads.
+(:class:`msquant.plugin.Saver`); the engine only reads.
 
 Built-in and third-party formats are found the same way, through the entry-point group
 ``msquant.formats`` (``name = "package.module:FORMAT"``, the object an :class:`ExportFormat`), or
 registered explicitly on a :class:`FormatRegistry`. A fresh registry per call keeps msquant free
-of global mutable state, as :func:`msquant.default_registry` does for processors.
+of global mutable state, as :func:`msquant.plugin.default_registry` does for processors.
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from msquant.errors import RegistryError
-from msquant.plugin.entry_points import distinct_entry_points, load_plugin
+from msquant.registry_base import check_entry_point_name, plugin_instances
 
 if TYPE_CHECKING:
     from msquant.verify.base import ExportReader
@@ -31,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMAT_ENTRY_POINT_GROUP", "ExportFormat", "FormatRegistry", "default_formats"]
 
+#: The entry-point group export formats are registered in (``name = "package.module:OBJECT"``).
 FORMAT_ENTRY_POINT_GROUP = "msquant.formats"
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class FormatRegistry:
             or the name (or one of its savers) is already claimed by another format.
         """
         if not isinstance(fmt, ExportFormat):
-            raise RegistryError(f"{fmt!r} is not a msquant.ExportFormat")
+            raise RegistryError(f"{fmt!r} is not a msquant.plugin.ExportFormat")
         if not fmt.name:
             raise RegistryError("an export format needs a non-empty name")
         existing = self._formats.get(fmt.name)
@@ -100,13 +100,8 @@ class FormatRegistry:
 
     def load_entry_points(self, group: str = FORMAT_ENTRY_POINT_GROUP) -> FormatRegistry:
         """Register every format advertised in the entry-point ``group``; returns ``self``."""
-        for ep in distinct_entry_points(entry_points(group=group)):
-            fmt = _load_entry_point(ep)
-            if fmt.name != ep.name:
-                raise RegistryError(
-                    f"entry point {ep.name!r} = {ep.value!r} holds the export format "
-                    f"{fmt.name!r}; the two names must be equal"
-                )
+        for ep, fmt in plugin_instances(group, ExportFormat, "export format"):
+            check_entry_point_name(ep, fmt.name, "export format")
             self.register(fmt)
         return self
 
@@ -142,13 +137,6 @@ class FormatRegistry:
 
     def __len__(self) -> int:
         return len(self._formats)
-
-
-def _load_entry_point(ep: EntryPoint) -> ExportFormat:
-    obj = load_plugin(ep, "export format")
-    if not isinstance(obj, ExportFormat):
-        raise RegistryError(f"entry point {ep.name!r} = {ep.value!r} is not a msquant.ExportFormat")
-    return obj
 
 
 def default_formats() -> FormatRegistry:

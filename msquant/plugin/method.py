@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
-from importlib.metadata import EntryPoint, entry_points
 from typing import Annotated, Any, ClassVar, Literal, Protocol, Union
 
 import torch
@@ -40,10 +39,12 @@ from pydantic import (
 
 from msquant.backends.base import Backend
 from msquant.errors import ConfigIssue, RegistryError
+from msquant.model.moe.token_counts import enough_expert_tokens
 from msquant.quant.hessian import HessianAccumulator
 from msquant.quant.qconfig import QDType, QScope, WeightQConfig
 from msquant.quant.quantized_weight import QuantizedWeight
 from msquant.quant.rules import BaseScheme, DynamicRule, ResolvedScheme
+from msquant.registry_base import check_entry_point_name, claim, plugin_classes
 
 __all__ = [
     "METHOD_ENTRY_POINT_GROUP",
@@ -54,6 +55,7 @@ __all__ = [
     "default_method_registry",
 ]
 
+#: The entry-point group quantization methods are registered in (``name = "package.module:Class"``).
 METHOD_ENTRY_POINT_GROUP = "msquant.methods"
 logger = logging.getLogger(__name__)
 
@@ -179,6 +181,12 @@ class QuantMethod(ABC):
         """MoE experts with fewer tokens than this times ``in_features`` are rounded instead."""
         return float(getattr(self.options, "expert_min_tokens", 0.0))
 
+    def solves_expert(self, token_count: int, in_features: int) -> bool:
+        """Whether an MoE expert's linear layer that received ``token_count`` calibration tokens
+        is solved by this method; otherwise it is rounded to nearest (:meth:`quantize_rtn`).
+        The default: at least :attr:`expert_min_tokens` x ``in_features`` tokens, and one."""
+        return enough_expert_tokens(token_count, in_features, self.expert_min_tokens)
+
     def new_quantizer(
         self, name: str, in_features: int, scheme: ResolvedScheme
     ) -> CalibratedQuantizer:
@@ -192,7 +200,7 @@ class QuantMethod(ABC):
         backend: Backend,
     ) -> tuple[QuantizedWeight, Mapping[str, Any]]:
         """The module's quantized weight and the fields of its report entry
-        (:class:`msquant.ModuleReport`) the solve fills in (calibrated methods only)."""
+        (:class:`msquant.plugin.ModuleReport`) the solve fills in (calibrated methods only)."""
         raise NotImplementedError(f"method {self.name} is not calibrated")
 
 
@@ -210,29 +218,16 @@ class MethodRegistry:
         :raises RegistryError: a malformed class, or a name taken by another class.
         """
         _check_method_class(cls)
-        existing = self._classes.get(cls.name)
-        if existing is not None and existing is not cls:
-            raise RegistryError(
-                f"quantization method {cls.name!r} is registered twice: by "
-                f"{existing.__module__}.{existing.__qualname__} and {cls.__module__}.{cls.__qualname__}"
-            )
+        claim(self._classes, cls.name, cls, "quantization method")
         cls.options_class.method_name = cls.name
-        self._classes[cls.name] = cls
         return cls
 
     def load_entry_points(self, group: str = METHOD_ENTRY_POINT_GROUP) -> MethodRegistry:
         """Register every method advertised in the entry-point ``group``; returns ``self``."""
-        seen: set[tuple[str, str]] = set()
-        for ep in sorted(entry_points(group=group), key=lambda e: (e.name, e.value)):
-            if (ep.name, ep.value) in seen:  # the same distribution visible twice on sys.path
-                continue
-            seen.add((ep.name, ep.value))
-            cls = _load_entry_point(ep)
-            if cls.name != ep.name:
-                raise RegistryError(
-                    f"entry point {ep.name!r} = {ep.value!r} names method {cls.name!r}; the two "
-                    "must be equal"
-                )
+        # mypy takes no abstract class for type[T] (python/mypy#4717); the subclasses are concrete.
+        found = plugin_classes(group, QuantMethod, "quantization method")  # type: ignore[type-abstract]
+        for ep, cls in found:
+            check_entry_point_name(ep, cls.name, "quantization method")
             self.register(cls)
         return self
 
@@ -283,23 +278,9 @@ def _weight_config_class(cls: type[QuantMethod]) -> type[WeightQConfig]:
     )
 
 
-def _load_entry_point(ep: EntryPoint) -> type[QuantMethod]:
-    try:
-        obj = ep.load()
-    except Exception as exc:  # a broken plugin must be reported, not swallowed
-        raise RegistryError(
-            f"cannot load quantization method plugin {ep.name!r} from entry point {ep.value!r}: {exc}"
-        ) from exc
-    if not (isinstance(obj, type) and issubclass(obj, QuantMethod)):
-        raise RegistryError(
-            f"entry point {ep.name!r} = {ep.value!r} is not a msquant.plugin.method.QuantMethod subclass"
-        )
-    return obj
-
-
 def _check_method_class(cls: type[QuantMethod]) -> None:
     if not (isinstance(cls, type) and issubclass(cls, QuantMethod)):
-        raise RegistryError(f"{cls!r} is not a QuantMethod subclass")
+        raise RegistryError(f"{cls!r} is not a msquant.plugin.QuantMethod subclass")
     for attr in ("name", "options_class", "dtypes", "scopes", "summary", "rule_keys"):
         if not hasattr(cls, attr):
             raise RegistryError(f"method {cls.__qualname__} must define class attribute {attr!r}")

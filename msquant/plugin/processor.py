@@ -49,7 +49,7 @@ authors, GPTQModel and llm-compressor do).
 Checkpoints (:mod:`msquant.run.checkpoint`): a run whose processors are all ``resumable`` records, after
 every decoder layer, each processor's :meth:`Processor.resume_state` (JSON) beside the layers'
 quantized linears and the hidden states entering the next layer. ``msquant quant --resume`` then
-calls ``setup``, rebuilds the finished layers' :class:`msquant.QuantizedLinear` modules, calls
+calls ``setup``, rebuilds the finished layers' :class:`msquant.plugin.QuantizedLinear` modules, calls
 :meth:`Processor.restore` with the recorded state and continues with the next layer; the export
 must come out identical to an uninterrupted run's.
 """
@@ -118,7 +118,7 @@ class Processor(ABC):
     #: Whether a run with this processor may be checkpointed and resumed after a kill. Set it when
     #: everything the processor carries from one layer to the next is in :meth:`resume_state`
     #: (nothing, for a stateless processor) and the only change it makes to a finished layer is
-    #: replacing ``nn.Linear`` modules with :class:`msquant.QuantizedLinear` (a resumed run rebuilds
+    #: replacing ``nn.Linear`` modules with :class:`msquant.plugin.QuantizedLinear` (a resumed run rebuilds
     #: finished layers from those alone). One processor without it turns checkpoints off.
     resumable: ClassVar[bool] = False
     #: Whether the processor changes float weights into others computing the same function (a
@@ -193,7 +193,7 @@ class Processor(ABC):
         """What this processor carries from the finished layers to the next ones, as JSON-able
         data (a checkpoint; called after each layer's ``after_layer`` when ``resumable``).
 
-        Savers return their writer's :meth:`msquant.ShardedSafetensorsWriter.state` and what
+        Savers return their writer's :meth:`msquant.plugin.ShardedSafetensorsWriter.state` and what
         they recorded about the written tensors; a stateless processor keeps this default.
         """
         return {}

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from importlib.metadata import EntryPoint, entry_points
 from typing import Literal, get_args, get_origin
 
 from msquant.errors import RegistryError
-from msquant.plugin.entry_points import distinct_entry_points, load_plugin
 from msquant.plugin.processor import Processor, ProcessorConfig, Stage
+from msquant.registry_base import claim, plugin_classes
 
 __all__ = ["ENTRY_POINT_GROUP", "ProcessorRegistry", "default_registry"]
 
+#: The entry-point group processors are registered in (``name = "package.module:Class"``).
 ENTRY_POINT_GROUP = "msquant.processors"
 logger = logging.getLogger(__name__)
 
@@ -42,19 +42,12 @@ class ProcessorRegistry:
                 f"processor {cls.__module__}.{cls.__qualname__} declares type_name "
                 f"{cls.type_name!r} but is registered as {key!r}; the two must be equal"
             )
-        existing = self._classes.get(key)
-        if existing is not None and existing is not cls:
-            raise RegistryError(
-                f"processor type {key!r} is registered twice: by "
-                f"{existing.__module__}.{existing.__qualname__} and {cls.__module__}.{cls.__qualname__}"
-            )
-        self._classes[key] = cls
-        return cls
+        return claim(self._classes, key, cls, "processor type")
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> ProcessorRegistry:
         """Register every processor advertised in the entry-point ``group``; returns ``self``."""
-        for ep in distinct_entry_points(entry_points(group=group)):
-            self.register(_load_entry_point(ep), ep.name)
+        for ep, cls in plugin_classes(group, Processor, "processor"):
+            self.register(cls, ep.name)
         return self
 
     def get(self, name: str) -> type[Processor]:
@@ -83,18 +76,9 @@ class ProcessorRegistry:
         return len(self._classes)
 
 
-def _load_entry_point(ep: EntryPoint) -> type[Processor]:
-    obj = load_plugin(ep, "processor")
-    if not (isinstance(obj, type) and issubclass(obj, Processor)):
-        raise RegistryError(
-            f"entry point {ep.name!r} = {ep.value!r} is not a msquant.Processor subclass"
-        )
-    return obj
-
-
 def _check_processor_class(cls: type[Processor]) -> None:
     if not (isinstance(cls, type) and issubclass(cls, Processor)):
-        raise RegistryError(f"{cls!r} is not a msquant.Processor subclass")
+        raise RegistryError(f"{cls!r} is not a msquant.plugin.Processor subclass")
     for attr in ("type_name", "config_class"):
         if not hasattr(cls, attr):
             raise RegistryError(
@@ -105,7 +89,7 @@ def _check_processor_class(cls: type[Processor]) -> None:
     config_class = cls.config_class
     if not (isinstance(config_class, type) and issubclass(config_class, ProcessorConfig)):
         raise RegistryError(
-            f"{cls.__qualname__}.config_class must subclass msquant.ProcessorConfig"
+            f"{cls.__qualname__}.config_class must subclass msquant.plugin.ProcessorConfig"
         )
     # The spec schema discriminates entries on ``type``: it must be exactly Literal[type_name].
     type_field = config_class.model_fields.get("type")

@@ -5,7 +5,7 @@ safetensors writer in its output folder (``part_file_size`` GiB per shard), writ
 layer's tensors when the layer is done (the quantized linears through the format's packer, every
 other tensor as it is), remembers which tensors it wrote and whether the output head was
 quantized, refuses fused layers (q/k/v, gate/up; the model's adapter,
-:func:`msquant.adapter_for`, says which) whose shards differ, keeps that record in a
+:func:`msquant.plugin.adapter_for`, says which) whose shards differ, keeps that record in a
 checkpoint so a killed run resumes, and at the end writes the tensors outside the layers, closes
 the writer and writes the format's metadata. :class:`Saver` does all of that; a format's saver
 implements only:
@@ -135,7 +135,7 @@ class Saver(Processor):
     directory: Path
     writer: ShardedSafetensorsWriter
     state: SaverState
-    #: The model's adapter (:func:`msquant.adapter_for`, asked in :meth:`setup`): which linears
+    #: The model's adapter (:func:`msquant.plugin.adapter_for`, asked in :meth:`setup`): which linears
     #: engines fuse, the MoE routers. Before ``setup`` (a saver's checks called on their own) the
     #: default adapter answers, with the generic heuristics.
     adapter: ModelAdapter = ModelAdapter()

@@ -165,7 +165,7 @@ class HessianAccumulator:
         """Add up this accumulator and its peers in the other processes of a group, in place.
 
         :param reduce_sum: sums a tensor in place over the processes (e.g.
-            :meth:`msquant.Distributed.all_reduce_sum`); every process must call this, also one
+            :meth:`msquant.plugin.Distributed.all_reduce_sum`); every process must call this, also one
             that received no rows.
         """
         self.flush()

@@ -1,8 +1,8 @@
 """The output head stage of a run: after the last decoder layer and before ``finalize``, when a
-processor asks for it (:class:`~msquant.OutputHeadUser`).
+processor asks for it (:class:`~msquant.plugin.OutputHeadUser`).
 
 Every processor gets ``before_layer`` / ``after_layer`` (and ``before_pass`` / ``after_pass``
-around its single calibration pass) with an :class:`~msquant.OutputHeadStage`
+around its single calibration pass) with an :class:`~msquant.plugin.OutputHeadStage`
 (:mod:`msquant.model.head`).
 
 Calibration: the head's input is the model's final norm applied to the last decoder layer's

@@ -121,7 +121,7 @@ def _renamed(names: CheckpointNames) -> CheckpointNames | None:
     (unfused) model (Mixtral saves ``mlp.experts.3.gate_proj`` as ``block_sparse_moe.experts.3.w1``),
     None when transformers saves every name unchanged.
 
-    Exporters write under these names (:meth:`msquant.RunContext.disk_name`), so that vLLM,
+    Exporters write under these names (:meth:`msquant.plugin.RunContext.disk_name`), so that vLLM,
     vLLM-Ascend, MindIE and transformers load an export the way they load the original checkpoint.
     """
     if names.is_identity:

@@ -1,6 +1,6 @@
 """Comparisons of a decoded export with the in-memory result and with the original float model.
 
-* Against a reference (:class:`msquant.QuantizedWeight` per module, the run's own result): codes
+* Against a reference (:class:`msquant.plugin.QuantizedWeight` per module, the run's own result): codes
   bit for bit, zero points exactly, scales within the rounding of the dtype they are stored in.
 * Against the original model: the relative Frobenius error ``||W - W_hat|| / ||W||`` of every
   layer, held to :func:`relative_error_bound`, and every float tensor the export keeps must be the

@@ -48,7 +48,7 @@ def verify_export(
 
     :param save_path: an export folder of any registered format (Ascend, MindIE, GPTQ and
         compressed-tensors are built in); the format is detected.
-    :param reference: module name -> the in-memory :class:`~msquant.QuantizedWeight` of the same
+    :param reference: module name -> the in-memory :class:`~msquant.plugin.QuantizedWeight` of the same
         run: codes must match bit for bit, zero points exactly, scales within the rounding of
         their stored dtype, and the module sets must be equal.
     :param model_path: the original float model folder: per-layer relative error against its

@@ -1,7 +1,7 @@
 """Which export format a folder holds, and the reader for it, from the format registry.
 
 The engine names no format: every format registered in ``msquant.formats``
-(:class:`msquant.FormatRegistry`) is asked in its detection order whether it recognises the
+(:class:`msquant.plugin.FormatRegistry`) is asked in its detection order whether it recognises the
 folder. The helpers for Hugging Face checkpoint folders (``config.json`` and its
 ``quantization_config``) are format-neutral and shared by the formats that need them.
 """

@@ -4,7 +4,7 @@ A :class:`DecodedLayer` uses msquant's signed convention whatever the file forma
 ``[-2^(b-1), 2^(b-1)-1]``, a signed zero point ``offset``, and ``w = (codes - offset) * scale``
 with the parameters of column ``i`` taken from group ``g_idx[i]``. Readers convert unsigned
 storage (GPTQ, compressed-tensors: ``q + 2^(b-1)``) into it, so comparisons with the in-memory
-:class:`msquant.QuantizedWeight` are direct.
+:class:`msquant.plugin.QuantizedWeight` are direct.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import ClassVar
 
-from msquant import FUSED_SHARDS, ModelAdapter
+from msquant.plugin import FUSED_SHARDS, ModelAdapter
 
 __all__ = ["Qwen35Adapter"]
 

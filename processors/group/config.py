@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from msquant import ProcessorConfig, ProcessorConfigList
+from msquant.plugin import ProcessorConfig, ProcessorConfigList
 
 
 class GroupConfig(ProcessorConfig):

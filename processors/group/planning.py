@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from msquant import BASE_SOURCE, DecoderLayer, DynamicRule, ModuleDecision, ModulePlanner
+from msquant.plugin import BASE_SOURCE, DecoderLayer, DynamicRule, ModuleDecision, ModulePlanner
 
 
 def child_source(index: int, decided_by: str) -> str:

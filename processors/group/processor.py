@@ -18,7 +18,8 @@ from typing import Any
 
 from torch import nn
 
-from msquant import (
+from msquant import ResumeError
+from msquant.plugin import (
     DecoderLayer,
     DynamicRule,
     ModelPlan,
@@ -29,7 +30,6 @@ from msquant import (
     PlanReviewer,
     Processor,
     ProcessorConfig,
-    ResumeError,
     RunContext,
 )
 from msquant.processors.group.config import GroupConfig

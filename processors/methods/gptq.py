@@ -3,7 +3,7 @@ numerics switch (``ext.numerics``), act-order, static groups, the grid, how laye
 the Cholesky retry policy and the MSE scale search.
 
 :class:`GPTQExt` is the typed ``ext``; :class:`GPTQMethod` resolves it, per module, into the one
-:class:`msquant.GPTQOptions` value the solver takes.
+:class:`msquant.plugin.GPTQOptions` value the solver takes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from pydantic import Field, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
-from msquant import (
+from msquant.plugin import (
     DYNAMIC_KEYS,
     Backend,
     BaseScheme,

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from pydantic import Field, StrictInt
 
-from msquant import (
+from msquant.plugin import (
     DYNAMIC_KEYS,
     GPTQ_ONLY_KEYS,
     Backend,

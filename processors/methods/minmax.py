@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from msquant import (
+from msquant.plugin import (
     DYNAMIC_KEYS,
     GPTQ_ONLY_KEYS,
     BaseScheme,

@@ -8,7 +8,7 @@ from typing import Annotated
 import torch
 from pydantic import Field, StrictInt
 
-from msquant import (
+from msquant.plugin import (
     DEFAULT_EXPERT_TOKEN_RATIO,
     MSEOptions,
     QuantizedWeight,

@@ -15,14 +15,13 @@ from typing import Annotated
 import torch
 from pydantic import Field, StrictInt
 
-from msquant import (
+from msquant import ConfigIssue, QuantizationError
+from msquant.plugin import (
     BaseScheme,
-    ConfigIssue,
     DynamicRule,
     MethodOptions,
     QDType,
     QScope,
-    QuantizationError,
     QuantizedWeight,
     QuantMethod,
     ResolvedScheme,

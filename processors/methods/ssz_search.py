@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from msquant import qrange
+from msquant.plugin import qrange
 
 __all__ = ["DEFAULT_STEPS", "ssz_scales", "ssz_codes"]
 

@@ -7,7 +7,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from msquant import ConfigIssue, ProcessorConfig, is_power_of_two
+from msquant import ConfigIssue
+from msquant.plugin import ProcessorConfig, is_power_of_two
 
 __all__ = ["ONLINE_REFUSAL", "OnlineQuaRotConfig", "QuaRotConfig", "quarot_issues"]
 

@@ -30,13 +30,12 @@ import logging
 import torch
 from torch import nn
 
-from msquant import (
-    ConfigIssue,
+from msquant import ConfigIssue, QuantizationError
+from msquant.plugin import (
     DecoderLayer,
     OutputHeadStage,
     Processor,
     ProcessorConfig,
-    QuantizationError,
     RotationLayout,
     RunContext,
     adapter_for,

@@ -14,7 +14,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from msquant import SUBGRAPH_TYPES, ConfigIssue, ProcessorConfig, SubgraphType, pattern_problem
+from msquant import ConfigIssue
+from msquant.plugin import SUBGRAPH_TYPES, ProcessorConfig, SubgraphType, pattern_problem
 
 __all__ = [
     "FlexSmoothQuantConfig",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from msquant import (
+from msquant.plugin import (
     SmoothingSubgraph,
     abs_column_max,
     flex_scales,

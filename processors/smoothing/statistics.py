@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from msquant import update_channel_max
+from msquant.plugin import update_channel_max
 
 __all__ = ["InputStatistics"]
 

@@ -47,6 +47,15 @@ from typing import Any
 import torch
 import vllm_engine
 from architectures import EngineModule, sglang_packed_modules
+from engine_layers import (
+    FusedMoeWeightScaleSupported,
+    fill_linear_classes,
+    linear_classes,
+    noop,
+    parameter,
+    set_weight_attrs,
+    weight_loader,
+)
 from loading import Resolution, param_infos
 from wheels import (
     CudaPlatformStub,
@@ -94,40 +103,11 @@ REAL = (
 # -- stand-ins for the layer classes --------------------------------------------------------------
 
 
-class LinearBase(torch.nn.Module):
-    """SGLang's ``LinearBase``: holds what the quantization method registers (``scheme`` is set
-    by compressed-tensors' ``get_quant_method`` and read by the GPTQ methods)."""
-
-    scheme: Any = None
-
-    def __init__(self, module: EngineModule) -> None:
-        super().__init__()
-        self.prefix = module.prefix
-        self.input_size = module.input_size
-        self.output_size = module.output_size
-        self.output_partition_sizes = list(module.output_sizes)
-        self.params_dtype = PARAMS_DTYPE
-        self.tp_size = 1
-
-
-class ColumnParallelLinear(LinearBase):
-    pass
-
-
-class MergedColumnParallelLinear(ColumnParallelLinear):
-    pass
-
-
-class QKVParallelLinear(ColumnParallelLinear):
-    pass
-
-
-class RowParallelLinear(LinearBase):
-    pass
-
-
-class ReplicatedLinear(LinearBase):
-    pass
+# SGLang's ``LinearBase`` also holds ``scheme``: set by compressed-tensors' ``get_quant_method``,
+# read by the GPTQ methods.
+_LINEAR = linear_classes("SGLang", PARAMS_DTYPE, scheme=None)
+(LinearBase, ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+ RowParallelLinear, ReplicatedLinear) = _LINEAR  # fmt: skip
 
 
 class FusedMoE(torch.nn.Module):
@@ -151,13 +131,6 @@ class FusedMoE(torch.nn.Module):
         )
 
 
-class FusedMoeWeightScaleSupported(enum.Enum):
-    TENSOR = "tensor"
-    CHANNEL = "channel"
-    GROUP = "group"
-    BLOCK = "block"
-
-
 #: The harness's module classes (named as in :mod:`architectures`) -> SGLang's layer class.
 LAYER_CLASSES: dict[str, type[torch.nn.Module]] = {
     "ColumnParallelLinear": ColumnParallelLinear,
@@ -168,19 +141,6 @@ LAYER_CLASSES: dict[str, type[torch.nn.Module]] = {
     "GateLinear": ReplicatedLinear,  # SGLang builds every router as a ReplicatedLinear
     "RoutedExperts": FusedMoE,
 }
-
-
-def _set_weight_attrs(weight: torch.Tensor, attrs: dict[str, Any] | None) -> None:
-    """``sglang.srt.utils.set_weight_attrs``."""
-    for key, value in (attrs or {}).items():
-        assert not hasattr(weight, key), f"Overwriting existing tensor attribute: {key}"
-        setattr(weight, key, value)
-
-
-def _param(data: torch.Tensor, **attributes: Any) -> torch.nn.Parameter:
-    parameter = torch.nn.Parameter(data, requires_grad=False)
-    _set_weight_attrs(parameter, attributes)
-    return parameter
 
 
 def _unquantized_methods() -> types.SimpleNamespace:
@@ -200,9 +160,9 @@ def _unquantized_methods() -> types.SimpleNamespace:
         data = torch.empty(
             sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype
         )
-        weight = _param(data, input_dim=1, output_dim=0)
+        weight = parameter(data, input_dim=1, output_dim=0)
         layer.register_parameter("weight", weight)
-        _set_weight_attrs(weight, extra)
+        set_weight_attrs(weight, extra)
 
     def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("kernels are not run by the consumer harness")
@@ -229,7 +189,7 @@ def _unquantized_methods() -> types.SimpleNamespace:
                 ("w13_weight", (num_experts, 2 * width, hidden_size)),
                 ("w2_weight", (num_experts, hidden_size, width)),
             ):
-                layer.register_parameter(name, _param(torch.empty(*shape, dtype=params_dtype)))
+                layer.register_parameter(name, parameter(torch.empty(*shape, dtype=params_dtype)))
 
         apply = refuse
         create_moe_runner = refuse
@@ -259,13 +219,8 @@ def _fill_unquant(module: types.ModuleType) -> None:
 
 
 def _fill_linear(module: types.ModuleType) -> None:
-    module.LinearBase = LinearBase
-    module.ColumnParallelLinear = ColumnParallelLinear
-    module.MergedColumnParallelLinear = MergedColumnParallelLinear
-    module.QKVParallelLinear = QKVParallelLinear
-    module.RowParallelLinear = RowParallelLinear
-    module.ReplicatedLinear = ReplicatedLinear
-    module.set_weight_attrs = _set_weight_attrs
+    fill_linear_classes(module, _LINEAR)
+    module.set_weight_attrs = set_weight_attrs
     module._resolve_linear_group = lambda *args, **kwargs: None
 
 
@@ -283,7 +238,7 @@ def _fill_utils(module: types.ModuleType) -> None:
         setattr(module, name, lambda *args, _value=value, **kwargs: _value)
     module.get_device_capability = lambda *args, **kwargs: DEVICE_CAPABILITY
     module.get_bool_env_var = lambda name, default="false": default.lower() in ("1", "true")
-    module.set_weight_attrs = _set_weight_attrs
+    module.set_weight_attrs = set_weight_attrs
     module.get_compiler_backend = lambda *args, **kwargs: None
 
 
@@ -489,34 +444,30 @@ OTHER_CONFIGS = {
 }
 
 
-def _noop(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
 STUBS: dict[str, Any] = {
     "sgl_kernel": stub(),
     "sgl_kernel.scalar_type": _scalar_types,
     "sglang.srt.utils": _fill_utils,
     "sglang.srt.utils.patch_torch": stub(register_fake_if_exists=_identity_decorator),
     "sglang.srt.utils.custom_op": stub(register_custom_op=_identity_decorator),
-    "sglang.srt.utils.async_probe": stub(maybe_detect_oob=_noop),
+    "sglang.srt.utils.async_probe": stub(maybe_detect_oob=noop),
     "sglang.srt.platforms": stub(current_platform=CudaPlatformStub()),
     "sglang.srt.runtime_context": _fill_runtime_context,
     "sglang.srt.distributed": stub(
         divide=lambda numerator, denominator: numerator // denominator,
-        tensor_model_parallel_all_reduce=_noop,
+        tensor_model_parallel_all_reduce=noop,
     ),
     "sglang.srt.distributed.device_communicators.pynccl_allocator": stub(
         use_symmetric_memory=lambda *args, **kwargs: contextlib.nullcontext()
     ),
     "sglang.srt.layers.dp_attention": stub(
-        attn_tp_all_reduce=_noop,
+        attn_tp_all_reduce=noop,
         is_allocation_symmetric=lambda: False,
         is_dp_attention_enabled=lambda: False,
     ),
-    "sglang.srt.layers.layer_boundary": stub(get_attn_tp_context=_noop),
+    "sglang.srt.layers.layer_boundary": stub(get_attn_tp_context=noop),
     "sglang.srt.layers.amx_utils": stub(PackWeightMethod=placeholder_class("PackWeightMethod")),
-    "sglang.srt.layers.utils": stub(pad_or_narrow_weight=_noop),
+    "sglang.srt.layers.utils": stub(pad_or_narrow_weight=noop),
     "sglang.srt.layers.linear": _fill_linear,
     "sglang.srt.layers.radix_attention": stub(RadixAttention=placeholder_class("RadixAttention")),
     "sglang.srt.layers.moe": _fill_moe,
@@ -530,7 +481,7 @@ STUBS: dict[str, Any] = {
     "sglang.srt.layers.quantization.kv_cache": stub(
         BaseKVCacheMethod=placeholder_class("BaseKVCacheMethod")
     ),
-    "sglang.srt.layers.quantization.fp4_utils": stub(get_fp4_gemm_runner_backend=_noop),
+    "sglang.srt.layers.quantization.fp4_utils": stub(get_fp4_gemm_runner_backend=noop),
     f"{QUANT}.gptq.schemes": _gptq_schemes,
     f"{CT}.schemes": _ct_schemes,
     "sglang.srt.hardware_backend.npu.quantization.moe_methods": stub(
@@ -540,14 +491,14 @@ STUBS: dict[str, Any] = {
         GPTQMoEAscendKernel=placeholder_class("GPTQMoEAscendKernel")
     ),
     "sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph": stub(
-        get_tc_piecewise_forward_context=_noop
+        get_tc_piecewise_forward_context=noop
     ),
-    "sglang.kernels.ops.quantization.fp8_kernel": stub(scaled_fp8_quant=_noop),
+    "sglang.kernels.ops.quantization.fp8_kernel": stub(scaled_fp8_quant=noop),
     "sglang.kernels.ops.quantization.gptq_marlin_repack": stub(
         gptq_marlin_repack=_gptq_marlin_repack
     ),
-    "sglang.kernels.ops.gemm.gptq_marlin": stub(gptq_marlin_gemm=_noop),
-    "sglang.kernels.ops.embeddings.vocab_parallel_embedding": stub(vocab_parallel_embedding=_noop),
+    "sglang.kernels.ops.gemm.gptq_marlin": stub(gptq_marlin_gemm=noop),
+    "sglang.kernels.ops.embeddings.vocab_parallel_embedding": stub(vocab_parallel_embedding=noop),
     **{
         f"{QUANT}.{module}": _placeholders(*names, base="config")
         for module, names in OTHER_CONFIGS.items()
@@ -627,17 +578,13 @@ def quant_config_for(export: Path, arch: str) -> Any:
         return cls.from_config(hf_config)
 
 
-def _weight_loader(*args: Any, **kwargs: Any) -> None:
-    raise NotImplementedError("the consumer harness compares shapes; it loads no weights")
-
-
 #: Parameters SGLang's loaders may leave unread: the MoE schemes' sort indices are filled after
 #: loading (``process_weights_after_loading``), and compressed-tensors' MoE ``weight_g_idx`` is
 #: read only for ``actorder: group`` (which msquant never writes).
 NOT_LOADED = frozenset(
     {"w13_g_idx_sort_indices", "w2_g_idx_sort_indices", "w13_weight_g_idx", "w2_weight_g_idx"}
 )
-#: MoE schemes whose checkpoint tensors SGLang's ``FusedMoE._weight_loader_impl`` transposes
+#: MoE schemes whose checkpoint tensors SGLang's ``FusedMoE.weight_loader_impl`` transposes
 #: (``loaded_weight.t()``, zero points excepted): compressed-tensors stores them ``[out, in]``.
 TRANSPOSING_SCHEMES = (
     "CompressedTensorsWNA16MarlinMoE", "CompressedTensorsWNA16MoE", "CompressedTensorsWNA16TritonMoE",
@@ -712,14 +659,14 @@ def create_weights(method: Any, layer: torch.nn.Module, module: EngineModule) ->
         method.create_weights(
             layer=layer, num_experts=module.num_experts, hidden_size=module.input_size,
             intermediate_size_per_partition=width, params_dtype=PARAMS_DTYPE,
-            weight_loader=_weight_loader, with_bias=False, moe_intermediate_size=width,
+            weight_loader=weight_loader, with_bias=False, moe_intermediate_size=width,
         )  # fmt: skip
     else:
         # ReplicatedLinear (routers, DeepSeek's fused a-projection) passes one partition
         sizes = [module.output_size] if isinstance(layer, ReplicatedLinear) else module.output_sizes
         method.create_weights(
             layer, module.input_size, list(sizes), module.input_size, module.output_size,
-            PARAMS_DTYPE, weight_loader=_weight_loader,
+            PARAMS_DTYPE, weight_loader=weight_loader,
         )  # fmt: skip
 
 

@@ -6,7 +6,7 @@ with the right widths: the opt-in suite asks the engines about these modules, so
 misses or invents one would hide a problem there.
 
 What transformers + compressed-tensors (test dependencies) load of the exports is checked in the
-default suite by ``tests/test_compressed_tensors_saver.py`` and ``tests/test_moe_quant.py``.
+default suite by ``tests/processors/test_compressed_tensors_saver.py`` and ``tests/processors/test_moe_quant.py``.
 """
 
 from __future__ import annotations

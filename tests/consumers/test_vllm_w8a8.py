@@ -25,7 +25,7 @@ from exports import Export, ExportCase, ExportFactory
 from loading import loading_problems, read_tensor_table
 from safetensors.torch import load_file
 
-from msquant import ActivationQuant
+from msquant.plugin import ActivationQuant
 
 pytestmark = pytest.mark.consumers
 

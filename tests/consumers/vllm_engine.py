@@ -33,6 +33,15 @@ from typing import Any
 
 import torch
 from architectures import PACKED_MODULES, EngineModule
+from engine_layers import (
+    FusedMoeWeightScaleSupported,
+    fill_linear_classes,
+    linear_classes,
+    noop,
+    parameter,
+    set_weight_attrs,
+    weight_loader,
+)
 from loading import Resolution, param_infos
 from wheels import (
     CudaPlatformStub,
@@ -88,37 +97,9 @@ REAL = (
 # -- stand-ins for the layer classes --------------------------------------------------------------
 
 
-class LinearBase(torch.nn.Module):
-    """vLLM's ``LinearBase``: holds what the quantization method registers."""
-
-    def __init__(self, module: EngineModule) -> None:
-        super().__init__()
-        self.prefix = module.prefix
-        self.input_size = module.input_size
-        self.output_size = module.output_size
-        self.output_partition_sizes = list(module.output_sizes)
-        self.params_dtype = PARAMS_DTYPE
-        self.tp_size = 1
-
-
-class ColumnParallelLinear(LinearBase):
-    pass
-
-
-class MergedColumnParallelLinear(ColumnParallelLinear):
-    pass
-
-
-class QKVParallelLinear(ColumnParallelLinear):
-    pass
-
-
-class RowParallelLinear(LinearBase):
-    pass
-
-
-class ReplicatedLinear(LinearBase):
-    pass
+_LINEAR = linear_classes("vLLM", PARAMS_DTYPE)
+(LinearBase, ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+ RowParallelLinear, ReplicatedLinear) = _LINEAR  # fmt: skip
 
 
 class GateLinear(ReplicatedLinear):
@@ -179,13 +160,6 @@ LAYER_CLASSES: dict[str, type[torch.nn.Module]] = {
 }
 
 
-def _param(data: torch.Tensor, **attributes: Any) -> torch.nn.Parameter:
-    parameter = torch.nn.Parameter(data, requires_grad=False)
-    for key, value in attributes.items():
-        setattr(parameter, key, value)
-    return parameter
-
-
 class _MethodBase:
     """Base of the stubbed methods; real methods derive from vLLM's ``QuantizeMethodBase``."""
 
@@ -209,7 +183,7 @@ def _unquantized_linear_methods() -> tuple[type, type, type]:
             data = torch.empty(
                 sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype
             )
-            layer.register_parameter("weight", _param(data, input_dim=1, output_dim=0))
+            layer.register_parameter("weight", parameter(data, input_dim=1, output_dim=0))
 
     class UnquantizedEmbeddingMethod(UnquantizedLinearMethod):
         pass
@@ -237,18 +211,11 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         width = intermediate_size_per_partition
         layer.register_parameter(
             "w13_weight",
-            _param(torch.empty(num_experts, 2 * width, hidden_size, dtype=params_dtype)),
+            parameter(torch.empty(num_experts, 2 * width, hidden_size, dtype=params_dtype)),
         )
         layer.register_parameter(
-            "w2_weight", _param(torch.empty(num_experts, hidden_size, width, dtype=params_dtype))
+            "w2_weight", parameter(torch.empty(num_experts, hidden_size, width, dtype=params_dtype))
         )
-
-
-class FusedMoeWeightScaleSupported(enum.Enum):
-    TENSOR = "tensor"
-    CHANNEL = "channel"
-    GROUP = "group"
-    BLOCK = "block"
 
 
 class WNA16MoEBackend(enum.Enum):
@@ -297,10 +264,6 @@ def _choose_mp_linear_kernel(config: MPLinearLayerConfig, *args: Any, **kwargs: 
     return _Kernel
 
 
-def _noop(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
 def _init_int8_linear_kernel(
     is_channelwise: bool,
     is_static_input_scheme: bool,
@@ -338,12 +301,7 @@ class PluggableLayer(torch.nn.Module):
 
 def _fill_linear(module: types.ModuleType) -> None:
     base, unquantized, _ = _unquantized_linear_methods()
-    module.LinearBase = LinearBase
-    module.ColumnParallelLinear = ColumnParallelLinear
-    module.MergedColumnParallelLinear = MergedColumnParallelLinear
-    module.QKVParallelLinear = QKVParallelLinear
-    module.RowParallelLinear = RowParallelLinear
-    module.ReplicatedLinear = ReplicatedLinear
+    fill_linear_classes(module, _LINEAR)
     module.LinearMethodBase = base
     module.UnquantizedLinearMethod = unquantized
     from vllm.model_executor.utils import set_weight_attrs
@@ -360,11 +318,6 @@ def _fill_vocab(module: types.ModuleType) -> None:
 
 def _fill_model_executor_utils(module: types.ModuleType) -> None:
     """``model_executor/utils.py`` needs torch_utils; only its two helpers are used here."""
-
-    def set_weight_attrs(weight: torch.Tensor, attrs: dict[str, Any] | None) -> None:
-        for key, value in (attrs or {}).items():
-            assert not hasattr(weight, key), f"Overwriting existing tensor attribute: {key}"
-            setattr(weight, key, value)
 
     def replace_parameter(layer: torch.nn.Module, name: str, new: torch.Tensor) -> None:
         layer.register_parameter(name, torch.nn.Parameter(new, requires_grad=False))
@@ -456,7 +409,7 @@ def _tp_state(module: types.ModuleType) -> None:
     module.get_tensor_model_parallel_world_size = lambda *a, **k: 1
     module.GroupCoordinator = placeholder_class("GroupCoordinator")
     module.divide = lambda numerator, denominator: numerator // denominator
-    module.tensor_model_parallel_all_reduce = _noop
+    module.tensor_model_parallel_all_reduce = noop
     group = types.SimpleNamespace(world_size=1, rank_in_group=0)
     module.get_tp_group = lambda *a, **k: group
     module.get_ep_group = lambda *a, **k: group
@@ -505,10 +458,10 @@ STUBS = {
     "vllm.config": _fill_config,
     "vllm.distributed": _tp_state,
     "vllm.distributed.parallel_state": _tp_state,
-    "vllm.distributed.utils": stub(verify_group_size_divides_partition=_noop),
+    "vllm.distributed.utils": stub(verify_group_size_divides_partition=noop),
     "vllm._custom_ops": _int8_ops,
     "vllm.utils.platform_utils": stub(num_compute_units=lambda *a: 132),
-    "vllm.utils.torch_utils": stub(direct_register_custom_op=_noop, current_stream=_noop),
+    "vllm.utils.torch_utils": stub(direct_register_custom_op=noop, current_stream=noop),
     "vllm.transformers_utils.config": _safetensors_metadata,
     "vllm.model_executor.utils": _fill_model_executor_utils,
     "vllm.model_executor.layers.linear": _fill_linear,
@@ -525,16 +478,16 @@ STUBS = {
     "vllm.model_executor.layers.fused_moe.oracle.int_wna16": stub(
         WNA16MoEBackend=WNA16MoEBackend,
         select_wna16_moe_backend=_select_wna16_moe_backend,
-        convert_to_wna16_moe_kernel_format=_noop,
-        make_wna16_moe_kernel=_noop,
-        make_wna16_moe_quant_config=_noop,
+        convert_to_wna16_moe_kernel_format=noop,
+        make_wna16_moe_kernel=noop,
+        make_wna16_moe_quant_config=noop,
     ),
     # the int8 MoE kernel choice and conversion (need the GPU; not called by create_weights
     # except the backend choice)
     "vllm.model_executor.layers.fused_moe.oracle.int8": stub(
-        convert_to_int8_moe_kernel_format=_noop,
-        make_int8_moe_kernel=_noop,
-        make_int8_moe_quant_config=_noop,
+        convert_to_int8_moe_kernel_format=noop,
+        make_int8_moe_kernel=noop,
+        make_int8_moe_quant_config=noop,
         select_int8_moe_backend=lambda *a, **k: ("TRITON", None),
     ),
     "vllm.model_executor.kernels.linear": stub(
@@ -545,28 +498,28 @@ STUBS = {
         init_int8_linear_kernel=_init_int8_linear_kernel,
     ),
     "vllm.model_executor.determinism.batch_invariant": stub(
-        matmul_batch_invariant=_noop, linear_batch_invariant=_noop
+        matmul_batch_invariant=noop, linear_batch_invariant=noop
     ),
     # what the real vocab_parallel_embedding.py imports (vllm_head.py executes it)
     "vllm.model_executor.custom_op": stub(PluggableLayer=PluggableLayer),
-    "vllm.model_executor.layers.utils": stub(dispatch_unquantized_gemm=_noop),
+    "vllm.model_executor.layers.utils": stub(dispatch_unquantized_gemm=noop),
     "vllm.model_executor.layers.quantization.utils.fp8_utils": stub(is_fp8=lambda *a: False),
     "vllm.model_executor.layers.quantization": _quantization_package,
     "vllm.model_executor.layers.quantization.utils": _quantization_utils,
     # what the CUTLASS int8 kernel's module imports besides (FP8 and block-FP8 paths only)
     "vllm.model_executor.layers.quantization.utils.w8a8_utils": stub(
         CUTLASS_BLOCK_FP8_SUPPORTED=False,
-        convert_to_channelwise=_noop,
+        convert_to_channelwise=noop,
         cutlass_fp8_supported=lambda *a, **k: False,
     ),
     "vllm.model_executor.layers.fusion.quant_activation": stub(
         QuantizedActivation=placeholder_class("QuantizedActivation"),
-        as_quantized_activation=_noop,
+        as_quantized_activation=noop,
     ),
     "vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel": stub(
         Fp8BlockScaledMMLinearKernel=placeholder_class("Fp8BlockScaledMMLinearKernel")
     ),
-    "vllm.model_executor.layers.quantization.utils.int8_utils": stub(per_token_quant_int8=_noop),
+    "vllm.model_executor.layers.quantization.utils.int8_utils": stub(per_token_quant_int8=noop),
     "vllm.model_executor.layers.quantization.input_quant_fp8": stub(
         QuantFP8=placeholder_class("QuantFP8")
     ),
@@ -603,10 +556,6 @@ def load_vllm() -> WheelSource:
 def vllm_packed_modules(arch: str) -> dict[str, tuple[str, ...]]:
     """The ``packed_modules_mapping`` vLLM's quantization configs receive for ``arch``."""
     return dict(PACKED_MODULES[arch])
-
-
-def _weight_loader(*args: Any, **kwargs: Any) -> None:
-    raise NotImplementedError("the consumer harness compares shapes; it loads no weights")
 
 
 #: Parameters vLLM's loaders may leave at their initial value (expert biases are zero-initialised
@@ -666,7 +615,7 @@ def create_weights(method: Any, layer: torch.nn.Module, module: EngineModule) ->
         method.create_weights(
             layer=layer, num_experts=module.num_experts, hidden_size=module.input_size,
             unpadded_hidden_size=module.input_size, intermediate_size_per_partition=width,
-            params_dtype=PARAMS_DTYPE, weight_loader=_weight_loader,
+            params_dtype=PARAMS_DTYPE, weight_loader=weight_loader,
             global_num_experts=module.num_experts,
         )  # fmt: skip
     elif module.kind == "lm_head":
@@ -674,12 +623,12 @@ def create_weights(method: Any, layer: torch.nn.Module, module: EngineModule) ->
         padded = layer.num_embeddings_padded
         method.create_weights(
             layer, layer.embedding_dim, [padded], layer.embedding_dim, padded,
-            params_dtype=PARAMS_DTYPE, weight_loader=_weight_loader,
+            params_dtype=PARAMS_DTYPE, weight_loader=weight_loader,
         )  # fmt: skip
     else:
         method.create_weights(
             layer, module.input_size, list(module.output_sizes), module.input_size,
-            module.output_size, params_dtype=PARAMS_DTYPE, weight_loader=_weight_loader,
+            module.output_size, params_dtype=PARAMS_DTYPE, weight_loader=weight_loader,
         )  # fmt: skip
 
 

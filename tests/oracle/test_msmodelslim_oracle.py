@@ -354,13 +354,14 @@ def test_per_group_w4a8_dynamic_is_refused_by_msquant_too(tmp_path: Path) -> Non
     (``test_w4a8_per_group_is_refused_by_msmodelslim``), are refused by msquant before any work,
     naming the schemes that are implemented."""
     import msquant
+    import msquant.plugin
 
     scheme = oracle.SCHEMES["w4a8_dynamic_g32"]
     dataset = oracle.write_calibration(tmp_path / "calib.jsonl")
     config = tmp_path / "w4a8_dynamic_g32.yaml"  # the YAML msModelSlim refuses in that test
     config.write_text(yaml.safe_dump(oracle.config_for(scheme, dataset)), encoding="utf-8")
     with pytest.raises(msquant.ConfigError) as info:
-        msquant.load_config(config, msquant.default_registry())
+        msquant.load_config(config, msquant.plugin.default_registry())
     message = str(info.value)
     assert "qconfig.weight" in message and "scope: per_group" in message
     assert "W4A8_DYNAMIC = " in message

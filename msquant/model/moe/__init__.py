@@ -28,7 +28,7 @@ from msquant.model.moe.routers import moe_routers
 from msquant.model.moe.token_counts import (
     DEFAULT_EXPERT_TOKEN_RATIO,
     ExpertTokenCounter,
-    expert_fallback,
+    enough_expert_tokens,
 )
 from msquant.model.moe.unfuse import MoEInfo, UnfusedMoE, unfuse_experts
 
@@ -39,7 +39,7 @@ __all__ = [
     "MoEInfo",
     "UnfusedExperts",
     "UnfusedMoE",
-    "expert_fallback",
+    "enough_expert_tokens",
     "find_fused_experts",
     "moe_routers",
     "unfuse_experts",

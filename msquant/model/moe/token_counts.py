@@ -1,5 +1,6 @@
 """Calibration coverage of MoE experts: how many tokens each expert received
-(:class:`ExpertTokenCounter`) and whether that is enough for GPTQ (:func:`expert_fallback`).
+(:class:`ExpertTokenCounter`) and whether that is enough for a Hessian-based solve
+(:func:`enough_expert_tokens`; the method decides, :meth:`msquant.plugin.QuantMethod.solves_expert`).
 """
 
 from __future__ import annotations
@@ -7,17 +8,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from msquant.model.moe.experts import ROLES, UnfusedExperts
 
-__all__ = ["DEFAULT_EXPERT_TOKEN_RATIO", "ExpertTokenCounter", "expert_fallback"]
+__all__ = ["DEFAULT_EXPERT_TOKEN_RATIO", "ExpertTokenCounter", "enough_expert_tokens"]
 
-#: Default of :func:`expert_fallback`: GPTQ needs at least ``2 * in_features`` calibration tokens
-#: (see :func:`expert_fallback` for the measurement behind it).
+#: Default of :func:`enough_expert_tokens`: GPTQ needs at least ``2 * in_features`` calibration
+#: tokens (see :func:`enough_expert_tokens` for the measurement behind it).
 DEFAULT_EXPERT_TOKEN_RATIO = 2.0
 
 
@@ -75,10 +76,11 @@ class ExpertTokenCounter:
         return {expert: self.counts[f"{expert}.gate_proj"] for expert in self._experts}
 
 
-def expert_fallback(
+def enough_expert_tokens(
     token_count: int, in_features: int, threshold_ratio: float = DEFAULT_EXPERT_TOKEN_RATIO
-) -> Literal["gptq", "rtn"]:
-    """Whether an expert Linear calibrated on ``token_count`` tokens may be GPTQ-solved.
+) -> bool:
+    """Whether an expert Linear calibrated on ``token_count`` tokens may be solved on its
+    Hessian (GPTQ-solved), rather than rounded to nearest.
 
     GPTQ minimises the output error on the calibration tokens through the inverse of
     ``H = X^T X``. With fewer rows than ``in_features`` columns ``H`` is singular (only the
@@ -89,7 +91,7 @@ def expert_fallback(
     n = 0.5-1 x in_features gives 1.3-2.1x the round-to-nearest error in 6 of 8 cases (the
     double-descent peak), 2 x gives 0.55-1.37x, 4 x gives 0.46-1.11x. Hence the default ratio
     2.0: below ``2 * in_features`` tokens the expert is rounded to nearest (same format, bits and
-    groups, so engines see no difference). An expert that received no token is always ``"rtn"``.
+    groups, so engines see no difference). An expert that received no token is never solved.
 
     :param token_count: tokens the Linear received during calibration.
     :param in_features: the Linear's input width (columns of its weight).
@@ -104,6 +106,4 @@ def expert_fallback(
         raise ValueError(f"threshold_ratio must be a finite number >= 0, got {threshold_ratio!r}")
     if threshold_ratio < 0:
         raise ValueError(f"threshold_ratio must be a finite number >= 0, got {threshold_ratio!r}")
-    if token_count == 0 or token_count < threshold_ratio * in_features:
-        return "rtn"
-    return "gptq"
+    return token_count > 0 and token_count >= threshold_ratio * in_features

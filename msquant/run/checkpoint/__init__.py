@@ -15,7 +15,7 @@ A checkpointed run keeps its work in a folder named after the save path,
 ``progress.json`` holds the run's fingerprint (versions, config and calibration hashes, model
 files, device kind, number of processes), how many layers are finished, the run report's
 per-layer records and, per process, its hidden-state file and every processor's
-:meth:`~msquant.Processor.resume_state` (the savers' writer states, in process 0's entry). It is
+:meth:`~msquant.plugin.Processor.resume_state` (the savers' writer states, in process 0's entry). It is
 written to a temporary file, flushed to the disk and renamed over the previous one, after the
 files it names (the layer's quantized linears, every process's new hidden states); so whenever a
 process is killed, the folder holds one complete checkpoint.
@@ -23,7 +23,7 @@ process is killed, the folder holds one complete checkpoint.
 ``quantize(..., resume=True)`` (``msquant quant ... --resume``) checks the fingerprint against
 the new run's (a difference is a :class:`ResumeError` naming it), captures the calibration inputs
 again (cheap and deterministic: embeddings and masks), rebuilds the finished layers'
-:class:`~msquant.QuantizedLinear` modules from ``layers/`` (weightless in a streamed run, as its
+:class:`~msquant.plugin.QuantizedLinear` modules from ``layers/`` (weightless in a streamed run, as its
 released layers are), restores the hidden states, the report and the processors, and runs the
 remaining layers. The export is byte-identical to an uninterrupted run's, the report too apart
 from its ``*seconds`` fields. A checkpoint of stage ``finished`` (every saver has finalised)

@@ -28,7 +28,7 @@ _PARTS = ("codes", "scale", "offset")
 class LayerStore(Mapping[str, QuantizedWeight]):
     """The quantized linears of finished layers, one safetensors file per layer, kept across runs.
 
-    A read-only mapping ``module name ->`` :class:`~msquant.QuantizedWeight`, read from disk on
+    A read-only mapping ``module name ->`` :class:`~msquant.plugin.QuantizedWeight`, read from disk on
     demand: in a streamed run it is the reference of the read-back check for the layers released
     from memory (the checkpoints' store, or without checkpoints a scratch one: ``ctx.spill``).
 

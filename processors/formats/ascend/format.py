@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from msquant import ExportFormat
+from msquant.plugin import ExportFormat
 from msquant.processors.formats.ascend.detect import is_mindie_export, is_v1_export
 from msquant.processors.formats.ascend.reader import AscendReader
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from msquant import (
+from msquant.plugin import (
     QuantizationError,
     QuantizedLinear,
     deq_scale,

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from msquant import (
+from msquant.plugin import (
     ActivationQuant,
     DecodedLayer,
     ExportReader,

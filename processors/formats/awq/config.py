@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from msquant import ModelAdapter
+from msquant.plugin import ModelAdapter
 
 __all__ = ["QUANT_METHOD", "VERSION", "build_quantization_config"]
 
@@ -23,7 +23,7 @@ def build_quantization_config(
     """The ``quantization_config`` for 4-bit weights in groups of ``group_size``.
 
     :param float_linears: the linear layers (and MoE routers) left in float, as stored.
-    :param adapter: the model's adapter (:func:`msquant.adapter_for`): which float linears vLLM
+    :param adapter: the model's adapter (:func:`msquant.plugin.adapter_for`): which float linears vLLM
         loads as one fused matrix, whose fused name is listed too.
     """
     names = list(dict.fromkeys(float_linears))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from msquant import QuantizationError, QuantizedLinear, pack_int32
+from msquant.plugin import QuantizationError, QuantizedLinear, pack_int32
 
 __all__ = ["AWQ_BITS", "AWQ_ORDER", "PACK", "awq_module_tensors", "interleave"]
 

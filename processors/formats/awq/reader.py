@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from msquant import (
+from msquant.plugin import (
     DecodedLayer,
     ExportReader,
     Findings,

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from msquant import QuantizationError, QuantizedLinear
+from msquant.plugin import QuantizationError, QuantizedLinear
 
 __all__ = [
     "COMPRESSED_TENSORS_VERSION",

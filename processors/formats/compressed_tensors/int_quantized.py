@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from msquant import ActivationQuant, DecodedLayer, Findings, trivial_g_idx
+from msquant.plugin import ActivationQuant, DecodedLayer, Findings, trivial_g_idx
 
 __all__ = [
     "INT_PARTS",

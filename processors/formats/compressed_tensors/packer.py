@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from msquant import ActivationQuant, QuantizationError, QuantizedWeight, pack_int32
+from msquant import QuantizationError
+from msquant.plugin import ActivationQuant, QuantizedWeight, pack_int32
 
 __all__ = [
     "MIN_BITS",

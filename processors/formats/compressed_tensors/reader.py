@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from msquant import (
+from msquant.plugin import (
     ActivationQuant,
     DecodedLayer,
     ExportReader,

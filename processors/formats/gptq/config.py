@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msquant
-from msquant import ModelAdapter, QuantizationError, QuantizedLinear, parse_expert_linear
+from msquant.plugin import ModelAdapter, QuantizationError, QuantizedLinear, parse_expert_linear
 from msquant.processors.formats.gptq.scheme import (
     CheckpointFormat,
     GPTQScheme,
@@ -97,7 +97,7 @@ def layer_units(
 
     :param linears: full module name -> (scheme, module) of every linear layer of the layer;
         fused members must already be known to agree.
-    :param adapter: the model's adapter (:func:`msquant.adapter_for`): which linears vLLM loads as
+    :param adapter: the model's adapter (:func:`msquant.plugin.adapter_for`): which linears vLLM loads as
         one fused matrix, so that a group gets one rule matching the fused name too (Qwen3.5's
         ``in_proj_qkvz`` as well as ``qkv_proj``).
     """

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from msquant import QuantizedLinear, pack_int32
+from msquant.plugin import QuantizedLinear, pack_int32
 from msquant.processors.formats.gptq.scheme import CheckpointFormat, gptq_error
 
 __all__ = [
@@ -107,7 +107,7 @@ def gptq_module_tensors(
 ) -> dict[str, torch.Tensor]:
     """The GPTQ tensors of one quantized linear layer ``name`` (CPU tensors, keyed by full name).
 
-    Reads the layer's :class:`msquant.QuantizedWeight` without modifying it.
+    Reads the layer's :class:`msquant.plugin.QuantizedWeight` without modifying it.
 
     :raises QuantizationError: for a bit width GPTQ cannot store, a shape that does not pack into
         whole words, scales not representable in float16, or a bias overflowing float16.

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, TypeGuard
 
 import torch
 
-from msquant import (
+from msquant.plugin import (
     DecodedLayer,
     ExportReader,
     Findings,

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from torch import nn
 
-from msquant import QuantizationError, QuantizedLinear
+from msquant.plugin import QuantizationError, QuantizedLinear
 
 __all__ = [
     "CheckpointFormat",

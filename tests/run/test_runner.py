@@ -1,0 +1,315 @@
+"""The layer-wise runner feeds each decoder layer exactly what the full model would."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import torch
+from torch import nn
+
+import msquant
+from msquant.load.calibration import read_calibration_texts, tokenize_samples
+from msquant.load.model_folder import load_causal_lm, load_tokenizer
+from msquant.model.layers import find_decoder_layers
+from msquant.plugin import DecoderLayer, Processor, ProcessorConfig, RunContext, get_backend
+from msquant.run.capture import batch_samples
+from msquant.run.runner import run_layer_wise
+
+CALIB = Path(__file__).parents[1] / "data" / "calib.txt"
+
+
+class ProbeConfig(ProcessorConfig):
+    type: Literal["probe", "counter"] = "probe"
+
+
+class Probe(Processor):
+    """Records the hidden states entering and leaving each layer during the calibration forward."""
+
+    type_name = "probe"
+    config_class = ProbeConfig
+    requires_calibration = True
+
+    def setup(self, ctx: RunContext) -> None:
+        self.inputs: dict[int, list[torch.Tensor]] = {}
+        self.outputs: dict[int, list[torch.Tensor]] = {}
+        self.events: list[str] = ["setup"]
+
+    def before_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
+        self.events.append(f"before:{layer.index}")
+
+        def pre(
+            module: nn.Module, args: tuple[torch.Tensor, ...], kwargs: dict[str, object]
+        ) -> None:
+            self.inputs.setdefault(layer.index, []).append(args[0].clone())
+
+        def post(module: nn.Module, args: object, kwargs: object, out: object) -> None:
+            tensor = out[0] if isinstance(out, tuple) else out
+            assert isinstance(tensor, torch.Tensor)
+            self.outputs.setdefault(layer.index, []).append(tensor.clone())
+
+        self.handles = [
+            layer.module.register_forward_pre_hook(pre, with_kwargs=True),
+            layer.module.register_forward_hook(post, with_kwargs=True),
+        ]
+
+    def after_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.events.append(f"after:{layer.index}")
+
+    def finalize(self, ctx: RunContext) -> None:
+        self.events.append("finalize")
+
+
+ARCH_CASES = [
+    pytest.param("llama", {}, id="llama"),
+    pytest.param(
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
+        id="qwen2-mixed-sliding",
+    ),
+    pytest.param("qwen3", {}, id="qwen3"),
+    pytest.param("mistral", {}, id="mistral-sliding"),
+]
+
+
+@pytest.mark.parametrize(("arch", "overrides"), ARCH_CASES)
+def test_layer_inputs_match_full_forward(
+    arch: str, overrides: dict[str, object], tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    model_dir = tiny_model_factory(arch, num_layers=3, **overrides)
+    model = load_causal_lm(model_dir)
+    samples = tokenize_samples(read_calibration_texts(CALIB)[:3], load_tokenizer(model_dir))
+    assert all(s.shape[1] > 6 for s in samples)  # longer than the sliding window
+    with torch.no_grad():
+        reference = [model(input_ids=s, output_hidden_states=True).hidden_states for s in samples]
+    layers = find_decoder_layers(model)
+    assert [layer.name for layer in layers] == [
+        "model.layers.0",
+        "model.layers.1",
+        "model.layers.2",
+    ]
+    probe = Probe(ProbeConfig())
+    ctx = RunContext(model, model_dir, tmp_path, get_backend("cpu"), layers)
+    run_layer_wise(ctx, [probe], samples, progress=False)
+
+    assert probe.events == [
+        "setup",
+        "before:0",
+        "after:0",
+        "before:1",
+        "after:1",
+        "before:2",
+        "after:2",
+        "finalize",
+    ]
+    for i in range(3):
+        for s, ref in enumerate(reference):
+            torch.testing.assert_close(probe.inputs[i][s], ref[i], rtol=1e-5, atol=1e-5)
+            if i < 2:  # the last hidden state reported by HF is after the final norm
+                torch.testing.assert_close(probe.outputs[i][s], ref[i + 1], rtol=1e-5, atol=1e-5)
+    # the layer list was restored after capture
+    assert all(
+        type(layer.module).__name__.endswith("DecoderLayer") for layer in find_decoder_layers(model)
+    )
+
+
+def test_equal_length_samples_run_as_one_batch(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Samples of one length are stacked; each row equals that sample's own forward (sliding
+    window and full attention layers mixed, so both masks must be batched correctly)."""
+    model_dir = tiny_model_factory(
+        "qwen2", num_layers=3, use_sliding_window=True, sliding_window=6, max_window_layers=1
+    )
+    model = load_causal_lm(model_dir)
+    samples = tokenize_samples(read_calibration_texts(CALIB)[:5], load_tokenizer(model_dir), 12)
+    assert {s.shape[1] for s in samples} == {12}
+    with torch.no_grad():
+        reference = [model(input_ids=s, output_hidden_states=True).hidden_states for s in samples]
+    probe = Probe(ProbeConfig())
+    ctx = RunContext(model, model_dir, tmp_path, get_backend("cpu"), find_decoder_layers(model))
+    run_layer_wise(ctx, [probe], samples, progress=False)
+    for i in range(3):
+        (batch,) = probe.inputs[i]
+        assert batch.shape == (5, 12, 64)
+        for row, ref in enumerate(reference):
+            torch.testing.assert_close(batch[row : row + 1], ref[i], rtol=1e-5, atol=1e-5)
+
+
+def test_batch_samples_groups_equal_lengths_within_the_token_budget() -> None:
+    def ids(length: int, value: int) -> torch.Tensor:
+        return torch.full((1, length), value)
+
+    samples = [ids(4, 0), ids(3, 1), ids(4, 2), ids(4, 3), ids(9, 4), ids(3, 5), ids(4, 6)]
+    batches = batch_samples(samples, max_batch_tokens=12)
+    # length 4: three per batch (12 tokens); length 3: both; a sample over the budget runs alone
+    assert [b[:, 0].tolist() for b in batches] == [[0, 2, 3], [1, 5], [4], [6]]
+    assert sum(int(b.shape[0]) for b in batches) == len(samples)
+    assert [b.shape[0] for b in batch_samples(samples, max_batch_tokens=1)] == [1] * 7
+    with pytest.raises(ValueError, match=r"\[1, seq\] tensors, got \(2, 4\)"):
+        batch_samples([torch.zeros(2, 4)])
+
+
+def test_data_free_processors_skip_calibration(tiny_llama: Path, tmp_path: Path) -> None:
+    model = load_causal_lm(tiny_llama)
+    layers = find_decoder_layers(model)
+    calls: list[int] = []
+
+    class Counter(Processor):
+        type_name = "counter"
+        config_class = ProbeConfig
+
+        def before_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
+            layer.module.register_forward_hook(lambda *a: calls.append(layer.index))
+
+    ctx = RunContext(model, tiny_llama, tmp_path, get_backend("cpu"), layers)
+    run_layer_wise(ctx, [Counter(ProbeConfig())], None, progress=False)
+    assert calls == []  # no forward ran
+
+
+def test_decoder_layers_found_generically() -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+            self.proj = nn.Linear(4, 64)
+
+    class Toy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.heads = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+            self.backbone = nn.Module()
+            self.backbone.blocks = nn.ModuleList([Block() for _ in range(3)])
+
+    layers = find_decoder_layers(Toy())
+    assert [layer.name for layer in layers] == [
+        "backbone.blocks.0",
+        "backbone.blocks.1",
+        "backbone.blocks.2",
+    ]
+    with pytest.raises(msquant.ModelLoadError, match="cannot find the decoder layers"):
+        find_decoder_layers(nn.Sequential(nn.Linear(2, 2)))
+
+
+class PassProbe(Probe):
+    """Asks for ``passes`` calibration passes over layer 1 only, recording the events and the
+    layer-1 forwards of each pass."""
+
+    def __init__(self, passes: int) -> None:
+        super().__init__(ProbeConfig())
+        self.passes = passes
+
+    def calibration_passes(self, layer: DecoderLayer) -> int:
+        return self.passes if layer.index == 1 else 1
+
+    def before_pass(self, ctx: RunContext, layer: DecoderLayer, index: int) -> None:
+        self.events.append(f"pass:{layer.index}.{index}")
+
+    def after_pass(self, ctx: RunContext, layer: DecoderLayer, index: int) -> None:
+        self.events.append(f"done:{layer.index}.{index}")
+
+
+def test_layers_get_the_most_passes_any_processor_asks_for(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Extra passes repeat the same inputs through the layer; the first one's outputs feed the
+    next layer, so the next layer's inputs are those of a single-pass run."""
+    model_dir = tiny_model_factory("llama", num_layers=3)
+    model = load_causal_lm(model_dir)
+    samples = tokenize_samples(read_calibration_texts(CALIB)[:2], load_tokenizer(model_dir))
+    with torch.no_grad():
+        reference = [model(input_ids=s, output_hidden_states=True).hidden_states for s in samples]
+    many, one = PassProbe(3), PassProbe(1)
+    ctx = RunContext(model, model_dir, tmp_path, get_backend("cpu"), find_decoder_layers(model))
+    run_layer_wise(ctx, [one, many], samples, progress=False)
+
+    batches = len(batch_samples(samples))
+    assert batches == len(samples)  # samples of different lengths: one batch each
+    assert [e for e in many.events if ":1" in e] == [
+        "before:1",
+        "pass:1.0", "done:1.0", "pass:1.1", "done:1.1", "pass:1.2", "done:1.2",
+        "after:1",
+    ]  # fmt: skip
+    assert one.events == many.events  # every processor hears of every pass
+    assert len(many.inputs[0]) == batches and len(many.inputs[1]) == 3 * batches
+    for index in range(3):  # every pass over layer 1 saw the same inputs
+        for batch in range(batches):
+            torch.testing.assert_close(
+                many.inputs[1][index * batches + batch], many.inputs[1][batch], rtol=0, atol=0
+            )
+    for i, sample_states in enumerate(reference):  # layer 2 sees the float model's states
+        torch.testing.assert_close(many.inputs[2][i], sample_states[2], rtol=1e-5, atol=1e-5)
+
+
+class ChangingProbe(Probe):
+    """Zeroes layer 1's ``down_proj`` after calibration pass 0 (``in_pass``) or in
+    ``after_layer``, and says whether the next layer is calibrated on the changed outputs."""
+
+    def __init__(self, on_quantized: bool, in_pass: bool) -> None:
+        super().__init__(ProbeConfig())
+        self.calibrate_on_quantized = on_quantized
+        self.in_pass = in_pass
+
+    def calibration_passes(self, layer: DecoderLayer) -> int:
+        return 2 if layer.index == 1 and self.in_pass else 1
+
+    def _zero(self, layer: DecoderLayer) -> None:
+        if layer.index == 1:
+            with torch.no_grad():
+                layer.module.mlp.down_proj.weight.zero_()
+
+    def after_pass(self, ctx: RunContext, layer: DecoderLayer, index: int) -> None:
+        if self.in_pass and index == 0:
+            self._zero(layer)
+
+    def after_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
+        super().after_layer(ctx, layer)
+        if not self.in_pass:
+            self._zero(layer)
+
+
+@pytest.mark.parametrize("in_pass", [False, True], ids=["after_layer", "after_pass"])
+@pytest.mark.parametrize("on_quantized", [False, True], ids=["float", "quantized"])
+def test_next_layer_inputs_are_float_or_processed_outputs(
+    on_quantized: bool,
+    in_pass: bool,
+    tiny_model_factory: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    """Layer 2 is calibrated on the float model's states (the first pass's outputs, taken before
+    any processor changed layer 1), or with ``calibrate_on_quantized`` on the outputs of layer 1
+    as the processors left it (one more forward after ``after_layer``)."""
+    model_dir = tiny_model_factory("llama", num_layers=3)
+    model = load_causal_lm(model_dir)
+    samples = tokenize_samples(read_calibration_texts(CALIB)[:2], load_tokenizer(model_dir))
+    with torch.no_grad():
+        floating = [model(input_ids=s, output_hidden_states=True).hidden_states for s in samples]
+    probe = ChangingProbe(on_quantized, in_pass)
+    ctx = RunContext(model, model_dir, tmp_path, get_backend("cpu"), find_decoder_layers(model))
+    run_layer_wise(ctx, [probe], samples, progress=False)
+    assert not bool(model.model.layers[1].mlp.down_proj.weight.any())  # the change happened
+    with torch.no_grad():
+        changed = [model(input_ids=s, output_hidden_states=True).hidden_states for s in samples]
+    expected, other = (changed, floating) if on_quantized else (floating, changed)
+    # the probe's hooks (removed in after_layer) saw each calibration pass over layer 1
+    assert len(probe.inputs[1]) == len(samples) * (2 if in_pass else 1)
+    for i, states in enumerate(expected):
+        torch.testing.assert_close(probe.inputs[2][i], states[2], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(probe.inputs[2][i], other[i][2], rtol=1e-3, atol=1e-3)
+
+
+def test_quantized_calibration_needs_a_calibrating_processor() -> None:
+    """``calibrate_on_quantized`` counts only for processors that calibrate."""
+    from msquant.run.runner import calibrates_on_quantized
+
+    asking = Probe(ProbeConfig())
+    asking.calibrate_on_quantized = True
+    idle = Probe(ProbeConfig())
+    idle.requires_calibration = False
+    idle.calibrate_on_quantized = True
+    assert calibrates_on_quantized([Probe(ProbeConfig()), asking])
+    assert not calibrates_on_quantized([Probe(ProbeConfig()), idle])

@@ -1,0 +1,128 @@
+"""The one place the four registries read their entry-point groups and claim names
+(``msquant/registry_base.py``): found once each in name order, broken or wrong plugins reported
+by name, a name two classes claim refused."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib.metadata import EntryPoint
+
+import pytest
+
+from msquant import RegistryError
+from msquant.registry_base import (
+    check_entry_point_name,
+    claim,
+    distinct_entry_points,
+    plugin_classes,
+    plugin_instances,
+)
+
+GROUP = "msquant.test_group"
+
+
+class Base:
+    """A plugin base class for these tests."""
+
+
+class Child(Base):
+    """A valid plugin class."""
+
+
+class Other(Base):
+    """A second valid plugin class."""
+
+
+INSTANCE = Child()
+
+
+@pytest.fixture
+def advertise(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """Make the entry-point group hold the given ``(name, value)`` pairs."""
+
+    def fake(*specs: tuple[str, str]) -> None:
+        points = [EntryPoint(name, value, GROUP) for name, value in specs]
+        monkeypatch.setattr(
+            "msquant.registry_base.entry_points",
+            lambda *, group: [ep for ep in points if ep.group == group],
+        )
+
+    return fake
+
+
+def test_entry_points_are_sorted_and_each_pair_kept_once() -> None:
+    found = [
+        EntryPoint("b", "m:B", GROUP),
+        EntryPoint("a", "m:A", GROUP),
+        EntryPoint("b", "m:B", GROUP),  # one distribution visible twice on sys.path
+        EntryPoint("a", "m:Z", GROUP),
+    ]
+    assert [(e.name, e.value) for e in distinct_entry_points(found)] == [
+        ("a", "m:A"),
+        ("a", "m:Z"),
+        ("b", "m:B"),
+    ]
+
+
+def test_classes_are_loaded_in_name_order(advertise: Callable[..., None]) -> None:
+    advertise(("second", f"{__name__}:Other"), ("first", f"{__name__}:Child"))
+    assert [(ep.name, cls) for ep, cls in plugin_classes(GROUP, Base, "thing")] == [
+        ("first", Child),
+        ("second", Other),
+    ]
+
+
+def test_a_plugin_that_cannot_be_imported_is_named(advertise: Callable[..., None]) -> None:
+    advertise(("broken", "no_such_module_xyz:Thing"))
+    with pytest.raises(RegistryError) as info:
+        plugin_classes(GROUP, Base, "test thing")
+    assert str(info.value).startswith(
+        "cannot load test thing plugin 'broken' from entry point 'no_such_module_xyz:Thing': "
+    )
+
+
+def test_an_object_of_the_wrong_kind_is_named_with_the_public_spelling(
+    advertise: Callable[..., None],
+) -> None:
+    advertise(("wrong", "json:dumps"))
+    with pytest.raises(RegistryError) as info:
+        plugin_classes(GROUP, Base, "thing")
+    assert str(info.value) == (
+        "entry point 'wrong' = 'json:dumps' is not a msquant.plugin.Base subclass"
+    )
+    with pytest.raises(RegistryError) as info:
+        plugin_instances(GROUP, Base, "thing")
+    assert str(info.value) == "entry point 'wrong' = 'json:dumps' is not a msquant.plugin.Base"
+
+
+def test_instances_are_loaded(advertise: Callable[..., None]) -> None:
+    advertise(("one", f"{__name__}:INSTANCE"))
+    assert [(ep.name, obj) for ep, obj in plugin_instances(GROUP, Base, "thing")] == [
+        ("one", INSTANCE)
+    ]
+    advertise(("cls", f"{__name__}:Child"))  # a class where an instance is expected
+    with pytest.raises(RegistryError, match="is not a msquant.plugin.Base$"):
+        plugin_instances(GROUP, Base, "thing")
+
+
+def test_a_name_claimed_by_two_classes_is_refused() -> None:
+    table: dict[str, type[Base]] = {}
+    assert claim(table, "x", Child, "thing") is Child
+    assert claim(table, "x", Child, "thing") is Child  # the same class again: harmless
+    with pytest.raises(RegistryError) as info:
+        claim(table, "x", Other, "thing")
+    assert str(info.value) == (
+        f"thing 'x' is registered twice: by {__name__}.Child and {__name__}.Other"
+    )
+    assert table == {"x": Child}
+
+
+def test_an_entry_point_must_carry_its_objects_name() -> None:
+    ep = EntryPoint("alias", "m:Thing", GROUP)
+    check_entry_point_name(EntryPoint("thing", "m:Thing", GROUP), "thing", "thing")
+    with pytest.raises(RegistryError) as info:
+        check_entry_point_name(ep, "thing", "export format")
+    assert str(info.value) == (
+        "entry point 'alias' = 'm:Thing' names the export format 'thing'; the two names must be "
+        "equal"
+    )
