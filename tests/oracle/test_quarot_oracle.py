@@ -84,7 +84,7 @@ def test_tied_model_msmodelslim_cannot_save_msquant_unties(tmp_path: Path) -> No
     msModelSlim's export of the untied model in every tensor but the head, whose weight is the
     embedding with the final norm folded in, rotated (float32, as msModelSlim rotates a head)."""
     import msquant
-    from msquant import random_hadamard
+    from msquant.quant.rotation import random_hadamard
 
     untied_dir = _their_export("qwen3_rot", "w8a8_dynamic")  # also writes the YAML
     config = quarot_run.config_path(CACHE, "w8a8_dynamic")
@@ -131,7 +131,7 @@ def test_other_sizes_differ_only_by_the_hadamard_factor(size: int, tmp_path: Pat
     rotation bit for bit; with its own factor, a different but equally orthogonal rotation."""
     import subprocess
 
-    from msquant import random_hadamard
+    from msquant.quant.rotation import random_hadamard
 
     venv = _venv()
     out = tmp_path / "theirs.safetensors"

@@ -21,6 +21,7 @@ from msquant.evaluate.models import load_model_for_eval
 from msquant.plugin import RunContext, adapter_for, get_backend
 from msquant.processors.quarot.config import QuaRotConfig
 from msquant.processors.quarot.processor import QuaRot, check_rms_norm
+from msquant.quant.rotation import random_hadamard
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 TOKENS = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 300, 2]])
@@ -157,7 +158,6 @@ def test_model_wise_rotation_matches_msmodelslim_arithmetic(
     norm_model_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
     # float32 weights are rotated in float32 (msModelSlim's arithmetic): q_proj = (W * g) @ R
-    from msquant.quant.rotation import random_hadamard
 
     model = _load(norm_model_factory("llama"))
     weight = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
@@ -294,7 +294,7 @@ def test_full_run_float_export_computes_the_same_logits(
         "quarot": {"rotation_map": {"global_rotation": "optional/quarot.safetensors"}}
     }
     rotation = load_file(str(out / "optional" / "quarot.safetensors"))["global_rotation"]
-    assert torch.equal(rotation, msquant.random_hadamard(64))
+    assert torch.equal(rotation, random_hadamard(64))
     assert description["lm_head.weight"] == "FLOAT"
 
 

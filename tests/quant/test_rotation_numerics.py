@@ -5,19 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from msquant import (
-    block_diagonal,
-    hadamard_matrix,
-    paley_hadamard,
-    random_hadamard,
-    sylvester_hadamard,
-)
 from msquant.plugin import (
     fuse_norm_into_linear,
     hadamard_core_order,
     rotate_input,
     rotate_output,
     rotation_for,
+)
+from msquant.quant.rotation import (
+    block_diagonal,
+    hadamard_matrix,
+    paley_hadamard,
+    random_hadamard,
+    sylvester_hadamard,
 )
 
 F64 = torch.float64
