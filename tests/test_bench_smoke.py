@@ -62,7 +62,7 @@ def test_msmodelslim_configs_table_names_what_is_missing(tmp_path: Path) -> None
         f"        - {{type: linear_quant, qconfig: {{weight: {weight % 'minmax'}}}}}\n"
     )
     refused = (
-        "apiversion: modelslim_v1\nspec:\n  process:\n    - type: quarot\n"
+        "apiversion: modelslim_v1\nspec:\n  process:\n    - type: flatquant\n"
         f"    - {{type: linear_quant, qconfig: {{weight: {weight % 'mse_round'}}}}}\n"
     )
     wheel = tmp_path / "msmodelslim-0-py3-none-any.whl"
@@ -78,7 +78,7 @@ def test_msmodelslim_configs_table_names_what_is_missing(tmp_path: Path) -> None
     rows = {line.split("\t")[0]: line.split("\t") for line in out.splitlines() if "\t" in line}
     assert set(rows) == {"file", "a/valid.yaml", "b/refused.yaml", "c/old.yaml"}
     assert rows["a/valid.yaml"][2:5] == ["W8A16 minmax", "group[linear_quant]", "valid"]
-    assert rows["b/refused.yaml"][4:6] == ["refused (2)", "method mse_round; processor quarot"]
+    assert rows["b/refused.yaml"][4:6] == ["refused (2)", "method mse_round; processor flatquant"]
     assert rows["b/refused.yaml"][6].startswith("spec.process[0].type: unknown processor type")
     assert rows["c/old.yaml"][5] == "apiversion 'modelslim_v0'"
     assert "modelslim_v1: 1 of 2 validate" in out

@@ -226,8 +226,8 @@ CASES: dict[str, Callable[[Path, Path, Callable[[str], Path]], Case]] = {
         extra=["--quant_type", "w4a4"],
     ),
     "prior_stage_unknown_processor": lambda t, m, c: Case(
-        ["spec.prior[0].process[0].type", "unknown processor type 'quarot'"],
-        config=GPTQ_YAML + "  prior:\n    - process: [{type: quarot}]\n",
+        ["spec.prior[0].process[0].type", "unknown processor type 'flatquant'"],
+        config=GPTQ_YAML + "  prior:\n    - process: [{type: flatquant}]\n",
     ),
     # --- model ---
     "missing_model_dir": lambda t, m, c: Case(

@@ -530,9 +530,10 @@ def test_unknown_method_lists_methods(registry: ProcessorRegistry) -> None:
 
 def test_prior_stage_entries_are_validated_as_process_entries(registry: ProcessorRegistry) -> None:
     load_config_text("spec:\n  prior: [{process: [], dataset: boolq.jsonl}]\n", registry)
-    err = config_error("spec:\n  prior: [{process: [{type: quarot}]}]\n", registry)
+    err = config_error("spec:\n  prior: [{process: [{type: flatquant}]}]\n", registry)
     assert (
-        "unknown processor type 'quarot'" in issue_at(err, "spec.prior[0].process[0].type").message
+        "unknown processor type 'flatquant'"
+        in issue_at(err, "spec.prior[0].process[0].type").message
     )
 
 
