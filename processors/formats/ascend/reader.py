@@ -1,5 +1,10 @@
 """Reader of the Ascend exports: msModelSlim v1 (``ascendv1_saver``) and MindIE naming.
 
+Why this file is over 500 lines: one reader class decodes every Ascend layer type (W8A16, W4A16,
+W8A8, W8A8_DYNAMIC, W4A8_DYNAMIC) against one description and tensor store; the next split is the
+activation schemes' decoding (``_decode_w8a8`` / ``_decode_w4a8``) into its own module (named in
+the session note).
+
 Layouts (msModelSlim 26.1, see ``shared/reference/msmodelslim.md`` section 7):
 
 * v1: ``quant_model_description.json`` + ``quant_model_weights.safetensors`` or

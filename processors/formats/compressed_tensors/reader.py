@@ -1,7 +1,12 @@
 """Reader of compressed-tensors checkpoints (``quant_method == "compressed-tensors"``).
 
-Only the weight-only ``pack-quantized`` format is read (``shared/reference/formats.md`` 3.2). Per
-quantized linear ``P``:
+Why this file is over 500 lines: one reader class holds the checks of a config group, of its
+tensors and of the consumers' limits, which share the parsed groups and the tensor store; the
+next split is the ``int-quantized`` decoding into its own module (named in the session note).
+
+Two formats are read: the weight-only ``pack-quantized`` one (``shared/reference/formats.md`` 3.2)
+and ``int-quantized`` int8 W8A8 (``weight`` int8, ``weight_scale``, and for static activations
+``input_scale`` / ``input_zero_point``; see docs/formats.md). Per ``pack-quantized`` linear ``P``:
 
 * ``P.weight_packed`` int32 ``[out, ceil(in*b/32)]``: codes ``q + 2^(b-1)`` packed densely along
   the input dimension, LSB first;
