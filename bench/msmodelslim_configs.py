@@ -8,6 +8,7 @@ Usage::
     python bench/msmodelslim_configs.py --wheel msmodelslim-26.1.0-py3-none-any.whl
     python bench/msmodelslim_configs.py --dir site-packages/msmodelslim   # an installed copy
     python bench/msmodelslim_configs.py --markdown > table.md
+    python bench/msmodelslim_configs.py --apiversion modelslim_v1 --run   # also run the valid ones
 
 The downloaded wheel is kept in ``--cache`` (default ``~/.cache/msquant/msmodelslim``) and used
 from there next time; nothing is installed and none of its code is run. Every file is validated
@@ -15,6 +16,10 @@ with the installed msquant's processors (``msquant.default_registry()``), exactl
 validate`` does; a refused file names, in the ``missing`` column, what msquant lacks (processor
 types, weight methods, activation schemes, the apiversion) and, in ``first error``, the first
 problem ``msquant validate`` reports.
+
+``--run`` then runs every file that validates on a tiny model of its architecture family
+(``msquant quant`` with the file unchanged except the calibration data, then ``msquant verify``;
+``bench/practice_runs.py``) and prints a second table: model used, verdict, seconds.
 """
 
 from __future__ import annotations
@@ -272,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="the python of a venv with msModelSlim installed: add its own parser's verdict",
     )
+    parser.add_argument(
+        "--run",
+        action="store_true",
+        help="run every file that validates on a tiny model of its family (quant + verify)",
+    )
+    parser.add_argument("--run_dir", type=Path, help="keep the --run models and exports here")
+    parser.add_argument("--run_json", type=Path, help="also write the --run rows as JSON here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("msquant").setLevel(logging.ERROR)  # pattern warnings, anchors: not here
@@ -295,7 +307,26 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
+    if args.run:
+        run_valid(
+            [(n, t) for r, (_, n, t) in zip(rows, checked, strict=True) if r.verdict == "valid"],
+            args,
+        )
     return 0
+
+
+def run_valid(files: list[tuple[str, str]], args: argparse.Namespace) -> None:
+    """``--run``: quantize and verify each valid file on its family's tiny model; print the table."""
+    from practice_runs import render_runs, run_configs
+
+    runs = [dataclasses.replace(r, file=short(r.file)) for r in run_configs(files, args.run_dir)]
+    print()
+    print(render_runs(runs, args.markdown))
+    print()
+    verdicts = Counter(r.verdict for r in runs)
+    print(f"run: {len(runs)} valid files: " + ", ".join(f"{v} {k}" for k, v in verdicts.items()))
+    if args.run_json is not None:
+        args.run_json.write_text(json.dumps([asdict(r) for r in runs], indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -83,3 +83,39 @@ def test_msmodelslim_configs_table_names_what_is_missing(tmp_path: Path) -> None
     assert rows["c/old.yaml"][5] == "apiversion 'modelslim_v0'"
     assert "modelslim_v1: 1 of 2 validate" in out
     assert "lab_practice: 1 of 3 validate" in out
+
+
+def test_msmodelslim_configs_run_quantizes_verifies_and_reports(tmp_path: Path) -> None:
+    """``--run`` on a stand-in wheel: a valid config of a known family is quantized on that
+    family's tiny model and verified; one a tiny model cannot satisfy is reported with msquant's
+    own error line (not a traceback), one of an unknown family is reported as not run; refused
+    files are not run at all."""
+    import json
+    import zipfile
+
+    w8a16 = (
+        "apiversion: modelslim_v1\nspec:\n  process:\n    - type: linear_quant\n      qconfig:\n"
+        "        weight: {scope: per_channel, dtype: int8, symmetric: true, method: minmax}\n"
+    )
+    no_match = w8a16 + "      include: ['*.no_such_linear']\n"
+    wheel = tmp_path / "msmodelslim-0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("msmodelslim/lab_practice/default/ok.yaml", w8a16)
+        archive.writestr("msmodelslim/lab_practice/default/nothing.yaml", no_match)
+        archive.writestr("msmodelslim/lab_practice/unheard_of/x.yaml", w8a16)
+        archive.writestr("msmodelslim/lab_practice/default/old.yaml", "apiversion: modelslim_v0\n")
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "msmodelslim_configs.py"), "--wheel", str(wheel), "--run",
+         "--run_dir", str(tmp_path / "runs"), "--run_json", str(tmp_path / "runs.json")],
+        capture_output=True, text=True, check=True, timeout=600,
+    ).stdout  # fmt: skip
+    runs = {r["file"]: r for r in json.loads((tmp_path / "runs.json").read_text())}
+    assert set(runs) == {"default/ok.yaml", "default/nothing.yaml", "unheard_of/x.yaml"}
+    assert runs["default/ok.yaml"]["model"] == "Llama"
+    assert runs["default/ok.yaml"]["verdict"] == "exported+verified"
+    assert (tmp_path / "runs" / "ok" / "export" / "quant_model_description.json").is_file()
+    assert runs["default/nothing.yaml"]["verdict"] == "refused"
+    assert runs["default/nothing.yaml"]["detail"].startswith("msquant: error:")
+    assert runs["unheard_of/x.yaml"]["verdict"] == "not run"
+    assert "no tiny model for family 'unheard_of'" in runs["unheard_of/x.yaml"]["detail"]
+    assert "run: 3 valid files: " in out and "1 exported+verified" in out

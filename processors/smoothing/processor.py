@@ -63,6 +63,9 @@ class SmoothingProcessor(Processor):
     config: SmoothingConfig
     requires_calibration = True
     rewrites_layer = True
+    #: folded norms and scaled weights compute what the original computes, tensor by tensor
+    #: different: the export records it, and ``msquant verify --model_path`` compares names only
+    transforms_weights = True
     #: the input rows of each subgraph are kept for the alpha/beta search
     keeps_rows: bool = False
 

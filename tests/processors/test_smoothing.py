@@ -5,10 +5,11 @@ W8A8_DYNAMIC run exports the smoothed weights."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -250,6 +251,32 @@ def test_smoothed_w8a8_dynamic_export(
     assert (codes.int() - expected.int()).abs().max() <= 1
     assert (codes != expected).float().mean() < 0.01
     torch.testing.assert_close(scale.flatten(), weight.abs().amax(dim=1) / 127)
+
+
+@pytest.mark.parametrize("smoothing", ["iter_smooth", "smooth_quant", "flex_smooth_quant"])
+def test_smoothed_export_verifies_against_the_original_model(
+    smoothing: str,
+    tiny_model_factory: Callable[..., Path],
+    tmp_path: Path,
+    run_cli: Callable[..., Any],
+) -> None:
+    """A smoothed export differs from the float model tensor by tensor by design (folded norms,
+    scaled weights): the run records the smoothing in msquant_export.json, and ``msquant verify
+    --model_path`` then compares the original's tensor names only, saying why, instead of
+    reporting the folded norms as corrupted."""
+    model_dir = tiny_model_factory("llama", num_layers=2)
+    config = tmp_path / "c.yaml"
+    config.write_text(CONFIG.format(smoothing=f"{{type: {smoothing}}}"))
+    out = tmp_path / "out"
+    msquant.quantize(model_dir, out, config, progress=False, calib_path=CALIB)
+    marker = json.loads((out / "msquant_export.json").read_text(encoding="utf-8"))
+    assert marker["weights_transformed_by"] == [smoothing]
+    norm = "model.layers.1.post_attention_layernorm.weight"
+    original = load_causal_lm(model_dir).state_dict()[norm]
+    assert not torch.equal(load_file(str(out / "quant_model_weights.safetensors"))[norm], original)
+    against_original = run_cli("verify", out, "--model_path", model_dir)
+    assert against_original.code == 0, against_original.out + against_original.err
+    assert f"transformed by {smoothing}" in against_original.out + against_original.err
 
 
 GPTQ_CONFIG = """

@@ -1,0 +1,212 @@
+"""Run msModelSlim's configs on tiny models of their architecture families: ``msquant quant``
+with the config unchanged (only the calibration data is replaced, by a tiny local text file
+and a small ``--max_calib_tokens``), then ``msquant verify`` on the export.
+
+Used by ``bench/msmodelslim_configs.py --run``. A config's family comes from its folder in
+msModelSlim's ``lab_practice`` (``qwen3_moe/...`` -> Qwen3-MoE); each family is a random-weight
+transformers model with a tiny trained tokenizer, built by ``tests/tiny_models.py``. The
+verdict's ``msquant verify`` reads the export back on its own (layout, checksums, unpacking);
+``msquant verify --model_path`` (each tensor against the float model) is reported beside it, as
+smoothing and rotation legitimately change norms and weights (it then names the first one). Every run
+is a separate ``python -m msquant`` process, so a crash is reported as the exception's last line
+and the next config still runs.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+from tiny_models import CORPUS, build_tiny_model  # noqa: E402
+
+#: Exit status of ``msquant`` for bad input (a clear refusal, not a crash).
+EXIT_INPUT = 2
+
+#: lab_practice folder -> (tiny model name, ``build_tiny_model`` arguments). Families whose model
+#: transformers has are built as that class; the others use the closest one (said in the name).
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "default": ("Llama", dict(arch="llama")),
+    # head_dim 32 (hidden 128, 4 heads): QwQ's quarot block_size 32 must divide it
+    "qwq": ("Qwen2 (QwQ's class), head_dim 32", dict(arch="qwen2", hidden_size=128)),
+    "qwen3": ("Qwen3", dict(arch="qwen3")),
+    "qwen3_moe": ("Qwen3-MoE", dict(arch="qwen3_moe")),
+    "qwen3_next": (
+        "Qwen3-Next",
+        dict(
+            arch="qwen3",  # replaced below: model_type qwen3_next
+            model_type="qwen3_next",
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            layer_types=["linear_attention", "full_attention"],
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+        ),
+    ),
+    "deepseek_v3": ("DeepSeek-V3", dict(arch="deepseek_v3")),
+    "deepseek_v3_2": ("DeepSeek-V3 (for V3.2)", dict(arch="deepseek_v3")),
+    "deepseek_v4": ("DeepSeek-V3 (for V4)", dict(arch="deepseek_v3")),
+    "kimi_k2": ("DeepSeek-V3 (Kimi-K2's class)", dict(arch="deepseek_v3")),
+    "glm4_moe": (
+        "GLM-4-MoE",
+        dict(
+            arch="llama",
+            model_type="glm4_moe",
+            head_dim=16,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+        ),
+    ),
+    "minimax_m2": (
+        "MiniMax-M2",
+        dict(
+            arch="llama",
+            model_type="minimax_m2",
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+    ),
+}
+FAMILIES["glm_5"] = ("GLM-4-MoE (for GLM-5)", FAMILIES["glm4_moe"][1])
+
+
+@dataclass(frozen=True)
+class RunRow:
+    """One config run: the model used, the verdict and its detail, the seconds it took, and
+    what ``msquant verify --model_path`` (each tensor against the float model) says."""
+
+    file: str
+    model: str
+    verdict: str
+    detail: str
+    seconds: float
+    against_original: str = ""
+
+
+def family_of(name: str) -> str:
+    """The ``lab_practice`` folder of a config file name (``.../qwen3_moe/x.yaml`` -> qwen3_moe)."""
+    return Path(name).parent.name
+
+
+def build_family_model(family: str, directory: Path) -> str:
+    """Write the tiny model of ``family`` into ``directory``; returns the model's name."""
+    label, params = FAMILIES[family]
+    params = dict(params)
+    arch = params.pop("arch")
+    model_type = params.pop("model_type", None)
+    if model_type is not None:  # a class tests/tiny_models.py does not list: its own fields
+        import tiny_models
+
+        tiny_models.ARCHS.setdefault(model_type, {"model_type": model_type})
+        arch = model_type
+    build_tiny_model(directory, arch=arch, **params)
+    return label
+
+
+def last_line(text: str) -> str:
+    """The last non-empty line (an exception's message, or the CLI's error line)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def cli_error(text: str) -> str:
+    """The ``msquant: error: ...`` line of the CLI's output (empty when there is none)."""
+    return next((ln.strip() for ln in text.splitlines() if ln.startswith("msquant: error:")), "")
+
+
+def first_error(text: str) -> str:
+    """The first ``- ...`` finding of a ``msquant verify`` report (else its last line)."""
+    for line in text.splitlines():
+        if line.strip().startswith("- "):
+            return line.strip()[2:]
+    return last_line(text)
+
+
+def msquant_cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -m msquant ARGS`` in a fresh process, output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "msquant", *args], capture_output=True, text=True,
+        timeout=timeout, check=False,
+    )  # fmt: skip
+
+
+def run_config(
+    name: str, text: str, workdir: Path, max_calib_tokens: int = 32, timeout: float = 600
+) -> RunRow:
+    """Quantize the family's tiny model with the config ``text`` unchanged, then verify."""
+    start = time.monotonic()
+    family = family_of(name)
+    if family not in FAMILIES:
+        return RunRow(name, "-", "not run", f"no tiny model for family {family!r}", 0.0)
+    case = workdir / Path(name).stem
+    shutil.rmtree(case, ignore_errors=True)  # a previous run's model and export
+    case.mkdir(parents=True)
+    config = case / Path(name).name
+    config.write_text(text, encoding="utf-8")
+    try:
+        label = build_family_model(family, case / "model")
+    except Exception as exc:  # a tiny model transformers cannot build: say so, run the rest
+        return RunRow(name, family, "not run", f"model build: {exc!r}"[:300], 0.0)
+    save = case / "export"
+    quant = msquant_cli(
+        "quant", "--model_path", str(case / "model"), "--save_path", str(save),
+        "--config_path", str(config), "--calib_path", str(CORPUS),
+        "--max_calib_tokens", str(max_calib_tokens), "--no_progress", timeout=timeout,
+    )  # fmt: skip
+    (case / "quant.log").write_text(quant.stdout + quant.stderr, encoding="utf-8")
+    if quant.returncode == EXIT_INPUT:
+        detail = f"{cli_error(quant.stderr)} {first_error(quant.stderr)}".strip()
+        return RunRow(name, label, "refused", detail, time.monotonic() - start)
+    if quant.returncode != 0:
+        return RunRow(
+            name, label, f"crashed (exit {quant.returncode})", last_line(quant.stderr),
+            time.monotonic() - start,
+        )  # fmt: skip
+    verify = msquant_cli("verify", str(save), timeout=timeout)
+    seconds = time.monotonic() - start
+    versus = msquant_cli("verify", str(save), "--model_path", str(case / "model"), timeout=timeout)
+    against = "ok" if versus.returncode == 0 else first_error(versus.stdout + versus.stderr)
+    if verify.returncode != 0:
+        detail = first_error(verify.stdout + verify.stderr)
+        return RunRow(name, label, f"exported, verify failed (exit {verify.returncode})", detail,
+                      seconds, against)  # fmt: skip
+    return RunRow(name, label, "exported+verified", "", seconds, against)
+
+
+def run_configs(files: list[tuple[str, str]], workdir: Path | None = None) -> list[RunRow]:
+    """``run_config`` on every ``(name, text)``, in a temporary folder unless ``workdir``."""
+    if workdir is not None:
+        return [run_config(name, text, workdir) for name, text in files]
+    with tempfile.TemporaryDirectory(prefix="msquant-run-") as tmp:
+        return [run_config(name, text, Path(tmp)) for name, text in files]
+
+
+def render_runs(rows: list[RunRow], markdown: bool) -> str:
+    """The table: file, model used, verdict, detail, seconds."""
+    header = ["file", "tiny model", "verdict", "message", "seconds", "verify --model_path"]
+    body = [[r.file, r.model, r.verdict, r.detail, f"{r.seconds:.1f}", r.against_original]
+            for r in rows]  # fmt: skip
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in body]
+        return "\n".join(lines)
+    return "\n".join("\t".join(row) for row in [header, *body])
