@@ -38,53 +38,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwq": ("Qwen2 (QwQ's class), head_dim 32", dict(arch="qwen2", hidden_size=128)),
     "qwen3": ("Qwen3", dict(arch="qwen3")),
     "qwen3_moe": ("Qwen3-MoE", dict(arch="qwen3_moe")),
-    "qwen3_next": (
-        "Qwen3-Next",
-        dict(
-            arch="qwen3",  # replaced below: model_type qwen3_next
-            model_type="qwen3_next",
-            head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            layer_types=["linear_attention", "full_attention"],
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-            num_experts=8,
-            num_experts_per_tok=2,
-        ),
-    ),
+    "qwen3_next": ("Qwen3-Next", dict(arch="qwen3_next")),
     "deepseek_v3": ("DeepSeek-V3", dict(arch="deepseek_v3")),
     "deepseek_v3_2": ("DeepSeek-V3 (for V3.2)", dict(arch="deepseek_v3")),
     "deepseek_v4": ("DeepSeek-V3 (for V4)", dict(arch="deepseek_v3")),
     "kimi_k2": ("DeepSeek-V3 (Kimi-K2's class)", dict(arch="deepseek_v3")),
-    "glm4_moe": (
-        "GLM-4-MoE",
-        dict(
-            arch="llama",
-            model_type="glm4_moe",
-            head_dim=16,
-            moe_intermediate_size=32,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            n_group=1,
-            topk_group=1,
-            first_k_dense_replace=1,
-        ),
-    ),
-    "minimax_m2": (
-        "MiniMax-M2",
-        dict(
-            arch="llama",
-            model_type="minimax_m2",
-            head_dim=16,
-            intermediate_size=32,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-        ),
-    ),
+    "glm4_moe": ("GLM-4-MoE", dict(arch="glm4_moe")),
+    "minimax_m2": ("MiniMax-M2", dict(arch="minimax_m2", intermediate_size=32)),
 }
 FAMILIES["glm_5"] = ("GLM-4-MoE (for GLM-5)", FAMILIES["glm4_moe"][1])
 
@@ -110,15 +70,7 @@ def family_of(name: str) -> str:
 def build_family_model(family: str, directory: Path) -> str:
     """Write the tiny model of ``family`` into ``directory``; returns the model's name."""
     label, params = FAMILIES[family]
-    params = dict(params)
-    arch = params.pop("arch")
-    model_type = params.pop("model_type", None)
-    if model_type is not None:  # a class tests/tiny_models.py does not list: its own fields
-        import tiny_models
-
-        tiny_models.ARCHS.setdefault(model_type, {"model_type": model_type})
-        arch = model_type
-    build_tiny_model(directory, arch=arch, **params)
+    build_tiny_model(directory, **params)
     return label
 
 

@@ -130,5 +130,34 @@ MOE_ARCHS: dict[str, dict[str, Any]] = {
         qk_nope_head_dim=8,
         v_head_dim=16,
     ),
+    # Qwen3-Next: a linear-attention (Gated DeltaNet) layer, then a full-attention one, MoE MLPs
+    "qwen3_next": dict(
+        model_type="qwen3_next",
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+    ),
+    "glm4_moe": dict(
+        model_type="glm4_moe",
+        head_dim=16,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+    ),
+    # like Mixtral, MiniMax-M2's experts are ``intermediate_size`` wide: pass ``intermediate_size=32``
+    "minimax_m2": dict(
+        model_type="minimax_m2", head_dim=16, num_local_experts=4, num_experts_per_tok=2
+    ),
 }
 ARCHS.update(MOE_ARCHS)
