@@ -1,9 +1,8 @@
 """Reader of the Ascend exports: msModelSlim v1 (``ascendv1_saver``) and MindIE naming.
 
-Why this file is over 500 lines: one reader class decodes every Ascend layer type (W8A16, W4A16,
-W8A8, W8A8_DYNAMIC, W4A8_DYNAMIC) against one description and tensor store; the next split is the
-activation schemes' decoding (``_decode_w8a8`` / ``_decode_w4a8``) into its own module (named in
-the session note).
+The activation-quantized types (W8A8, W4A8_DYNAMIC) are decoded in
+:mod:`~msquant.processors.formats.ascend.activation_decode`, the type table lives in
+:mod:`~msquant.processors.formats.ascend.layer_types`.
 
 Layouts (msModelSlim 26.1, see ``shared/reference/msmodelslim.md`` section 7):
 
@@ -45,18 +44,15 @@ from msquant.plugin import (
     ExportReader,
     Findings,
     LayerReport,
-    decode_deq_scale,
     open_weights,
     parse_expert_linear,
-    quant_bias,
     read_json,
-    scale_bias,
     ties_word_embeddings,
     trivial_g_idx,
     unpack_int4_pairs,
-    unpack_int4_rows,
     weight_files_present,
 )
+from msquant.processors.formats.ascend.activation_decode import decode_w4a8, decode_w8a8
 from msquant.processors.formats.ascend.config import model_quant_type
 from msquant.processors.formats.ascend.detect import (
     DESCRIPTION_STEM,
@@ -64,25 +60,17 @@ from msquant.processors.formats.ascend.detect import (
     V1_WEIGHTS,
     description_files,
 )
+from msquant.processors.formats.ascend.layer_types import (
+    FLOAT,
+    GLOBAL_KEYS,
+    PARAMETER_LEAVES,
+    PARTS,
+    TYPE_BITS,
+    TYPE_PARTS,
+)
 
 __all__ = ["AscendReader", "GLOBAL_KEYS", "TYPE_BITS"]
 
-FLOAT = "FLOAT"  # the description type of a float tensor, also its scheme in the fused check
-
-GLOBAL_KEYS = ("version", "model_quant_type", "metadata", "group_size", "optional")
-TYPE_BITS = {"W8A16": 8, "W4A16": 4, "W8A8_DYNAMIC": 8, "W8A8": 8, "W4A8_DYNAMIC": 4}
-PARTS = ("weight", "weight_scale", "weight_offset")
-W8A8_PARTS = ("weight", "input_scale", "input_offset", "deq_scale", "quant_bias")
-#: The stored tensors of a quantized linear of each type (the bias aside).
-TYPE_PARTS = {
-    "W8A16": PARTS,
-    "W4A16": PARTS,
-    "W8A8_DYNAMIC": PARTS,
-    "W8A8": W8A8_PARTS,
-    "W4A8_DYNAMIC": (*PARTS, "scale_bias"),
-}
-#: Every tensor name ending that belongs to a quantized linear's parameters.
-PARAMETER_LEAVES = tuple(dict.fromkeys(p for parts in TYPE_PARTS.values() for p in parts[1:]))
 DESCRIPTION_NAME = re.compile(rf"^{DESCRIPTION_STEM}(?:_([A-Za-z0-9_]+))?\.json$")
 
 VLLM_ASCEND_PER_GROUP = (
@@ -344,9 +332,9 @@ class AscendReader(ExportReader):
         kind = self.types[f"{module}.weight"]
         bits = TYPE_BITS[kind]
         if kind == "W8A8":
-            return self._decode_w8a8(module)
+            return decode_w8a8(self, module)
         if kind == "W4A8_DYNAMIC":
-            return self._decode_w4a8(module)
+            return decode_w4a8(self, module)
         names = {part: f"{module}.{part}" for part in PARTS}
         present = [
             self.expect(names[part], (dtype,), None)
@@ -404,135 +392,11 @@ class AscendReader(ExportReader):
             },
         )
 
-    def _model_dtype(self) -> str | None:
+    def model_dtype(self) -> str | None:
         """The model's dtype named by config.json (``torch_dtype``, or transformers 5's ``dtype``)."""
         config = self.config or {}
         found = config.get("torch_dtype", config.get("dtype"))
         return found if isinstance(found, str) else None
-
-    def _decode_w8a8(self, module: str) -> DecodedLayer | None:
-        """A W8A8 (static activations) layer: the activation parameters and the derived tensors
-        checked, the weight scale recovered as ``deq_scale / input_scale``."""
-        names = {part: f"{module}.{part}" for part in W8A8_PARTS}
-        if self.store is None or not self.expect(names["weight"], (torch.int8,), None):
-            return None
-        weight_shape = self.store.infos[names["weight"]].shape
-        if len(weight_shape) != 2:
-            self.findings.error(
-                f"{names['weight']}: shape {list(weight_shape)}, expected [out, in]"
-            )
-            return None
-        out_features, in_features = weight_shape
-        bf16 = self._model_dtype() == "bfloat16"
-        deq_dtype = torch.float32 if bf16 else torch.int64
-        checks = [
-            self.expect(names["input_scale"], (torch.float32,), (1,)),
-            self.expect(names["input_offset"], (torch.float32,), (1,)),
-            self.expect(names["deq_scale"], (torch.float32, torch.int64), (out_features,)),
-            self.expect(names["quant_bias"], (torch.int32,), (out_features,)),
-        ]
-        if not all(checks):
-            return None
-        deq = self.store.get(names["deq_scale"])
-        if deq.dtype != deq_dtype:
-            self.findings.error(
-                f"{names['deq_scale']}: {str(deq.dtype).replace('torch.', '')}, but the model is "
-                f"{self._model_dtype() or 'not bfloat16'}: vLLM-Ascend's W8A8 scheme creates it "
-                f"{'float32 for bf16 models' if bf16 else 'int64 (float32 bits) for fp16 models'}"
-            )
-            return None
-        input_scale = float(self.store.get(names["input_scale"])[0])
-        input_offset = float(self.store.get(names["input_offset"])[0])
-        if not input_scale > 0 or input_offset != round(input_offset) or abs(input_offset) > 128:
-            self.findings.error(
-                f"{names['input_scale']} / {names['input_offset']}: {input_scale} / {input_offset}; "
-                "expected a positive scale and an integral int8 zero point"
-            )
-            return None
-        try:
-            deq_float = decode_deq_scale(deq)
-        except ValueError as error:
-            self.findings.error(f"{names['deq_scale']}: {error}")
-            return None
-        codes = self.store.get(names["weight"])
-        stored_bias = self.store.get(names["quant_bias"])
-        if not torch.equal(stored_bias, quant_bias(codes, input_offset)):
-            count = int((stored_bias != quant_bias(codes, input_offset)).sum())
-            self.findings.error(
-                f"{names['quant_bias']}: {count} value(s) differ from -input_offset * sum of the "
-                "weight codes of their row"
-            )
-        scale = (deq_float.double() / input_scale).to(torch.float32).reshape(out_features, 1)
-        return DecodedLayer(
-            name=module,
-            scheme="W8A8",
-            bits=8,
-            group_size=None,
-            codes=codes.to(torch.int32),
-            scale=scale,
-            offset=torch.zeros_like(scale),
-            g_idx=trivial_g_idx(in_features, in_features),
-            scale_dtype=torch.float32,
-            tensors={
-                "codes": names["weight"],
-                "scale": f"{names['deq_scale']} / {names['input_scale']}",
-                "offset": f"{module} (symmetric weights: zero)",
-                "g_idx": f"{module} (per-channel)",
-            },
-        )
-
-    def _decode_w4a8(self, module: str) -> DecodedLayer | None:
-        """A W4A8_DYNAMIC layer: int4 codes unpacked from pairs of rows, ``scale_bias`` checked
-        against them exactly."""
-        names = {part: f"{module}.{part}" for part in TYPE_PARTS["W4A8_DYNAMIC"]}
-        if self.store is None or not self.expect(names["weight"], (torch.int8,), None):
-            return None
-        rows, in_features = self.store.infos[names["weight"]].shape
-        out_features = rows * 2
-        checks = [
-            self.expect(names["weight_scale"], (torch.float32,), (out_features, 1)),
-            self.expect(names["weight_offset"], (torch.float32,), (out_features, 1)),
-            self.expect(names["scale_bias"], (torch.float32,), None),
-        ]
-        if not all(checks):
-            return None
-        stored_bias = self.store.get(names["scale_bias"])
-        slices = stored_bias.shape[1] if stored_bias.dim() == 2 else 0
-        if (
-            stored_bias.dim() != 2
-            or stored_bias.shape[0] != out_features
-            or slices < 1
-            or in_features % slices
-        ):
-            self.findings.error(
-                f"{names['scale_bias']}: shape {list(stored_bias.shape)}, expected "
-                f"[{out_features}, 1] or [{out_features}, 16]"
-            )
-            return None
-        codes = unpack_int4_rows(self.store.get(names["weight"]))
-        scale = self.store.get(names["weight_scale"])
-        if not torch.equal(stored_bias, scale_bias(codes, scale, slices)):
-            self.findings.error(
-                f"{names['scale_bias']}: differs from 8 * the sum of the dequantized weights "
-                f"over {slices} slice(s) of each row"
-            )
-        return DecodedLayer(
-            name=module,
-            scheme="W4A8_DYNAMIC",
-            bits=4,
-            group_size=None,
-            codes=codes.to(torch.int32),
-            scale=scale,
-            offset=self.store.get(names["weight_offset"]).to(torch.float32),
-            g_idx=trivial_g_idx(in_features, in_features),
-            scale_dtype=torch.float32,
-            tensors={
-                "codes": names["weight"],
-                "scale": names["weight_scale"],
-                "offset": names["weight_offset"],
-                "g_idx": f"{module} (per-channel)",
-            },
-        )
 
     def activation_of(self, module: str) -> ActivationQuant | None:
         """How the deployed layer ``module`` quantizes its input (``msquant eval`` simulates it):

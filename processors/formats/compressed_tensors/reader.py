@@ -1,8 +1,7 @@
 """Reader of compressed-tensors checkpoints (``quant_method == "compressed-tensors"``).
 
-Why this file is over 500 lines: one reader class holds the checks of a config group, of its
-tensors and of the consumers' limits, which share the parsed groups and the tensor store; the
-next split is the ``int-quantized`` decoding into its own module (named in the session note).
+The config groups are parsed and checked in
+:mod:`~msquant.processors.formats.compressed_tensors.config_groups`.
 
 Two formats are read: the weight-only ``pack-quantized`` one (``shared/reference/formats.md`` 3.2)
 and ``int-quantized`` int8 W8A8 (``weight`` int8, ``weight_scale``, and for static activations
@@ -30,7 +29,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Hashable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,27 +46,17 @@ from msquant.plugin import (
     words_needed,
 )
 from msquant.processors.formats.compressed_tensors import int_quantized
+from msquant.processors.formats.compressed_tensors.config_groups import (
+    PACK_QUANTIZED,
+    ConfigGroup,
+    CTScheme,
+    parse_config_groups,
+)
 from msquant.processors.formats.compressed_tensors.int_quantized import INT_PARTS, INT_QUANTIZED
 
 __all__ = ["CompressedTensorsReader", "CTScheme"]
 
-PACK_QUANTIZED = "pack-quantized"
 PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
-ARG_KEYS = {
-    "num_bits",
-    "type",
-    "symmetric",
-    "group_size",
-    "strategy",
-    "block_structure",
-    "dynamic",
-    "actorder",
-    "scale_dtype",
-    "zp_dtype",
-    "observer",
-    "observer_kwargs",
-}
-ALLOWED_ACTORDER = (None, "weight", "static")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INT_DTYPES = (torch.int64, torch.int32)
 CLASS_TARGETS = ("Linear",)
@@ -96,52 +84,6 @@ VLLM_ASYM_ZERO_POINT = (
 )
 
 
-@dataclass(frozen=True)
-class CTScheme:
-    """The weight scheme of one config group."""
-
-    group: str
-    bits: int
-    symmetric: bool
-    strategy: str  # channel | group
-    group_size: int | None
-    #: int8 activations (``int-quantized``): ``tensor`` (static) or ``token`` (dynamic); None
-    #: for weight-only ``pack-quantized``.
-    input_strategy: str | None = None
-    input_symmetric: bool = True
-
-    def key(self) -> Hashable:
-        """What two fused shards must share (the group name does not matter)."""
-        return (
-            self.bits,
-            self.symmetric,
-            self.strategy,
-            self.group_size,
-            self.input_strategy,
-            self.input_symmetric,
-        )
-
-    def describe(self) -> str:
-        """E.g. ``int4 group 32 asym (group_0)``, ``int8 per-channel sym a8 token (group_0)``."""
-        scope = "per-channel" if self.strategy == "channel" else f"group {self.group_size}"
-        act = ""
-        if self.input_strategy is not None:
-            kind = (
-                ""
-                if self.input_strategy == "token"
-                else (" sym" if self.input_symmetric else " asym")
-            )
-            act = f" a8 {self.input_strategy}{kind}"
-        return f"int{self.bits} {scope} {'sym' if self.symmetric else 'asym'}{act} ({self.group})"
-
-
-@dataclass(frozen=True)
-class _Group:
-    name: str
-    targets: tuple[str, ...]
-    scheme: CTScheme | None
-
-
 class CompressedTensorsReader(ExportReader):
     """Checks ``quantization_config`` and every ``weight_packed`` set."""
 
@@ -151,7 +93,7 @@ class CompressedTensorsReader(ExportReader):
         super().__init__(directory, findings)
         self.qconfig: dict[str, Any] = dict(config.get("quantization_config") or {})
         self._check_top_level()
-        self.groups = self._config_groups()
+        self.groups = parse_config_groups(self.qconfig, self.findings)
         ignore = self.qconfig.get("ignore") or []
         self.ignore: tuple[str, ...] = (
             tuple(str(i) for i in ignore) if isinstance(ignore, list) else ()
@@ -177,138 +119,6 @@ class CompressedTensorsReader(ExportReader):
         if not isinstance(self.qconfig.get("ignore", []), list):
             self.findings.error(f"{where}: ignore must be a list")
 
-    def _config_groups(self) -> list[_Group]:
-        groups = self.qconfig.get("config_groups")
-        if not isinstance(groups, dict) or not groups:
-            self.findings.error("config.json quantization_config lacks config_groups")
-            return []
-        found = []
-        for name, group in groups.items():
-            where = f"quantization_config.config_groups.{name}"
-            if not isinstance(group, dict):
-                self.findings.error(f"{where} must be an object")
-                continue
-            targets = group.get("targets")
-            if not isinstance(targets, list) or not targets:
-                self.findings.error(f"{where}.targets must be a non-empty list")
-                targets = []
-            found.append(
-                _Group(name, tuple(str(t) for t in targets), self._group_scheme(name, group))
-            )
-        return found
-
-    def _group_scheme(self, name: str, group: dict[str, Any]) -> CTScheme | None:
-        where = f"quantization_config.config_groups.{name}"
-        group_format = group.get("format") or self.qconfig.get("format")
-        if group_format == INT_QUANTIZED:
-            return self._int_group_scheme(name, group, where)
-        if group_format != PACK_QUANTIZED:
-            self.findings.error(
-                f"{where}: format {group_format!r} is not verified by msquant verify "
-                f"(it reads {PACK_QUANTIZED} weight-only and {INT_QUANTIZED} int8 W8A8 "
-                "checkpoints)"
-            )
-            return None
-        for key in ("input_activations", "output_activations"):
-            if group.get(key) is not None:
-                self.findings.error(
-                    f"{where}.{key} is set: activation quantization is not verified by msquant verify"
-                )
-                return None
-        weights = group.get("weights")
-        if not isinstance(weights, dict):
-            self.findings.error(f"{where}.weights must be an object")
-            return None
-        return self._weight_args(name, weights, f"{where}.weights")
-
-    def _int_group_scheme(self, name: str, group: dict[str, Any], where: str) -> CTScheme | None:
-        """An ``int-quantized`` group: int8 per-channel symmetric weights with int8 activations
-        (what vLLM's CompressedTensorsW8A8Int8 loads and msquant writes)."""
-        if group.get("output_activations") is not None:
-            self.findings.error(
-                f"{where}.output_activations is set: not verified by msquant verify"
-            )
-            return None
-        weights = group.get("weights")
-        if not isinstance(weights, dict):
-            self.findings.error(f"{where}.weights must be an object")
-            return None
-        scheme = self._weight_args(name, weights, f"{where}.weights")
-        if scheme is None:
-            return None
-        if (scheme.bits, scheme.symmetric, scheme.strategy) != (8, True, "channel"):
-            self.findings.error(
-                f"{where}: {INT_QUANTIZED} with activations is verified for int8 per-channel "
-                f"symmetric weights (W8A8), got {scheme.describe()}"
-            )
-            return None
-        inputs = group.get("input_activations")
-        if inputs is None:
-            self.findings.error(
-                f"{where}: {INT_QUANTIZED} without input_activations is not verified by msquant "
-                "verify (msquant writes weight-only layers pack-quantized)"
-            )
-            return None
-        parsed = int_quantized.input_scheme(inputs, f"{where}.input_activations", self.findings)
-        if parsed is None:
-            return None
-        return CTScheme(name, 8, True, "channel", None, *parsed)
-
-    def _weight_args(self, name: str, args: dict[str, Any], where: str) -> CTScheme | None:
-        unknown = sorted(set(args) - ARG_KEYS)
-        if unknown:
-            self.findings.error(
-                f"{where}: unknown key(s) {unknown} (compressed-tensors forbids extras)"
-            )
-        bits, kind = args.get("num_bits"), args.get("type", "int")
-        symmetric, group_size = args.get("symmetric", True), args.get("group_size")
-        strategy = args.get("strategy") or _inferred_strategy(group_size)
-        ok = not unknown
-        if (
-            kind != "int"
-            or not isinstance(bits, int)
-            or isinstance(bits, bool)
-            or not 1 <= bits <= 8
-        ):
-            self.findings.error(
-                f"{where}: expected an int type of 1 to 8 bits, got {kind} {bits!r}"
-            )
-            ok = False
-        if not isinstance(symmetric, bool):
-            self.findings.error(f"{where}: symmetric must be true or false")
-            ok = False
-        if args.get("dynamic") not in (None, False):
-            self.findings.error(f"{where}: dynamic weights cannot be stored packed")
-            ok = False
-        if args.get("actorder") not in ALLOWED_ACTORDER:
-            self.findings.error(
-                f"{where}: actorder {args.get('actorder')!r} was removed from compressed-tensors "
-                "(0.20 accepts 'weight', 'static' or null; vLLM rejects the others)"
-            )
-            ok = False
-        ok = self._check_strategy(where, strategy, group_size) and ok
-        if not ok or not isinstance(bits, int) or not isinstance(strategy, str):
-            return None
-        size = group_size if strategy == "group" else None
-        return CTScheme(name, bits, bool(symmetric), strategy, size)
-
-    def _check_strategy(self, where: str, strategy: object, group_size: object) -> bool:
-        if strategy == "group":
-            if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0:
-                self.findings.error(f"{where}: strategy group needs a positive group_size")
-                return False
-            return True
-        if strategy == "channel":
-            if group_size not in (None, -1):
-                self.findings.error(f"{where}: group_size {group_size} needs strategy group")
-                return False
-            return True
-        self.findings.error(
-            f"{where}: strategy {strategy!r} is not verified by msquant verify (channel or group; "
-            "vLLM's weight-only scheme takes only these)"
-        )
-        return False
-
     # --- module matching ------------------------------------------------------------------
 
     def _matches(self, module: str, target: str, by_class: bool) -> int:
@@ -322,9 +132,9 @@ class CompressedTensorsReader(ExportReader):
                 return 0
         return 1 if by_class and target in CLASS_TARGETS else 0
 
-    def group_of(self, module: str, by_class: bool = True) -> tuple[_Group | None, int]:
+    def group_of(self, module: str, by_class: bool = True) -> tuple[ConfigGroup | None, int]:
         """The config group targeting ``module`` (strongest match, then file order)."""
-        best: tuple[_Group | None, int] = (None, 0)
+        best: tuple[ConfigGroup | None, int] = (None, 0)
         for group in self.groups:
             strength = max((self._matches(module, t, by_class) for t in group.targets), default=0)
             if strength > best[1]:
@@ -560,10 +370,3 @@ class CompressedTensorsReader(ExportReader):
                 schemes[module] = (schemes[module], shared)
                 describe[module] += f" input_scale {shared[0]:.6g} zero_point {shared[1]:g}"
         return schemes, describe
-
-
-def _inferred_strategy(group_size: object) -> str:
-    """compressed-tensors' default: no group_size -> tensor, -1 -> channel, positive -> group."""
-    if group_size is None:
-        return "tensor"
-    return "channel" if group_size == -1 else "group"

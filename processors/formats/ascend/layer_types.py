@@ -1,0 +1,32 @@
+"""The Ascend export's layer types: the description's type names, their bit widths and the
+tensors each stores per quantized linear (msModelSlim v1, ``shared/reference/msmodelslim.md``
+section 7). Shared by the reader and the activation layers' decoding."""
+
+from __future__ import annotations
+
+__all__ = [
+    "FLOAT",
+    "GLOBAL_KEYS",
+    "PARAMETER_LEAVES",
+    "PARTS",
+    "TYPE_BITS",
+    "TYPE_PARTS",
+    "W8A8_PARTS",
+]
+
+FLOAT = "FLOAT"  # the description type of a float tensor, also its scheme in the fused check
+
+GLOBAL_KEYS = ("version", "model_quant_type", "metadata", "group_size", "optional")
+TYPE_BITS = {"W8A16": 8, "W4A16": 4, "W8A8_DYNAMIC": 8, "W8A8": 8, "W4A8_DYNAMIC": 4}
+PARTS = ("weight", "weight_scale", "weight_offset")
+W8A8_PARTS = ("weight", "input_scale", "input_offset", "deq_scale", "quant_bias")
+#: The stored tensors of a quantized linear of each type (the bias aside).
+TYPE_PARTS = {
+    "W8A16": PARTS,
+    "W4A16": PARTS,
+    "W8A8_DYNAMIC": PARTS,
+    "W8A8": W8A8_PARTS,
+    "W4A8_DYNAMIC": (*PARTS, "scale_bias"),
+}
+#: Every tensor name ending that belongs to a quantized linear's parameters.
+PARAMETER_LEAVES = tuple(dict.fromkeys(p for parts in TYPE_PARTS.values() for p in parts[1:]))
