@@ -72,7 +72,7 @@ Lifecycle:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
 
 from torch import nn
@@ -85,6 +85,7 @@ from msquant.plugin import (
     DecoderLayer,
     DynamicRule,
     FusedGroup,
+    ModelAdapter,
     ModuleDecision,
     ModuleReport,
     OutputHeadStage,
@@ -95,6 +96,7 @@ from msquant.plugin import (
     QuantizedWeight,
     ResolvedScheme,
     RunContext,
+    adapter_for,
     engine_names,
     find_output_head,
     first_matching_pattern,
@@ -153,10 +155,12 @@ class LinearQuantProcessor(Processor):
         self._apply_after: dict[int, list[str]] = {}  # pass -> modules quantized after it
         self._collector = HessianCollector()
         self._solved: dict[str, tuple[QuantizedWeight, ModuleReport]] = {}  # this layer's
+        self._adapter: ModelAdapter | None = None  # the model's (set at plan time and in setup)
 
     def setup(self, ctx: RunContext) -> None:
         """Static activation ranges are calibrated online over the whole calibration set in
         order; a ``dp_layer_wise`` group would give each process its share (refused)."""
+        self._adapter = adapter_for(ctx.model)
         if self._act_calibration is not None and ctx.dist.world_size > 1:
             raise QuantizationError(
                 "linear_quant: static per_tensor activations (W8A8) are calibrated online, one "
@@ -218,7 +222,7 @@ class LinearQuantProcessor(Processor):
         head = isinstance(layer, OutputHeadStage)
         routers = moe_routers(layer.module, layer.name)
         linears = list(layer.named_linears())
-        groups = engine_names(name for name, _ in linears)
+        groups = self._engine_names(name for name, _ in linears)
         for name, module in linears:
             if name in routers:
                 continue
@@ -235,10 +239,11 @@ class LinearQuantProcessor(Processor):
         """Decision for every linear layer of the decoder layers, plus the output head when
         ``lm_head`` is set or a positive rule matches it (so the plan shows why it stays float)."""
         decisions = {}
+        self._adapter = adapter_for(model)
         for layer in layers:
             routers = moe_routers(layer.module, layer.name)
             names = [name for name, _ in layer.named_linears()]
-            groups = engine_names(names)
+            groups = self._engine_names(names)
             for name in names:
                 decisions[name] = (
                     ModuleDecision(None, self.method.name, ROUTER_REASON)
@@ -249,6 +254,15 @@ class LinearQuantProcessor(Processor):
         if head is not None and (self.config.lm_head or self._positive_rules_matching(head)):
             decisions[head] = self.decide(head, head=True)
         return decisions
+
+    def _engine_names(self, names: Iterable[str]) -> Mapping[str, tuple[FusedGroup, ...]]:
+        """The fused layers / experts modules engines load ``names`` as part of, from the model's
+        adapter (its own fused names, e.g. Qwen3.5's ``in_proj_qkvz``), so that a ``dynamic``
+        rule written for a fused name reaches every shard; the generic table before a model is
+        known."""
+        if self._adapter is None:
+            return engine_names(names)
+        return self._adapter.engine_names(names)
 
     @staticmethod
     def _head_name(model: nn.Module) -> str | None:

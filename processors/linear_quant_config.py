@@ -45,8 +45,9 @@ DYNAMIC_DESCRIPTION = (
     "first, then the first matching positive rule decides alone (keys it lacks come from "
     "qconfig, never from a later rule). A rule written for the name vLLM and SGLang load a fused "
     "layer or MoE experts module under ('.*qkv_proj', '.*gate_up_proj', "
-    "'-:.*\\.0\\.mlp\\.experts$'), matching none of its shards' own names, applies to every "
-    "shard. Quote patterns with single quotes in YAML ('.*\\.0\\..*'); `msquant plan` shows which "
+    "'-:.*\\.0\\.mlp\\.experts$', or a model adapter's fused names such as Qwen3.5's "
+    "'.*in_proj_qkvz'), matching none of its shards' own names, applies to every shard. "
+    "Quote patterns with single quotes in YAML ('.*\\.0\\..*'); `msquant plan` shows which "
     "rule decides each module."
 )
 

@@ -138,6 +138,40 @@ def test_the_generic_table_wrote_rules_vllm_never_matches() -> None:
     assert set(FUSED_RULES) <= set(adapted["dynamic"])
 
 
+def test_a_rule_for_an_adapter_fused_name_reaches_its_shards(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A ``dynamic`` rule written for the name vLLM loads Qwen3.5's fused projection under
+    (``in_proj_qkvz``, ``in_proj_ba``, from the adapter, not the generic table) applies to both shards, in the
+    plan and in the export, as vLLM applies it when it reads the export back."""
+    config = {
+        "apiversion": "modelslim_v1",
+        "spec": {
+            "process": [
+                {
+                    "type": "linear_quant",
+                    "qconfig": {"weight": W4_G32},
+                    "dynamic": {".*in_proj_(?:qkvz|ba)": {"bits": 8, "group_size": -1}},
+                }
+            ],
+            "save": [{"type": "gptq_saver", "part_file_size": 0}],
+        },
+    }
+    model = tiny_model_factory("qwen3_5_text")
+    rows = {row.module: row for row in msquant.plan(model, config)}
+    for shard in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
+        row = rows[ATTN + shard]
+        assert (row.bits, row.group_size) == (8, -1), shard
+        assert row.decided_by == 'spec.process[0].dynamic[".*in_proj_(?:qkvz|ba)"]'
+    assert (rows[ATTN + "out_proj"].bits, rows[ATTN + "out_proj"].group_size) == (4, 32)
+    save = tmp_path / "out"
+    msquant.quantize(model, save, config, progress=False)
+    qc = quantization_config(save)
+    assert vllm_linear_scheme(qc, ATTN + "in_proj_qkvz") == INT8
+    assert vllm_linear_scheme(qc, ATTN + "in_proj_ba") == INT8
+    assert vllm_linear_scheme(qc, ATTN + "out_proj") == INT4
+
+
 # -- verify ----------------------------------------------------------------------------------------
 
 
