@@ -160,7 +160,6 @@ class LinearQuantProcessor(Processor):
     def setup(self, ctx: RunContext) -> None:
         """Static activation ranges are calibrated online over the whole calibration set in
         order; a ``dp_layer_wise`` group would give each process its share (refused)."""
-        self._adapter = adapter_for(ctx.model)
         if self._act_calibration is not None and ctx.dist.world_size > 1:
             raise QuantizationError(
                 "linear_quant: static per_tensor activations (W8A8) are calibrated online, one "
@@ -168,6 +167,7 @@ class LinearQuantProcessor(Processor):
                 f"group of {ctx.dist.world_size} processes would split; run it in one process "
                 "(spec.runner: layer_wise, no --nproc / device list) or use per_token activations"
             )
+        self._adapter = adapter_for(ctx.model)
 
     @classmethod
     def check_config(cls, config: ProcessorConfig) -> list[ConfigIssue]:

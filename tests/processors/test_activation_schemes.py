@@ -146,7 +146,8 @@ def test_static_activations_refuse_a_dp_group() -> None:
     group = SimpleNamespace(dist=msquant.plugin.Distributed(rank=0, world_size=2))
     with pytest.raises(QuantizationError, match="dp_layer_wise group of 2 processes"):
         processor.setup(group)  # type: ignore[arg-type]
-    processor.setup(SimpleNamespace(dist=msquant.plugin.Distributed()))  # type: ignore[arg-type]
+    ctx = SimpleNamespace(dist=msquant.plugin.Distributed(), model=torch.nn.Linear(2, 2))
+    processor.setup(ctx)  # type: ignore[arg-type]
 
 
 # --- W8A8 static ----------------------------------------------------------------------------
