@@ -65,6 +65,7 @@ ATTENTION_SHAPES: tuple[AttentionShape, ...] = (
         "multi-head latent attention",
         (("self_attn.q_a_proj", "self_attn.q_proj"), ("self_attn.kv_a_proj_with_mqa",)),
         "self_attn.o_proj",
+        value="self_attn.kv_b_proj",
     ),
     AttentionShape(
         "Gated DeltaNet linear attention",
@@ -92,12 +93,17 @@ class BlockLayout:
     :param readers: the modules reading the block's norm output (their weight's columns).
     :param writers: the linears whose output is added into the stream.
     :param value_output: ``(value, output)`` pairs rotated once more per attention head.
+    :param head_width: the width of one head's value (the per-head rotation's size; 0: none).
+    :param value_skip: rows of each head's block in the value projection's output before its
+        value rows, left unrotated (MLA's kv_b_proj writes ``[k_nope, value]`` per head).
     """
 
     kind: str
     readers: tuple[str, ...]
     writers: tuple[str, ...]
     value_output: tuple[tuple[str, str], ...] = ()
+    head_width: int = 0
+    value_skip: int = 0
 
 
 def _weight(module: nn.Module) -> torch.Tensor | None:
@@ -115,40 +121,61 @@ def _writes(module: nn.Module, width: int) -> bool:
     return isinstance(module, nn.Linear) and module.out_features == width
 
 
-def find_attention_block(found: dict[str, nn.Module], head_dim: int | None) -> BlockLayout | None:
+def find_attention_block(
+    found: dict[str, nn.Module], head_dim: int | None, heads: int | None = None
+) -> BlockLayout | None:
     """The first :data:`ATTENTION_SHAPES` entry whose modules the layer has (``found``: the
-    layer's ``named_modules``), None when none fits. The per-head value/output pair is kept only
-    when the queries are as wide as the output projection's input (no output gate computed with
-    the queries, as Qwen3-Next's gated attention has: its gate multiplies the attention output
-    channel by channel, which a per-head rotation does not commute with) and ``head_dim`` divides
-    the value and output widths."""
+    layer's ``named_modules``), None when none fits, with its per-head value/output pair where
+    that rotation is exact (:func:`_per_head`).
+
+    :param head_dim: the attention heads' width (q/k/v attention); None: unknown.
+    :param heads: the number of attention heads (MLA); None: unknown.
+    """
     for shape in ATTENTION_SHAPES:
         chosen = [next((n for n in slot if n in found), None) for slot in shape.readers]
         if shape.writer not in found or any(name is None for name in chosen):
             continue
         readers = tuple(name for name in chosen if name is not None)
-        pairs: tuple[tuple[str, str], ...] = ()
-        if shape.value is not None and _per_head(found, shape, head_dim):
-            pairs = ((shape.value, shape.writer),)
-        return BlockLayout(shape.kind, readers, (shape.writer,), pairs)
+        widths = _per_head(found, shape, head_dim, heads)
+        if shape.value is None or widths is None:
+            return BlockLayout(shape.kind, readers, (shape.writer,))
+        pairs = ((shape.value, shape.writer),)
+        return BlockLayout(shape.kind, readers, (shape.writer,), pairs, *widths)
     return None
 
 
-def _per_head(found: dict[str, nn.Module], shape: AttentionShape, head_dim: int | None) -> bool:
-    query, value, output = (
-        found[shape.readers[0][0]],
-        found[str(shape.value)],
-        found[shape.writer],
-    )
-    if head_dim is None or not all(isinstance(m, nn.Linear) for m in (query, value, output)):
-        return False
-    assert isinstance(query, nn.Linear) and isinstance(value, nn.Linear)
-    assert isinstance(output, nn.Linear)
-    return (
+def _per_head(
+    found: dict[str, nn.Module], shape: AttentionShape, head_dim: int | None, heads: int | None
+) -> tuple[int, int] | None:
+    """``(value width, rows skipped per head)`` of the shape's per-head value/output rotation,
+    None where it would not be exact.
+
+    q/k/v attention: the queries must be as wide as the output projection's input (no output
+    gate computed with the queries, as Qwen3-Next's gated attention has: its gate multiplies the
+    attention output channel by channel, which a per-head rotation does not commute with) and
+    ``head_dim`` must divide the value and output widths. MLA: kv_b_proj writes ``[k_nope,
+    value]`` per head and o_proj reads the heads' values, so each head's value rows and o_proj's
+    columns of that head are rotated alike (the keys are left alone).
+    """
+    if shape.value is None or shape.value not in found:
+        return None
+    value, output = found[shape.value], found[shape.writer]
+    if not isinstance(value, nn.Linear) or not isinstance(output, nn.Linear):
+        return None
+    if shape.value == "self_attn.kv_b_proj":
+        if heads is None or value.out_features % heads or output.in_features % heads:
+            return None
+        width, block = output.in_features // heads, value.out_features // heads
+        return (width, block - width) if block > width else None
+    query = found[shape.readers[0][0]]
+    if head_dim is None or not isinstance(query, nn.Linear):
+        return None
+    exact = (
         query.out_features == output.in_features
         and value.out_features % head_dim == 0
         and output.in_features % head_dim == 0
     )
+    return (head_dim, 0) if exact else None
 
 
 def find_mlp_block(

@@ -51,12 +51,17 @@ class LayerRotationLayout:
     :param norms: each norm with the linears that read it.
     :param writers: the linears whose output is added into the stream.
     :param value_output: ``(value projection, attention output projection)`` pairs, rotated per
-        attention head (``head_dim`` wide blocks).
+        attention head (``head_width`` wide blocks).
+    :param head_width: the width of one head's value (the per-head rotation's size; 0: none).
+    :param value_skip: rows of each head's block in the value projection's output that come
+        before the head's value and are not rotated (DeepSeek's kv_b_proj: the head's k_nope).
     """
 
     norms: tuple[NormReaders, ...]
     writers: tuple[str, ...]
     value_output: tuple[tuple[str, str], ...]
+    head_width: int = 0
+    value_skip: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,8 @@ class RotationLayout:
     """The whole model's weights on the residual stream.
 
     :param hidden_size: the stream's width.
-    :param head_dim: the attention heads' width (the per-head rotation's size).
+    :param head_dim: the attention heads' width (the config's; each layer's per-head rotation
+        has its own ``head_width``).
     :param embedding: the input embedding module.
     :param final_norm: the norm before the head; ``head`` the output head.
     :param tied: whether the head shares its weight with the embedding (a rotation unties them).
@@ -89,9 +95,19 @@ class RotationLayout:
         """Whether some layer rotates a value/output pair per attention head."""
         return any(layer.value_output for layer in self.layers)
 
+    @property
+    def head_widths(self) -> list[int]:
+        """The widths of the per-head rotations, ascending (empty when there is none)."""
+        return sorted({layer.head_width for layer in self.layers if layer.value_output})
+
 
 def _module_names(model: nn.Module) -> dict[int, str]:
     return {id(module): name for name, module in model.named_modules()}
+
+
+def _heads(model: nn.Module) -> int | None:
+    heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
+    return heads if isinstance(heads, int) and heads > 0 else None
 
 
 def _head_dim(model: nn.Module, hidden_size: int) -> int | None:
@@ -106,17 +122,22 @@ def _head_dim(model: nn.Module, hidden_size: int) -> int | None:
 
 
 def layer_rotation_layout(
-    layer: DecoderLayer, hidden_size: int, problems: list[str], head_dim: int | None = None
+    layer: DecoderLayer,
+    hidden_size: int,
+    problems: list[str],
+    head_dim: int | None = None,
+    heads: int | None = None,
 ) -> LayerRotationLayout | None:
     """The layout of one pre-norm decoder layer (``input_layernorm`` -> an attention block,
     ``post_attention_layernorm`` -> a dense or MoE MLP; the blocks msquant knows are listed in
     :mod:`msquant.model.rotation_blocks`); None (with ``problems`` appended) when the layer lacks
     a module of it, a module has another shape, or another module reads the stream.
 
-    :param head_dim: the attention heads' width; None: no per-head value/output rotation.
+    :param head_dim: the attention heads' width; ``heads`` their number (each None when unknown:
+        no per-head value/output rotation where the attention needs it).
     """
     found = dict(layer.module.named_modules())
-    attention = find_attention_block(found, head_dim)
+    attention = find_attention_block(found, head_dim, heads)
     before = len(problems)
     mlp = find_mlp_block(layer.module, found, problems, layer.name)
     missing = [name for name in (ATTENTION_NORM, MLP_NORM) if name not in found]
@@ -168,6 +189,8 @@ def layer_rotation_layout(
         ),
         writers=tuple(prefix + n for n in (*attention.writers, *mlp.writers)),
         value_output=tuple((prefix + v, prefix + o) for v, o in attention.value_output),
+        head_width=attention.head_width,
+        value_skip=attention.value_skip,
     )
 
 
@@ -197,7 +220,10 @@ def default_rotation_layout(
     elif getattr(norm, "bias", None) is not None:
         problems.append(f"{names[id(norm)]} has a bias: the rotation needs RMSNorm layers")
     head_dim = _head_dim(model, hidden_size)
-    per_layer = [layer_rotation_layout(layer, hidden_size, problems, head_dim) for layer in layers]
+    heads = _heads(model)
+    per_layer = [
+        layer_rotation_layout(layer, hidden_size, problems, head_dim, heads) for layer in layers
+    ]
     if problems:
         return None, problems
     assert head is not None and norm is not None

@@ -15,7 +15,8 @@ when the model ties them, and the export's ``config.json`` then says
 ``tie_word_embeddings: false``. In ``before_layer`` each decoder layer: the attention and MLP
 norms folded into the linears reading them (q/k/v, gate/up), those rotated on their input
 (``W @ R``), o_proj and down_proj on their output (``R.T @ W``, bias too), and the value and
-attention-output projections once more per attention head (a ``head_dim`` Hadamard matrix). The
+attention-output projections once more per attention head (a Hadamard matrix as wide as a head's
+value; DeepSeek's MLA: the value rows of kv_b_proj and o_proj's input). The
 model computes the same outputs, to float rounding; its activations have flatter channels, which
 quantize better. The matrices are msModelSlim's construction (:mod:`msquant.quant.rotation`).
 
@@ -65,8 +66,10 @@ def size_problems(layout: RotationLayout, block_size: int) -> list[str]:
     """Why the rotations of ``layout``'s widths cannot be built (empty when they can)."""
     problems = []
     sizes = [("hidden size", layout.hidden_size)]
-    if layout.rotates_heads:
-        sizes.append(("head_dim", layout.head_dim))
+    sizes += [
+        ("head_dim" if width == layout.head_dim else "per-head value width (v_head_dim)", width)
+        for width in layout.head_widths
+    ]
     for what, size in sizes:
         if block_size != -1:
             if size % block_size:
@@ -152,9 +155,10 @@ class QuaRot(Processor):
         # float32 matrices (msModelSlim's, bit for bit); float64 ones for a float64 model
         dtype = _compute_dtype(_weight(embedding))
         self.rotation = rotation_for(layout.hidden_size, self.config.block_size, dtype=dtype)
-        self.head_rotation: torch.Tensor | None = None
-        if layout.rotates_heads:
-            self.head_rotation = rotation_for(layout.head_dim, self.config.block_size, dtype=dtype)
+        self.head_rotations = {
+            width: rotation_for(width, self.config.block_size, dtype=dtype)
+            for width in layout.head_widths
+        }
         head = model.get_submodule(layout.head)
         norm = model.get_submodule(layout.final_norm)
         check_rms_norm(norm, layout.final_norm, layout.norm_offset)
@@ -171,7 +175,7 @@ class QuaRot(Processor):
             "quarot: rotating the residual stream (width %d, block_size %d)%s",
             layout.hidden_size,
             self.config.block_size,
-            f" and the value/output projections per head (width {layout.head_dim})"
+            f" and the value/output projections per head (width {layout.head_widths})"
             if layout.rotates_heads
             else "",
         )
@@ -194,9 +198,9 @@ class QuaRot(Processor):
                 for name in entry.readers:
                     _rotate_input(model.get_submodule(name), self.rotation)
             for value, output in found.value_output:
-                assert self.head_rotation is not None  # built when a layer has a pair
-                _rotate_output(model.get_submodule(value), self.head_rotation)
-                _rotate_input(model.get_submodule(output), self.head_rotation)
+                head = self.head_rotations[found.head_width]
+                _rotate_output(model.get_submodule(value), _after_rows(head, found.value_skip))
+                _rotate_input(model.get_submodule(output), head)
 
     @staticmethod
     def _fold_norm(norm: nn.Module, readers: list[nn.Module], offset: float = 0.0) -> None:
@@ -228,6 +232,14 @@ def _weight(module: nn.Module, attribute: str = "weight") -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise QuantizationError(f"quarot: {type(module).__name__} has no {attribute} to rotate")
     return tensor
+
+
+def _after_rows(rotation: torch.Tensor, skip: int) -> torch.Tensor:
+    """``rotation`` after ``skip`` unrotated rows (an identity block first): one head's block of
+    a value projection that writes other rows before the head's value (MLA's k_nope)."""
+    if skip == 0:
+        return rotation
+    return torch.block_diag(torch.eye(skip, dtype=rotation.dtype), rotation)
 
 
 def _rotate_input(module: nn.Module, rotation: torch.Tensor) -> None:

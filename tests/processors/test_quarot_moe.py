@@ -27,6 +27,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2_moe": ("qwen2_moe", {}),  # shared expert and its shared_expert_gate
     "deepseek_v3": ("deepseek_v3", {}),  # MLA with q_lora_rank: q_a_proj
     "deepseek_v3_no_q_lora": ("deepseek_v3", {"q_lora_rank": None}),  # MLA reading with q_proj
+    # dense layers only: no router computing in float32, so MLA's rotations are checked to 1e-10
+    "deepseek_v3_dense": ("deepseek_v3", {"first_k_dense_replace": 2}),
     "glm4_moe": ("glm4_moe", {}),
     "minimax_m2": ("minimax_m2", {"intermediate_size": 32}),
     "qwen3_next": ("qwen3_next", {}),  # Gated DeltaNet + gated attention, 1 + weight norms
@@ -56,13 +58,9 @@ def family_model(
     return build
 
 
-def _stream_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every 2-D weight of the model, copied."""
-    return {
-        name: parameter.detach().clone()
-        for name, parameter in model.named_parameters()
-        if parameter.dim() == 2
-    }
+def _parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of the model, copied."""
+    return {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -89,7 +87,9 @@ def test_rotated_model_computes_the_same_logits_float64(
 def _reader_and_writer_names(family: str, layer: int) -> tuple[set[str], set[str]]:
     """What must be rotated in decoder layer ``layer`` of the family's tiny model (2 layers)."""
     prefix = f"model.layers.{layer}."
+    mla = ({"self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"}, {"self_attn.o_proj"})
     attention = {
+        "deepseek_v3_dense": mla,
         "deepseek_v3": (
             {"self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"},
             {"self_attn.o_proj"},
@@ -106,7 +106,7 @@ def _reader_and_writer_names(family: str, layer: int) -> tuple[set[str], set[str
             family, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
         )
         attention = ({f"linear_attn.{n}" for n in inputs}, {"linear_attn.out_proj"})
-    dense = family == "qwen3_5_text" or (
+    dense = family in ("qwen3_5_text", "deepseek_v3_dense") or (
         family in ("deepseek_v3", "deepseek_v3_no_q_lora", "glm4_moe") and layer == 0
     )
     if dense:
@@ -136,7 +136,7 @@ def test_every_reader_and_writer_of_the_stream_is_rotated(
     family: str, family_model: Callable[[str], Path], tmp_path: Path
 ) -> None:
     model = load(family_model(family), torch.float64)
-    before = _stream_weights(model)
+    before = _parameters(model)
     processor, _ = rotate_in_memory(model, tmp_path)
     for index, found in enumerate(processor.layout.layers):
         readers, writers = _reader_and_writer_names(family, index)
@@ -145,30 +145,46 @@ def test_every_reader_and_writer_of_the_stream_is_rotated(
         for name in readers | writers:  # rotated: the weight changed
             weight = model.get_submodule(name).weight
             assert not torch.allclose(weight, before[name + ".weight"]), name
-    # the weights inside the attention after its projections are left alone (MLA's q_b/kv_b,
-    # the per-head norms of Qwen3-Next / MiniMax-M2)
+    # the weights inside the attention after its projections are left alone (MLA's q_b_proj and
+    # the key rows of kv_b_proj, the per-head norms of Qwen3 / Qwen3-Next / MiniMax-M2); MLA's
+    # value rows of kv_b_proj are rotated per head (with o_proj's columns)
     after = dict(model.named_parameters())
-    for name in ("self_attn.q_b_proj", "self_attn.kv_b_proj"):
-        full = f"model.layers.1.{name}.weight"
-        if full in before:
-            assert torch.equal(after[full], before[full]), full
+    for name, parameter in after.items():
+        if "q_b_proj" in name or "q_norm" in name or "k_norm" in name or "a_layernorm" in name:
+            assert torch.equal(parameter, before[name]), name
+    if family.startswith("deepseek_v3"):
+        config = model.config
+        width = config.qk_nope_head_dim + config.v_head_dim
+        for layer in range(2):
+            full = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+            rows, was = after[full].view(4, width, -1), before[full].view(4, width, -1)
+            nope = config.qk_nope_head_dim
+            assert torch.equal(rows[:, :nope], was[:, :nope])
+            assert not torch.allclose(rows[:, nope:], was[:, nope:])
 
 
 def test_per_head_rotation_is_kept_only_where_it_is_exact(
     family_model: Callable[[str], Path], tmp_path: Path
 ) -> None:
-    # plain q/k/v attention rotates v/o per head; MLA has no v_proj on the stream, and Qwen3-Next's
-    # gated attention multiplies the attention output by a gate channel by channel
-    expected = {
-        "qwen3_moe": [True, True],
-        "minimax_m2": [True, True],
-        "deepseek_v3": [False, False],
-        "qwen3_next": [False, False],
+    # plain q/k/v attention rotates v/o per head, MLA the value rows of kv_b_proj (after each
+    # head's 8 k_nope rows) and o_proj; Qwen3-Next's gated attention multiplies the attention
+    # output by a gate channel by channel, and its linear attention has no heads to rotate
+    expected = {  # per layer: (value, head width, rows skipped per head)
+        "qwen3_moe": [("v_proj", 16, 0)] * 2,
+        "minimax_m2": [("v_proj", 16, 0)] * 2,
+        "deepseek_v3": [("kv_b_proj", 16, 8)] * 2,
+        "qwen3_next": [None, None],
     }
     for family, per_layer in expected.items():
         model = load(family_model(family))
         processor, _ = rotate_in_memory(model, tmp_path)
-        assert [bool(layer.value_output) for layer in processor.layout.layers] == per_layer
+        found = [
+            (layer.value_output[0][0].rpartition(".")[2], layer.head_width, layer.value_skip)
+            if layer.value_output
+            else None
+            for layer in processor.layout.layers
+        ]
+        assert found == per_layer, family
 
 
 def test_one_plus_weight_norm_is_refused_without_the_adapter_offset(
