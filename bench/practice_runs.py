@@ -41,7 +41,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_next": ("Qwen3-Next", dict(arch="qwen3_next")),
     "deepseek_v3": ("DeepSeek-V3", dict(arch="deepseek_v3")),
     "deepseek_v3_2": ("DeepSeek-V3 (for V3.2)", dict(arch="deepseek_v3")),
-    "deepseek_v4": ("DeepSeek-V3 (for V4)", dict(arch="deepseek_v3")),
+    # v_head_dim 32: V4's quarot block_size 32 must divide the per-head value rotation's width
+    # (qk_nope_head_dim 24 makes the keys as wide, which transformers' tiny DeepSeek-V3 needs)
+    "deepseek_v4": (
+        "DeepSeek-V3 (for V4), v_head_dim 32",
+        dict(arch="deepseek_v3", v_head_dim=32, qk_nope_head_dim=24, head_dim=8),
+    ),
     "kimi_k2": ("DeepSeek-V3 (Kimi-K2's class)", dict(arch="deepseek_v3")),
     "glm4_moe": ("GLM-4-MoE", dict(arch="glm4_moe")),
     "minimax_m2": ("MiniMax-M2", dict(arch="minimax_m2", intermediate_size=32)),

@@ -61,6 +61,9 @@ def load_export(
         adapter.unfuse_experts(model)  # MoE exports hold one quantized Linear per expert
         names = adapter.checkpoint_names(model)  # the export uses the checkpoint's names
         tensor_of = {disk: mine for mine, disk in names.tensors.items()}
+        for mine, disk in names.modules.items():  # float experts under renamed modules
+            for kind in ("weight", "bias"):
+                tensor_of.setdefault(f"{disk}.{kind}", f"{mine}.{kind}")
         module_of = {disk: mine for mine, disk in names.modules.items()}
         assert reader.store is not None
         dtype = next(model.parameters()).dtype

@@ -52,6 +52,11 @@ class ModelAdapter:
     #: ``packed_modules_mapping``); the default is the generic table of Llama-like models.
     fused_shards: ClassVar[Mapping[str, tuple[str, ...]]] = FUSED_SHARDS
 
+    #: The model's RMSNorms compute ``x / rms(x) * (norm_scale_offset + weight)``: 0 for the
+    #: usual RMSNorm, 1 for those storing the gain minus one (Qwen3-Next's); a rotation folds
+    #: the gain into the linears after the norm.
+    norm_scale_offset: ClassVar[float] = 0.0
+
     # -- decoder body -----------------------------------------------------------------------
 
     def decoder_layers(self, model: nn.Module) -> list[DecoderLayer]:
@@ -83,9 +88,11 @@ class ModelAdapter:
     ) -> tuple[RotationLayout | None, list[str]]:
         """The weights on the residual stream that a rotation changes (embedding, per-layer norms
         and the linears reading and writing the stream, final norm, head), or None with one
-        message per problem; the default finds Llama-shaped models
+        message per problem; the default finds pre-norm layers with the attention and MLP blocks
+        of :mod:`msquant.model.rotation_blocks`, norms scaling by
+        ``norm_scale_offset + weight``
         (:func:`~msquant.model.rotation_layout.default_rotation_layout`)."""
-        return default_rotation_layout(model, layers)
+        return default_rotation_layout(model, layers, self.norm_scale_offset)
 
     # -- fused matrices ---------------------------------------------------------------------
 

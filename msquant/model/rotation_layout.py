@@ -2,12 +2,14 @@
 
 A rotation of the residual stream (QuaRot) touches every weight on the stream: the input
 embedding, in each decoder layer the norms and the linears that read their output (q/k/v after
-the attention norm, gate/up after the MLP norm) and the linears that add into the stream (o_proj,
-down_proj), then the final norm and the output head. The value/output projections of each
-attention head may be rotated once more, per head. :class:`RotationLayout` names all of them;
-:func:`default_rotation_layout` finds them in Llama-shaped models (Llama, Qwen2/3, Mistral) by
-their transformers names, on a weightless model; other shapes get a message saying what is
-missing, and a model adapter may describe them (:meth:`msquant.ModelAdapter.rotation_layout`).
+the attention norm, gate/up and the MoE routers after the MLP norm) and the linears that add into
+the stream (o_proj, down_proj), then the final norm and the output head. The value/output
+projections of each attention head may be rotated once more, per head. :class:`RotationLayout`
+names all of them; :func:`default_rotation_layout` finds them by their transformers names, on a
+weightless model, in pre-norm layers whose attention and MLP blocks
+:mod:`msquant.model.rotation_blocks` knows (Llama, Qwen2/3, Mistral, Qwen-MoE, DeepSeek-V3,
+GLM-4-MoE, MiniMax-M2, Qwen3-Next); other shapes get a message saying what is missing, and a
+model adapter may describe them (:meth:`msquant.ModelAdapter.rotation_layout`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 from msquant.model.head import find_final_norm, find_output_head, head_is_tied
 from msquant.model.layers import DecoderLayer
+from msquant.model.rotation_blocks import find_attention_block, find_mlp_block, unknown_readers
 
 __all__ = [
     "LayerRotationLayout",
@@ -28,14 +31,9 @@ __all__ = [
     "layer_rotation_layout",
 ]
 
-#: The Llama-shaped decoder layer, names relative to the layer.
+#: The norms of a pre-norm decoder layer, names relative to the layer.
 ATTENTION_NORM = "input_layernorm"
 MLP_NORM = "post_attention_layernorm"
-ATTENTION_READERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-MLP_READERS = ("mlp.gate_proj", "mlp.up_proj")
-VALUE = "self_attn.v_proj"
-ATTENTION_OUTPUT = "self_attn.o_proj"
-MLP_OUTPUT = "mlp.down_proj"
 
 
 @dataclass(frozen=True)
@@ -53,12 +51,17 @@ class LayerRotationLayout:
     :param norms: each norm with the linears that read it.
     :param writers: the linears whose output is added into the stream.
     :param value_output: ``(value projection, attention output projection)`` pairs, rotated per
-        attention head (``head_dim`` wide blocks).
+        attention head (``head_width`` wide blocks).
+    :param head_width: the width of one head's value (the per-head rotation's size; 0: none).
+    :param value_skip: rows of each head's block in the value projection's output that come
+        before the head's value and are not rotated (DeepSeek's kv_b_proj: the head's k_nope).
     """
 
     norms: tuple[NormReaders, ...]
     writers: tuple[str, ...]
     value_output: tuple[tuple[str, str], ...]
+    head_width: int = 0
+    value_skip: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,11 +69,16 @@ class RotationLayout:
     """The whole model's weights on the residual stream.
 
     :param hidden_size: the stream's width.
-    :param head_dim: the attention heads' width (the per-head rotation's size).
+    :param head_dim: the attention heads' width (the config's; each layer's per-head rotation
+        has its own ``head_width``).
     :param embedding: the input embedding module.
     :param final_norm: the norm before the head; ``head`` the output head.
     :param tied: whether the head shares its weight with the embedding (a rotation unties them).
     :param layers: per decoder layer, in order.
+    :param norm_offset: the norms on the stream compute ``x / rms(x) * (norm_offset + weight)``
+        (0 for RMSNorm; 1 for Qwen3-Next's, whose weight is stored as the gain minus one): the
+        rotation folds ``norm_offset + weight`` into the readers and sets the weight to
+        ``1 - norm_offset``.
     """
 
     hidden_size: int
@@ -80,10 +88,26 @@ class RotationLayout:
     head: str
     tied: bool
     layers: tuple[LayerRotationLayout, ...]
+    norm_offset: float = 0.0
+
+    @property
+    def rotates_heads(self) -> bool:
+        """Whether some layer rotates a value/output pair per attention head."""
+        return any(layer.value_output for layer in self.layers)
+
+    @property
+    def head_widths(self) -> list[int]:
+        """The widths of the per-head rotations, ascending (empty when there is none)."""
+        return sorted({layer.head_width for layer in self.layers if layer.value_output})
 
 
 def _module_names(model: nn.Module) -> dict[int, str]:
     return {id(module): name for name, module in model.named_modules()}
+
+
+def _heads(model: nn.Module) -> int | None:
+    heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
+    return heads if isinstance(heads, int) and heads > 0 else None
 
 
 def _head_dim(model: nn.Module, hidden_size: int) -> int | None:
@@ -98,26 +122,39 @@ def _head_dim(model: nn.Module, hidden_size: int) -> int | None:
 
 
 def layer_rotation_layout(
-    layer: DecoderLayer, hidden_size: int, problems: list[str]
+    layer: DecoderLayer,
+    hidden_size: int,
+    problems: list[str],
+    head_dim: int | None = None,
+    heads: int | None = None,
 ) -> LayerRotationLayout | None:
-    """The Llama-shaped layout of one decoder layer; None (with ``problems`` appended) when the
-    layer lacks a module of it or a module has another shape."""
+    """The layout of one pre-norm decoder layer (``input_layernorm`` -> an attention block,
+    ``post_attention_layernorm`` -> a dense or MoE MLP; the blocks msquant knows are listed in
+    :mod:`msquant.model.rotation_blocks`); None (with ``problems`` appended) when the layer lacks
+    a module of it, a module has another shape, or another module reads the stream.
+
+    :param head_dim: the attention heads' width; ``heads`` their number (each None when unknown:
+        no per-head value/output rotation where the attention needs it).
+    """
     found = dict(layer.module.named_modules())
-    missing = [
-        name
-        for name in (ATTENTION_NORM, MLP_NORM, *ATTENTION_READERS, *MLP_READERS)
-        + (ATTENTION_OUTPUT, MLP_OUTPUT)
-        if name not in found
-    ]
+    attention = find_attention_block(found, head_dim, heads)
+    before = len(problems)
+    mlp = find_mlp_block(layer.module, found, problems, layer.name)
+    missing = [name for name in (ATTENTION_NORM, MLP_NORM) if name not in found]
+    if attention is None:
+        missing.append("an attention block (self_attn.q/k/v_proj, q_a_proj / kv_a_proj_with_mqa, "
+                       "or linear_attn.in_proj_*) with its output projection")  # fmt: skip
+    if mlp is None and len(problems) == before:
+        missing.append("an MLP (mlp.gate/up_proj -> down_proj, or a MoE block holding experts)")
     if missing:
         problems.append(
-            f"{layer.name} has no {', '.join(missing)}: the rotation knows Llama-shaped dense "
-            "layers (input_layernorm -> self_attn.q/k/v_proj, o_proj; post_attention_layernorm "
-            "-> mlp.gate/up_proj, down_proj); MoE and other layouts need a model adapter that "
-            "describes them (docs/developer/add-model-adapter.md)"
+            f"{layer.name} has no {'; no '.join(missing)}: the rotation knows pre-norm layers "
+            "(input_layernorm -> attention, post_attention_layernorm -> MLP) with q/k/v, "
+            "multi-head latent or Gated DeltaNet attention and dense or MoE MLPs; other layouts "
+            "need a model adapter that describes them (docs/developer/add-model-adapter.md)"
         )
+    if attention is None or mlp is None or len(problems) > before:
         return None
-    before = len(problems)
     for name in (ATTENTION_NORM, MLP_NORM):
         weight = getattr(found[name], "weight", None)
         if weight is None or weight.dim() != 1 or weight.shape[0] != hidden_size:
@@ -126,32 +163,45 @@ def layer_rotation_layout(
             )
         if getattr(found[name], "bias", None) is not None:
             problems.append(f"{layer.name}.{name} has a bias: the rotation needs RMSNorm layers")
-    for name in (*ATTENTION_READERS, *MLP_READERS):
-        module = found[name]
-        if not isinstance(module, nn.Linear) or module.in_features != hidden_size:
-            problems.append(f"{layer.name}.{name} is not a linear reading width {hidden_size}")
-    for name in (ATTENTION_OUTPUT, MLP_OUTPUT):
-        module = found[name]
-        if not isinstance(module, nn.Linear) or module.out_features != hidden_size:
-            problems.append(f"{layer.name}.{name} is not a linear writing width {hidden_size}")
+    for block in (attention, mlp):
+        for name in block.readers:
+            weight = dict(found[name].named_parameters(recurse=False)).get("weight")
+            if weight is None or weight.dim() != 2 or weight.shape[1] != hidden_size:
+                problems.append(f"{layer.name}.{name} is not a linear reading width {hidden_size}")
+        for name in block.writers:
+            module = found[name]
+            if not isinstance(module, nn.Linear) or module.out_features != hidden_size:
+                problems.append(f"{layer.name}.{name} is not a linear writing width {hidden_size}")
+    known = {*attention.readers, *attention.writers, *mlp.readers, *mlp.writers}
+    for name in unknown_readers(found, known, hidden_size):
+        problems.append(
+            f"{layer.name}.{name} ({type(found[name]).__name__}) reads the residual stream's "
+            f"width {hidden_size} but is not a reader the rotation knows for this layer "
+            f"({attention.kind}, {mlp.kind}): rotating the stream would change its input"
+        )
     if len(problems) > before:
         return None
     prefix = f"{layer.name}."
     return LayerRotationLayout(
         norms=(
-            NormReaders(prefix + ATTENTION_NORM, tuple(prefix + n for n in ATTENTION_READERS)),
-            NormReaders(prefix + MLP_NORM, tuple(prefix + n for n in MLP_READERS)),
+            NormReaders(prefix + ATTENTION_NORM, tuple(prefix + n for n in attention.readers)),
+            NormReaders(prefix + MLP_NORM, tuple(prefix + n for n in mlp.readers)),
         ),
-        writers=(prefix + ATTENTION_OUTPUT, prefix + MLP_OUTPUT),
-        value_output=((prefix + VALUE, prefix + ATTENTION_OUTPUT),),
+        writers=tuple(prefix + n for n in (*attention.writers, *mlp.writers)),
+        value_output=tuple((prefix + v, prefix + o) for v, o in attention.value_output),
+        head_width=attention.head_width,
+        value_skip=attention.value_skip,
     )
 
 
 def default_rotation_layout(
-    model: nn.Module, layers: Sequence[DecoderLayer]
+    model: nn.Module, layers: Sequence[DecoderLayer], norm_offset: float = 0.0
 ) -> tuple[RotationLayout | None, list[str]]:
-    """The rotation layout of a Llama-shaped model (weightless models work: only names and shapes
-    are read), or None with one message per problem found."""
+    """The rotation layout of a pre-norm model (weightless models work: only names and shapes
+    are read), or None with one message per problem found.
+
+    :param norm_offset: see :attr:`RotationLayout.norm_offset` (the model adapter knows it).
+    """
     problems: list[str] = []
     getter = getattr(model, "get_input_embeddings", None)
     embedding = getter() if callable(getter) else None
@@ -170,21 +220,23 @@ def default_rotation_layout(
     elif getattr(norm, "bias", None) is not None:
         problems.append(f"{names[id(norm)]} has a bias: the rotation needs RMSNorm layers")
     head_dim = _head_dim(model, hidden_size)
-    if head_dim is None:
-        problems.append(f"{type(model).__name__}: the attention head width (head_dim) is unknown")
-    per_layer = [layer_rotation_layout(layer, hidden_size, problems) for layer in layers]
+    heads = _heads(model)
+    per_layer = [
+        layer_rotation_layout(layer, hidden_size, problems, head_dim, heads) for layer in layers
+    ]
     if problems:
         return None, problems
-    assert head is not None and norm is not None and head_dim is not None
+    assert head is not None and norm is not None
     return (
         RotationLayout(
             hidden_size=hidden_size,
-            head_dim=head_dim,
+            head_dim=head_dim or 0,
             embedding=names[id(embedding)],
             final_norm=names[id(norm)],
             head=head[0],
             tied=head_is_tied(model),
             layers=tuple(layout for layout in per_layer if layout is not None),
+            norm_offset=norm_offset,
         ),
         [],
     )

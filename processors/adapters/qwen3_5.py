@@ -20,7 +20,10 @@ __all__ = ["Qwen35Adapter"]
 
 
 class Qwen35Adapter(ModelAdapter):
-    """The default heuristics plus the fused projections of Gated DeltaNet layers."""
+    """The default heuristics plus the fused projections of Gated DeltaNet layers, and norms
+    scaling by ``1 + weight`` (as Qwen3-Next's: a rotation folds that gain)."""
+
+    norm_scale_offset: ClassVar[float] = 1.0
 
     fused_shards: ClassVar[Mapping[str, tuple[str, ...]]] = {
         **FUSED_SHARDS,

@@ -15,7 +15,8 @@ when the model ties them, and the export's ``config.json`` then says
 ``tie_word_embeddings: false``. In ``before_layer`` each decoder layer: the attention and MLP
 norms folded into the linears reading them (q/k/v, gate/up), those rotated on their input
 (``W @ R``), o_proj and down_proj on their output (``R.T @ W``, bias too), and the value and
-attention-output projections once more per attention head (a ``head_dim`` Hadamard matrix). The
+attention-output projections once more per attention head (a Hadamard matrix as wide as a head's
+value; DeepSeek's MLA: the value rows of kv_b_proj and o_proj's input). The
 model computes the same outputs, to float rounding; its activations have flatter channels, which
 quantize better. The matrices are msModelSlim's construction (:mod:`msquant.quant.rotation`).
 
@@ -64,7 +65,12 @@ GLOBAL_ROTATION = "global_rotation"
 def size_problems(layout: RotationLayout, block_size: int) -> list[str]:
     """Why the rotations of ``layout``'s widths cannot be built (empty when they can)."""
     problems = []
-    for what, size in (("hidden size", layout.hidden_size), ("head_dim", layout.head_dim)):
+    sizes = [("hidden size", layout.hidden_size)]
+    sizes += [
+        ("head_dim" if width == layout.head_dim else "per-head value width (v_head_dim)", width)
+        for width in layout.head_widths
+    ]
+    for what, size in sizes:
         if block_size != -1:
             if size % block_size:
                 problems.append(
@@ -85,10 +91,11 @@ def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.float64 if weight.dtype == torch.float64 else torch.float32
 
 
-def check_rms_norm(module: nn.Module, name: str) -> None:
-    """Refuse a norm that does not compute ``x / rms(x) * weight`` (an RMSNorm): folding its
-    scale and rotating its input would change the model's outputs (LayerNorm subtracts the mean,
-    Gemma's norm scales by ``1 + weight``).
+def check_rms_norm(module: nn.Module, name: str, offset: float = 0.0) -> None:
+    """Refuse a norm that does not compute ``x / rms(x) * (offset + weight)`` (an RMSNorm, whose
+    gain the model adapter says is stored as ``weight`` or, ``offset`` 1, as ``weight`` minus
+    one): folding its scale and rotating its input would change the model's outputs (LayerNorm
+    subtracts the mean; a ``1 + weight`` norm the adapter does not declare is refused too).
 
     :raises QuantizationError: naming the module and its class.
     """
@@ -102,14 +109,16 @@ def check_rms_norm(module: nn.Module, name: str) -> None:
         got = module(probe).to(torch.float64)
         x = probe.to(torch.float64)
         expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + float(eps))
-        expected = expected * weight.to(torch.float64)
+        expected = expected * (weight.to(torch.float64) + offset)
     tolerance = 1e-2 if weight.element_size() < 4 else 1e-4
     if not torch.allclose(got, expected, rtol=tolerance, atol=tolerance):
+        gain = "weight" if offset == 0 else f"({offset:g} + weight)"
         raise QuantizationError(
-            f"quarot: {name} ({type(module).__name__}) does not compute x / rms(x) * weight (an "
-            "RMSNorm), so its scale cannot be folded into the next linears and a rotation would "
-            "change the model's outputs; quarot supports models with RMSNorm layers (Llama, "
-            "Qwen2/3, Mistral)"
+            f"quarot: {name} ({type(module).__name__}) does not compute x / rms(x) * {gain} (an "
+            "RMSNorm, as the model adapter declares), so its scale cannot be folded into the next "
+            "linears and a rotation would change the model's outputs; quarot supports models "
+            "with RMSNorm layers (Llama, Qwen2/3, Mistral, the MoE families in docs/rotation.md), "
+            "and a model adapter declares norms that scale by 1 + weight (norm_scale_offset)"
         )
 
 
@@ -146,25 +155,29 @@ class QuaRot(Processor):
         # float32 matrices (msModelSlim's, bit for bit); float64 ones for a float64 model
         dtype = _compute_dtype(_weight(embedding))
         self.rotation = rotation_for(layout.hidden_size, self.config.block_size, dtype=dtype)
-        self.head_rotation = rotation_for(layout.head_dim, self.config.block_size, dtype=dtype)
+        self.head_rotations = {
+            width: rotation_for(width, self.config.block_size, dtype=dtype)
+            for width in layout.head_widths
+        }
         head = model.get_submodule(layout.head)
         norm = model.get_submodule(layout.final_norm)
-        check_rms_norm(norm, layout.final_norm)
+        check_rms_norm(norm, layout.final_norm, layout.norm_offset)
         with torch.no_grad():
             if layout.tied or _weight(head) is _weight(embedding):
                 self._untie(ctx, head, embedding)
             _rotate_input(embedding, self.rotation)
-            self._fold_norm(norm, [head])
+            self._fold_norm(norm, [head], layout.norm_offset)
             _rotate_input(head, self.rotation)
         if self.config.export_extra_info:
             rotation = self.rotation.to(torch.float32)
             ctx.optional_tensors[OPTIONAL_SCOPE] = {GLOBAL_ROTATION: rotation}
         logger.info(
-            "quarot: rotating the residual stream (width %d, block_size %d) and the value/output "
-            "projections per head (width %d)",
+            "quarot: rotating the residual stream (width %d, block_size %d)%s",
             layout.hidden_size,
             self.config.block_size,
-            layout.head_dim,
+            f" and the value/output projections per head (width {layout.head_widths})"
+            if layout.rotates_heads
+            else "",
         )
 
     def before_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
@@ -173,27 +186,32 @@ class QuaRot(Processor):
         found = self.layout.layers[layer.index]
         model = ctx.model
         with torch.no_grad():
+            offset = self.layout.norm_offset
             for entry in found.norms:
                 norm = model.get_submodule(entry.norm)
-                check_rms_norm(norm, entry.norm)
-                self._fold_norm(norm, [model.get_submodule(name) for name in entry.readers])
+                check_rms_norm(norm, entry.norm, offset)
+                readers = [model.get_submodule(name) for name in entry.readers]
+                self._fold_norm(norm, readers, offset)
             for name in found.writers:
                 _rotate_output(model.get_submodule(name), self.rotation)
             for entry in found.norms:
                 for name in entry.readers:
                     _rotate_input(model.get_submodule(name), self.rotation)
             for value, output in found.value_output:
-                _rotate_output(model.get_submodule(value), self.head_rotation)
-                _rotate_input(model.get_submodule(output), self.head_rotation)
+                head = self.head_rotations[found.head_width]
+                _rotate_output(model.get_submodule(value), _after_rows(head, found.value_skip))
+                _rotate_input(model.get_submodule(output), head)
 
     @staticmethod
-    def _fold_norm(norm: nn.Module, readers: list[nn.Module]) -> None:
-        """Fold the norm's scale into the linears reading it, then set the scale to ones."""
+    def _fold_norm(norm: nn.Module, readers: list[nn.Module], offset: float = 0.0) -> None:
+        """Fold the norm's gain (``offset + weight``) into the linears reading it, then make the
+        gain one (the weight ``1 - offset``)."""
         scale = _weight(norm)
+        gain = scale.data if offset == 0 else scale.data.to(torch.float64) + offset
         for reader in readers:
             weight = _weight(reader)
-            weight.data = fuse_norm_into_linear(weight.data, scale.data, _compute_dtype(weight))
-        scale.data.fill_(1.0)
+            weight.data = fuse_norm_into_linear(weight.data, gain, _compute_dtype(weight))
+        scale.data.fill_(1.0 - offset)
 
     @staticmethod
     def _untie(ctx: RunContext, head: nn.Module, embedding: nn.Module) -> None:
@@ -214,6 +232,14 @@ def _weight(module: nn.Module, attribute: str = "weight") -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise QuantizationError(f"quarot: {type(module).__name__} has no {attribute} to rotate")
     return tensor
+
+
+def _after_rows(rotation: torch.Tensor, skip: int) -> torch.Tensor:
+    """``rotation`` after ``skip`` unrotated rows (an identity block first): one head's block of
+    a value projection that writes other rows before the head's value (MLA's k_nope)."""
+    if skip == 0:
+        return rotation
+    return torch.block_diag(torch.eye(skip, dtype=rotation.dtype), rotation)
 
 
 def _rotate_input(module: nn.Module, rotation: torch.Tensor) -> None:

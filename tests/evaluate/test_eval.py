@@ -367,3 +367,31 @@ def test_cli_bad_input_exits_2_with_a_message(
     assert result.code == 2
     assert message.format(**names) in result.err
     assert "Traceback" not in result.err
+
+
+def test_float_experts_stored_under_checkpoint_names_are_read_back(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    # MiniMax-M2's checkpoint names its experts block_sparse_moe.experts.N.w1/w2/w3 (the loaded
+    # model: mlp.experts.N.gate/down/up_proj); experts left float are stored under those names
+    path = tiny_model_factory("minimax_m2", intermediate_size=32)
+    config = {
+        "apiversion": "modelslim_v1",
+        "spec": {
+            "process": [
+                {
+                    "type": "linear_quant",
+                    "qconfig": {"weight": INT8_ATTENTION},
+                    "exclude": ["*experts*"],
+                }
+            ],
+            "save": [{"type": "ascendv1_saver"}],
+        },
+    }
+    out = tmp_path / "out"
+    msquant.quantize(str(path), str(out), config, progress=False)
+    back, _ = load_model_for_eval(out, False)
+    original = AutoModelForCausalLM.from_pretrained(str(path))
+    expert = "model.layers.0.mlp.experts"
+    assert torch.equal(back.get_parameter(f"{expert}.0.gate_proj.weight"),
+                       original.get_parameter(f"{expert}.gate_up_proj")[0, :32])  # fmt: skip

@@ -24,15 +24,24 @@ pytestmark = pytest.mark.practices
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 #: The configs exported and verified on 2026-12-02 (docs/msmodelslim-compat.md, "Run on tiny
-#: models"); each must keep passing. Add a config here when it starts to pass.
+#: models"; all 17 valid ones since quarot covers MoE and MLA layers); each must keep passing.
+#: Add a config here when it starts to pass.
 PASSING = {
     "deepseek_v3/deepseek_w4a8_per_channel.yaml",
     "deepseek_v3_2/deepseek_w8a8.yaml",
+    "deepseek_v3_2/deepseek_w8a8_quarot.yaml",
+    "deepseek_v4/deepseek_v4_flash_w8a8.yaml",
+    "deepseek_v4/deepseek_v4_pro_w8a8.yaml",
     "default/default-w8a16.yaml",
     "default/default-w8a8.yaml",
     "glm4_moe/glm4_7_moe-w8a8-v1.yaml",
+    "glm_5/glm_5_1_w8a8.yaml",
+    "glm_5/glm_5_w8a8.yaml",
+    "kimi_k2/kimi_w8a8_quarot.yaml",
+    "minimax_m2/minimax_m27_w8a8.yaml",
     "qwen3_moe/qwen3-235B-w4a8-v1.yaml",
     "qwen3_moe/qwen3-30b-w4a8-v1.yaml",
+    "qwen3_moe/qwen3-coder-480b-w4a8.yaml",
     "qwen3_next/qwen3-next-80b-a3b-w8a8.yaml",
     "qwq/qwq-32b-w8a8.yaml",
 }

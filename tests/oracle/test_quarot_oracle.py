@@ -4,7 +4,9 @@ msModelSlim's exports of ``quarot`` + ``linear_quant`` (W8A8_DYNAMIC, W4A8_DYNAM
 Qwen3 models with random norm scales are made by ``quarot_run.py`` in ``$MSQUANT_ORACLE_CACHE``;
 msquant runs the very same YAML on the same model and calibration file. The hidden size (64) and
 head_dim (16) are powers of two, where msModelSlim's rotation is Sylvester's Hadamard matrix with
-seeded random signs, which msquant reproduces.
+seeded random signs, which msquant reproduces. A tiny Qwen3-MoE is compared too, through a second
+msModelSlim environment with transformers 4.57.6 (``$MSQUANT_MSMODELSLIM_TF4_VENV``), the only
+one where msModelSlim's Qwen3-MoE rotation runs.
 """
 
 from __future__ import annotations
@@ -143,3 +145,55 @@ def test_other_sizes_differ_only_by_the_hadamard_factor(size: int, tmp_path: Pat
     ours = random_hadamard(size, dtype=torch.float64)
     assert torch.allclose(ours @ ours.T, torch.eye(size, dtype=torch.float64), atol=1e-12)
     assert not torch.equal(ours.float(), theirs["rotation"])
+
+
+def test_moe_rotation_equals_msmodelslims_on_experts_and_router(tmp_path: Path) -> None:
+    """Tiny Qwen3-MoE (8 experts) through msModelSlim's Qwen3-MoE adapter (transformers 4.57.6,
+    ``$MSQUANT_MSMODELSLIM_TF4_VENV``), quarot + W8A8_DYNAMIC: every routed expert's gate/up/down,
+    q/k, the embedding, the head and the norms equal msModelSlim's bit for bit. The router
+    (``mlp.gate``) is rotated alike: msModelSlim also quantizes it (``include: ['*']``), msquant
+    keeps routers float, so msquant's rotated router is within half a step of msModelSlim's
+    dequantized one. v_proj / o_proj differ: msModelSlim's Qwen3-MoE adapter rotates them per
+    head with its "block Hadamard shifted" matrix of block 32, which on this 16-wide head zeroes
+    both (every code and scale 0 or its floor); msquant's per-head rotation keeps them."""
+    import msquant
+
+    if not (quarot_run.TF4_VENV / "bin" / "msmodelslim").is_file():
+        pytest.fail(
+            f"no msModelSlim environment with transformers 4.57.6 at {quarot_run.TF4_VENV}: run "
+            "scripts/msmodelslim_env.sh VENV 4.57.6 (or set MSQUANT_MSMODELSLIM_TF4_VENV)"
+        )
+    theirs_dir = quarot_run.ensure_export(
+        CACHE, quarot_run.TF4_VENV, "qwen3_moe_rot", "w8a8_dynamic"
+    )
+    ours_dir = tmp_path / "ours"
+    config = quarot_run.config_path(CACHE, "w8a8_dynamic")
+    msquant.quantize(CACHE / "models" / "qwen3_moe_rot", ours_dir, config, progress=False)
+    theirs, their_description = _read(theirs_dir)
+    ours, our_description = _read(ours_dir)
+    routers = [f"model.layers.{layer}.mlp.gate" for layer in (0, 1)]
+    quantized_router = {
+        f"{r}.{suffix}" for r in routers for suffix in ("weight_scale", "weight_offset")
+    }
+    assert sorted(set(theirs) - set(ours)) == sorted(quantized_router)
+    assert set(ours) <= set(theirs)
+    head_pairs = {
+        f"model.layers.{layer}.self_attn.{proj}.{suffix}"
+        for layer in (0, 1)
+        for proj in ("v_proj", "o_proj")
+        for suffix in ("weight", "weight_scale")
+    }
+    differing = {name for name in ours if not torch.equal(ours[name], theirs[name])}
+    assert differing == head_pairs | {f"{r}.weight" for r in routers}
+    assert all(int(theirs[name].abs().max()) == 0 for name in head_pairs if name.endswith("weight"))
+    experts = [name for name in ours if ".mlp.experts." in name]
+    assert len(experts) == 2 * 8 * 3 * 3  # layers x experts x projections x (weight, scale, offset)
+    for router in routers:
+        dequantized = theirs[f"{router}.weight"] * theirs[f"{router}.weight_scale"].reshape(-1, 1)
+        half_step = theirs[f"{router}.weight_scale"].reshape(-1, 1) / 2
+        assert bool(((ours[f"{router}.weight"] - dequantized).abs() <= half_step * 1.0001).all())
+        assert our_description[f"{router}.weight"] == "FLOAT"
+    differing_descriptions = {
+        name for name in their_description if our_description.get(name) != their_description[name]
+    }
+    assert differing_descriptions == {f"{r}.weight" for r in routers} | quantized_router

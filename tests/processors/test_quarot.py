@@ -11,69 +11,18 @@ from typing import Any
 
 import pytest
 import torch
+from rotation_helpers import TOKENS, load, read_back, rotate_in_memory, save_with_random_norms
 from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
 import msquant
 from msquant import ConfigError, QuantizationError
-from msquant.evaluate.models import load_model_for_eval
-from msquant.plugin import RunContext, adapter_for, get_backend
 from msquant.processors.quarot.config import QuaRotConfig
-from msquant.processors.quarot.processor import QuaRot, check_rms_norm
+from msquant.processors.quarot.processor import check_rms_norm
 from msquant.quant.rotation import random_hadamard
 
 ARCHS = ["llama", "qwen2", "qwen3"]
-TOKENS = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 300, 2]])
-
-
-def _randomize_norms(model: nn.Module, seed: int = 3) -> None:
-    """Random norm scales (the tiny models are built with ones), so that folding them matters."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                values = torch.rand(parameter.shape, generator=generator) + 0.5
-                parameter.copy_(values.to(parameter.dtype))
-
-
-def _load(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    model.eval()
-    if dtype == torch.float64:
-        _norms_in_float64(model)
-    return model
-
-
-def _norms_in_float64(model: nn.Module) -> None:
-    """transformers' RMSNorms compute in float32 whatever the model's dtype (1e-7 errors); the
-    float64 reference tests make them compute in float64 too, before and after the rotation."""
-
-    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * self.weight
-
-    for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm"):
-            module.forward = forward.__get__(module)  # type: ignore[method-assign]
-
-
-def _rotate_in_memory(model: nn.Module, tmp_path: Path, **config: Any) -> RunContext:
-    """Run the processor's hooks as a run does (setup, then every layer's before_layer)."""
-    processor = QuaRot(QuaRotConfig(**config))
-    layers = adapter_for(model).decoder_layers(model)
-    assert processor.check_model(model, layers) == []
-    ctx = RunContext(
-        model=model,
-        model_path=tmp_path,
-        output_dir=tmp_path,
-        backend=get_backend("cpu"),
-        layers=layers,
-    )
-    processor.setup(ctx)
-    for layer in layers:
-        processor.before_layer(ctx, layer)
-    return ctx
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +36,8 @@ def norm_model_factory(
         key = (arch, tied)
         if key not in cache:
             source = tiny_model_factory(arch, tie_word_embeddings=tied)
-            model = _load(source)
-            _randomize_norms(model)
             target = tmp_path_factory.mktemp(f"norms_{arch}_{tied}")
-            model.save_pretrained(str(target))
-            for name in ("tokenizer.json", "tokenizer_config.json"):
-                (target / name).write_bytes((source / name).read_bytes())
-            cache[key] = target
+            cache[key] = save_with_random_norms(source, target)
         return cache[key]
 
     return build
@@ -105,12 +49,12 @@ def test_rotated_model_computes_the_same_logits_float64(
     arch: str, tied: bool, norm_model_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
     path = norm_model_factory(arch, tied)
-    model = _load(path, torch.float64)
+    model = load(path, torch.float64)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     with torch.no_grad():
         reference = model(TOKENS).logits
     embedding_before = model.model.embed_tokens.weight.detach().clone()
-    ctx = _rotate_in_memory(model, tmp_path)
+    ctx = rotate_in_memory(model, tmp_path)[1]
     with torch.no_grad():
         rotated = model(TOKENS).logits
     assert torch.allclose(rotated, reference, rtol=0, atol=1e-10), (rotated - reference).abs().max()
@@ -129,11 +73,11 @@ def test_rotation_flattens_the_residual_stream(
     norm_model_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
     # what the rotation is for: the residual stream's largest channel relative to its rms drops
-    model = _load(norm_model_factory("llama"), torch.float64)
+    model = load(norm_model_factory("llama"), torch.float64)
     with torch.no_grad():
         model.model.embed_tokens.weight[:, 3] *= 30.0  # an outlier channel
         before = model(TOKENS, output_hidden_states=True).hidden_states[1]
-        _rotate_in_memory(model, tmp_path)
+        rotate_in_memory(model, tmp_path)
         after = model(TOKENS, output_hidden_states=True).hidden_states[1]
 
     def peak_to_rms(x: torch.Tensor) -> float:
@@ -145,10 +89,10 @@ def test_rotation_flattens_the_residual_stream(
 def test_block_size_rotation_computes_the_same_logits(
     norm_model_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
-    model = _load(norm_model_factory("qwen3"), torch.float64)
+    model = load(norm_model_factory("qwen3"), torch.float64)
     with torch.no_grad():
         reference = model(TOKENS).logits
-        ctx = _rotate_in_memory(model, tmp_path, block_size=8, export_extra_info=False)
+        ctx = rotate_in_memory(model, tmp_path, block_size=8, export_extra_info=False)[1]
         rotated = model(TOKENS).logits
     assert torch.allclose(rotated, reference, rtol=0, atol=1e-10)
     assert ctx.optional_tensors == {}
@@ -159,10 +103,10 @@ def test_model_wise_rotation_matches_msmodelslim_arithmetic(
 ) -> None:
     # float32 weights are rotated in float32 (msModelSlim's arithmetic): q_proj = (W * g) @ R
 
-    model = _load(norm_model_factory("llama"))
+    model = load(norm_model_factory("llama"))
     weight = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
     norm = model.model.layers[0].input_layernorm.weight.detach().clone()
-    _rotate_in_memory(model, tmp_path)
+    rotate_in_memory(model, tmp_path)
     expected = torch.matmul(weight * norm, random_hadamard(64))
     assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, expected)
 
@@ -182,7 +126,7 @@ class _LayerNorm(nn.Module):
 def test_a_norm_that_is_not_rmsnorm_is_refused(
     norm_model_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
-    model = _load(norm_model_factory("llama"))
+    model = load(norm_model_factory("llama"))
     check_rms_norm(model.model.norm, "model.norm")  # the real one passes
     with pytest.raises(QuantizationError, match=r"model.norm \(_LayerNorm\) does not compute"):
         check_rms_norm(_LayerNorm(64), "model.norm")
@@ -254,7 +198,7 @@ def test_online_rotation_exits_2_from_the_cli(tmp_path: Path, run_cli: Callable[
     assert "Traceback" not in result.err
 
 
-def test_block_size_not_dividing_head_dim_is_refused_before_weights_load(
+def test_block_size_not_dividing_head_dim_is_refused_before_weightsload(
     norm_model_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
     # qwen3's head_dim is 16: block 32 divides the hidden size 64 but not the heads
@@ -278,9 +222,9 @@ def test_full_run_float_export_computes_the_same_logits(
     config["spec"]["runner"] = runner
     out = tmp_path / "out"
     msquant.quantize(str(path), str(out), config, progress=False)
-    back, _ = load_model_for_eval(out, False)
+    back = read_back(out)
     with torch.no_grad():
-        reference = _load(path)(TOKENS).logits
+        reference = load(path)(TOKENS).logits
         got = back(TOKENS).logits
     assert torch.allclose(got, reference, rtol=0, atol=2e-5), (got - reference).abs().max()
     exported = json.loads((out / "config.json").read_text(encoding="utf-8"))
@@ -330,9 +274,9 @@ def test_quantized_ascend_export_verifies_and_evaluates(
     against_original = run_cli("verify", out, "--model_path", path)
     assert against_original.code == 0, against_original.out + against_original.err
     assert "transformed by quarot" in against_original.out + against_original.err
-    back, _ = load_model_for_eval(out, False)
+    back = read_back(out)
     with torch.no_grad():
-        reference = _load(path)(TOKENS).logits
+        reference = load(path)(TOKENS).logits
         got = back(TOKENS).logits
     # int8 weights (activations are simulated only by msquant eval): close to the float model
     assert (got - reference).abs().max() < 0.05 * reference.abs().max()
@@ -349,10 +293,10 @@ def test_hf_exports_of_a_tied_model_carry_the_head_and_untie(
     )
     exported = json.loads((out / "config.json").read_text(encoding="utf-8"))
     assert exported["tie_word_embeddings"] is False
-    back, _ = load_model_for_eval(out, False)
+    back = read_back(out)
     assert back.lm_head.weight is not back.model.embed_tokens.weight
     with torch.no_grad():
-        reference = _load(path)(TOKENS).logits
+        reference = load(path)(TOKENS).logits
         got = back(TOKENS).logits
     assert (got - reference).abs().max() < 0.05 * reference.abs().max()
     if save == "compressed_tensors":  # transformers itself loads it (compressed-tensors installed)
