@@ -46,6 +46,7 @@ __all__ = [
     "iter_weight_stat",
     "ov_scales_max",
     "ov_scales_mean",
+    "SmoothingSearch",
     "quant_int8_sym_rows",
     "search_alpha_beta",
     "smoothing_error",
@@ -211,23 +212,77 @@ def _grid() -> list[float]:
     return [round(i * SEARCH_STEP, 2) for i in range(steps + 1)]
 
 
+class SmoothingSearch:
+    """:func:`smoothing_error` for many ``(alpha, beta)`` candidates of one subgraph, with what
+    the candidates share computed once: the column maxima of ``|act|`` and ``|weight|``, the float
+    product and its root mean square; the scaled and quantized operands and the int8 product are
+    written into buffers allocated once.
+
+    Every candidate's error is bit-identical to :func:`smoothing_error`'s: the same float32
+    operations on the same values, in the same order (element-wise operations round each element
+    on its own; the product and the mean reduce tensors of the same shapes as there).
+
+    :param act: calibration inputs ``[tokens, in]``; ``weight``: ``[out, in]``, same dtype.
+    """
+
+    def __init__(self, act: torch.Tensor, weight: torch.Tensor) -> None:
+        self.act = act
+        self.weight = weight
+        self.act_max = act.abs().amax(dim=0, keepdim=True)
+        self.weight_max = weight.abs().amax(dim=0, keepdim=True)
+        self.reference = act @ weight.T
+        self.normal = self.reference.pow(2).mean().sqrt()
+        self._act = torch.empty_like(act)
+        self._weight = torch.empty_like(weight)
+        self._product = torch.empty_like(self.reference)
+        self._errors: dict[tuple[float, float], float] = {}
+
+    def error(self, alpha: float, beta: float) -> float:
+        """:func:`smoothing_error` of ``(alpha, beta)`` (each pair computed once)."""
+        key = (alpha, beta)
+        if key not in self._errors:
+            self._errors[key] = self._compute(alpha, beta)
+        return self._errors[key]
+
+    def _compute(self, alpha: float, beta: float) -> float:
+        scale = self.act_max.pow(alpha) * self.weight_max.pow(-beta)
+        act = _quant_int8_sym_rows_(torch.div(self.act, scale, out=self._act))
+        weight = _quant_int8_sym_rows_(torch.mul(self.weight, scale, out=self._weight))
+        product = torch.mm(act, weight.T, out=self._product)
+        return float((product.sub_(self.reference).square_().mean().sqrt() / self.normal).item())
+
+
+def _quant_int8_sym_rows_(x: torch.Tensor) -> torch.Tensor:
+    """:func:`quant_int8_sym_rows` in place, with the same values in fewer passes over ``x``:
+    each row's ``max |x|`` from one min/max pass (no ``|x|`` copy), and no clamp where it cannot
+    act (``|x| <= max``, so ``|x / step|`` rounds to at most 127 unless a step is 0)."""
+    low, high = torch.aminmax(x, dim=-1, keepdim=True)
+    step = torch.maximum(low.neg_(), high).div_(127)
+    x.div_(step).round_()
+    if bool((step == 0).any()):
+        x.clamp_(-127, 127)
+    return x.mul_(step)
+
+
 def search_alpha_beta(act: torch.Tensor, weight: torch.Tensor) -> tuple[float, float, float]:
     """``flex_smooth_quant``'s search: the best ``alpha`` on the grid 0, 0.05, ..., 1 with
     ``beta = 1 - alpha``, then the best ``beta`` on the same grid with that ``alpha``, by
     :func:`smoothing_error` (ties go to the later grid point; the beta search keeps ``1 - alpha``
-    unless a ``beta`` does at least as well).
+    unless a ``beta`` does at least as well). The candidates are evaluated by one
+    :class:`SmoothingSearch` (shared statistics; the pair ``(alpha, 1 - alpha)`` the beta sweep
+    meets again is not recomputed), with the errors :func:`smoothing_error` gives.
 
     :returns: ``(alpha, beta, error)``.
     """
-    reference = act @ weight.T
+    search = SmoothingSearch(act, weight)
     best_alpha, best = 0.0, float("inf")
     for alpha in _grid():
-        error = smoothing_error(act, weight, alpha, 1.0 - alpha, reference)
+        error = search.error(alpha, 1.0 - alpha)
         if error <= best:
             best_alpha, best = alpha, error
     best_beta = 0.0
     for beta in _grid():
-        error = smoothing_error(act, weight, best_alpha, beta, reference)
+        error = search.error(best_alpha, beta)
         if error <= best:
             best_beta, best = beta, error
     return best_alpha, best_beta, best

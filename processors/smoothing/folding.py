@@ -28,6 +28,7 @@ from msquant.plugin import (
     ov_scales_mean,
     search_alpha_beta,
 )
+from msquant.processors.smoothing.statistics import evenly_spaced
 
 __all__ = ["MAX_SEARCH_TOKENS", "ScaleRule", "search_rows", "smooth_subgraph"]
 
@@ -68,8 +69,7 @@ def search_rows(rows: torch.Tensor, limit: int = MAX_SEARCH_TOKENS) -> torch.Ten
     """At most ``limit`` rows of ``rows``, evenly spaced (all of them when there are fewer)."""
     if rows.shape[0] <= limit:
         return rows
-    index = torch.linspace(0, rows.shape[0] - 1, limit, device=rows.device).round().long()
-    return rows[index]
+    return rows[evenly_spaced(rows.shape[0], limit, rows.device)]
 
 
 def _weight(module: nn.Module) -> torch.Tensor:

@@ -48,7 +48,7 @@ from msquant.processors.smoothing.config import (
     SmoothQuantConfig,
     smoothing_issues,
 )
-from msquant.processors.smoothing.folding import ScaleRule, smooth_subgraph
+from msquant.processors.smoothing.folding import MAX_SEARCH_TOKENS, ScaleRule, smooth_subgraph
 from msquant.processors.smoothing.statistics import InputStatistics
 
 __all__ = ["FlexSmoothQuantProcessor", "IterSmoothProcessor", "SmoothQuantProcessor"]
@@ -147,7 +147,9 @@ class SmoothingProcessor(Processor):
                     "%s: %s saw no calibration token, left unsmoothed", self.type_name, first
                 )
                 continue
-            rows = self._statistics.input_rows(first) if self.keeps_rows else None
+            rows = (
+                self._statistics.spaced_rows(first, MAX_SEARCH_TOKENS) if self.keeps_rows else None
+            )
             scales = smooth_subgraph(ctx.model, subgraph, rule, act_max, rows)
             self._prepare_source(ctx.model, subgraph)
             logger.debug(

@@ -12,7 +12,15 @@ from torch.utils.hooks import RemovableHandle
 
 from msquant.plugin import update_channel_max
 
-__all__ = ["InputStatistics"]
+__all__ = ["InputStatistics", "evenly_spaced"]
+
+
+def evenly_spaced(count: int, limit: int, device: torch.device | None = None) -> torch.Tensor:
+    """Indices of ``limit`` of ``count`` items, evenly spaced from the first to the last (all
+    ``count`` when ``count <= limit``), ascending, on ``device`` (where they are computed)."""
+    if count <= limit:
+        return torch.arange(count, device=device)
+    return torch.linspace(0, count - 1, limit, device=device).round().long()
 
 
 class InputStatistics:
@@ -48,6 +56,26 @@ class InputStatistics:
         """Every recorded input row of ``name``, ``[tokens, in]``, or None."""
         rows = self.rows.get(name)
         return torch.cat(rows, dim=0) if rows else None
+
+    def spaced_rows(self, name: str, limit: int) -> torch.Tensor | None:
+        """At most ``limit`` recorded input rows of ``name``, evenly spaced over all of them:
+        ``input_rows(name)[evenly_spaced(count, limit)]``, gathered from the recorded batches
+        without joining them all first (``[min(count, limit), in]``, or None)."""
+        batches = self.rows.get(name)
+        if not batches:
+            return None
+        count = sum(batch.shape[0] for batch in batches)
+        if count <= limit:
+            return torch.cat(batches, dim=0)
+        index = evenly_spaced(count, limit, batches[0].device)
+        picked, start = [], 0
+        for batch in batches:
+            end = start + batch.shape[0]
+            inside = index[(index >= start) & (index < end)]
+            if inside.numel():
+                picked.append(batch[inside - start])
+            start = end
+        return torch.cat(picked, dim=0)
 
     def clear(self) -> None:
         """Forget everything recorded (the next layer starts afresh)."""

@@ -329,3 +329,27 @@ def test_smooth_quant_export_evaluates(
     quantized = msquant.evaluate_perplexity(tmp_path / "out", CALIB, seqlen=64, max_samples=4)
     reference = msquant.evaluate_perplexity(model_dir, CALIB, seqlen=64, max_samples=4)
     assert abs(quantized.ppl / reference.ppl - 1) < 0.05
+
+
+@pytest.mark.parametrize("limit", [5, 16, 40, 200])
+def test_spaced_rows_are_the_evenly_spaced_rows_of_all_batches(limit: int) -> None:
+    """The search rows gathered batch by batch are exactly the evenly spaced rows of all the
+    recorded rows joined (as search_rows picks them), whatever the batch sizes."""
+    from msquant.processors.smoothing.folding import search_rows
+    from msquant.processors.smoothing.statistics import InputStatistics
+
+    linear = nn.Linear(6, 3)
+    statistics = InputStatistics(keep_rows=True)
+    statistics.hook("linear", linear)
+    generator = torch.Generator().manual_seed(0)
+    for tokens in (7, 1, 13, 30, 2, 11):  # 64 rows in 6 uneven batches
+        linear(torch.randn(1, tokens, 6, generator=generator))
+    statistics.unhook()
+    every_row = statistics.input_rows("linear")
+    assert every_row is not None and every_row.shape == (64, 6)
+    spaced = statistics.spaced_rows("linear", limit)
+    assert spaced is not None
+    assert torch.equal(spaced, search_rows(every_row, limit))
+    assert spaced.shape[0] == min(limit, 64)
+    assert torch.equal(spaced[0], every_row[0]) and torch.equal(spaced[-1], every_row[-1])
+    assert statistics.spaced_rows("other", limit) is None

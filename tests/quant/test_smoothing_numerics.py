@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from msquant.quant.smoothing import (
+    SmoothingSearch,
+    _grid,
+    _quant_int8_sym_rows_,
     abs_column_max,
     flex_scales,
     fold_into_linear_columns,
@@ -17,6 +20,7 @@ from msquant.quant.smoothing import (
     iter_weight_stat,
     ov_scales_max,
     ov_scales_mean,
+    quant_int8_sym_rows,
     search_alpha_beta,
     smoothing_error,
     update_channel_max,
@@ -159,3 +163,74 @@ def test_search_alpha_beta_finds_the_grid_optimum() -> None:
     assert beta_errors[beta] <= min(beta_errors.values()) * (1 + 1e-4)
     assert error == pytest.approx(beta_errors[beta], rel=1e-3)
     assert error < smoothing_error(act, weight, 0.0, 0.0) / 3
+
+
+def _search_one_by_one(act: torch.Tensor, weight: torch.Tensor) -> tuple[float, float, float]:
+    """msModelSlim's two sweeps written plainly: every candidate through smoothing_error."""
+    reference = act @ weight.T
+    best_alpha, best = 0.0, float("inf")
+    for alpha in _grid():
+        error = smoothing_error(act, weight, alpha, 1.0 - alpha, reference)
+        if error <= best:
+            best_alpha, best = alpha, error
+    best_beta = 0.0
+    for beta in _grid():
+        error = smoothing_error(act, weight, best_alpha, beta, reference)
+        if error <= best:
+            best_beta, best = beta, error
+    return best_alpha, best_beta, best
+
+
+@pytest.mark.parametrize(("tokens", "channels", "out"), [(300, 48, 96), (257, 96, 40), (64, 32, 8)])
+def test_shared_search_errors_are_bit_identical_to_smoothing_error(
+    tokens: int, channels: int, out: int
+) -> None:
+    """The shared statistics, the buffers and the in-place quantization change no bit of any
+    candidate's error (msModelSlim's argmin depends on exact ties)."""
+    act = _outlier_activations(tokens, channels, seed=tokens)
+    weight = torch.randn(out, channels, generator=torch.Generator().manual_seed(out)) * 0.05
+    weight[:, 7] *= 30.0  # a weight outlier column
+    search = SmoothingSearch(act, weight)
+    reference = act @ weight.T
+    for alpha in _grid()[::3]:
+        for beta in (0.0, 0.35, 1.0 - alpha, 1.0):
+            assert search.error(alpha, beta) == smoothing_error(act, weight, alpha, beta, reference)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_search_alpha_beta_equals_the_candidate_by_candidate_search(seed: int) -> None:
+    act = _outlier_activations(200, 40, seed=10 + seed)
+    weight = torch.randn(72, 40, generator=torch.Generator().manual_seed(20 + seed)) * 0.05
+    assert search_alpha_beta(act, weight) == _search_one_by_one(act, weight)
+
+
+def test_shared_search_computes_each_pair_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The beta sweep meets (alpha, 1 - alpha) again: 41 products for 42 grid points."""
+    act = _outlier_activations(seed=7)
+    weight = torch.randn(24, 32, generator=torch.Generator().manual_seed(8)) * 0.05
+    computed: list[tuple[float, float]] = []
+    original = SmoothingSearch._compute
+
+    def counting(self: SmoothingSearch, alpha: float, beta: float) -> float:
+        computed.append((alpha, beta))
+        return original(self, alpha, beta)
+
+    monkeypatch.setattr(SmoothingSearch, "_compute", counting)
+    alpha, beta, _ = search_alpha_beta(act, weight)
+    assert len(computed) == len(set(computed))
+    assert (alpha, 1.0 - alpha) in computed
+    assert len(computed) == 2 * len(_grid()) - 1
+
+
+def test_in_place_row_quantization_equals_quant_int8_sym_rows() -> None:
+    """Same values as the out-of-place definition, also for an all-zero row (0/0) and a row
+    whose step underflows to 0 (where the clamp acts), NaN for NaN."""
+    x = _outlier_activations(16, 24, seed=3)
+    x[4] = 0.0
+    x[9] = 0.0
+    x[9, 2] = 1e-44  # max / 127 underflows to a zero step
+    expected = quant_int8_sym_rows(x.clone())
+    actual = _quant_int8_sym_rows_(x.clone())
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(actual[4]).all()
+    assert actual[9, 2] == 0.0 and torch.isnan(actual[9, 0])
