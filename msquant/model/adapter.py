@@ -17,6 +17,7 @@ heuristics get wrong gets a subclass that overrides only what differs (usually
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import ClassVar
 
 from torch import nn
@@ -139,8 +140,15 @@ class ModelAdapter:
     def smoothing_subgraphs(self, model: nn.Module, layer: DecoderLayer) -> list[SmoothingSubgraph]:
         """The norm -> linears and linear -> linear subgraphs of ``layer`` that smoothing
         processors fold their scales into (default: the Llama layout by module names,
-        :func:`~msquant.model.subgraphs.default_subgraphs`)."""
-        return default_subgraphs(model, layer)
+        :func:`~msquant.model.subgraphs.default_subgraphs`); the norms' subgraphs carry
+        :attr:`norm_scale_offset`."""
+        found = default_subgraphs(model, layer)
+        if not self.norm_scale_offset:
+            return found
+        return [
+            replace(s, norm_offset=self.norm_scale_offset) if s.kind == "norm-linear" else s
+            for s in found
+        ]
 
     # -- names on disk ----------------------------------------------------------------------
 

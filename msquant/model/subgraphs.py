@@ -42,12 +42,16 @@ class SmoothingSubgraph:
         activation statistics are taken at the first one's input.
     :param heads: for ``ov``: the attention heads and the key/value heads (o_proj reads
         ``heads * head_dim`` channels, v_proj writes ``kv_heads * head_dim``).
+    :param norm_offset: for ``norm-linear``: the norm scales by ``norm_offset + weight`` (1 for
+        Qwen3-Next's norms, :attr:`msquant.ModelAdapter.norm_scale_offset`), so smoothing divides
+        ``norm_offset + weight``, not ``weight``.
     """
 
     kind: SubgraphType
     source: str
     targets: tuple[str, ...]
     heads: tuple[int, int] | None = None
+    norm_offset: float = 0.0
 
 
 def _linear(layer: nn.Module, name: str) -> bool:

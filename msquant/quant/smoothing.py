@@ -152,12 +152,19 @@ def _check_heads(scales: torch.Tensor, heads: int, kv_heads: int) -> None:
 
 
 @torch.no_grad()
-def fold_into_norm(weight: torch.Tensor, bias: torch.Tensor | None, scales: torch.Tensor) -> None:
-    """Divide a norm's output channels by ``scales`` (its weight and bias, in place)."""
+def fold_into_norm(
+    weight: torch.Tensor, bias: torch.Tensor | None, scales: torch.Tensor, offset: float = 0.0
+) -> None:
+    """Divide a norm's output channels by ``scales`` (its weight and bias, in place). A norm
+    scaling by ``offset + weight`` (Qwen3-Next's ``1 + weight``) gets ``(offset + weight) / s -
+    offset``."""
     inverse = 1.0 / scales
     if bias is not None:
         bias.mul_(inverse)
-    weight.mul_(inverse.reshape(weight.shape))
+    if offset:
+        weight.add_(offset).mul_(inverse.reshape(weight.shape)).sub_(offset)
+    else:
+        weight.mul_(inverse.reshape(weight.shape))
 
 
 @torch.no_grad()
