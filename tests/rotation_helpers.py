@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+import msquant
 from msquant.evaluate.models import load_model_for_eval
 from msquant.plugin import RunContext, adapter_for, get_backend
 from msquant.processors.quarot.config import QuaRotConfig
@@ -94,3 +95,19 @@ def read_back(export: Path) -> nn.Module:
     dequantized)."""
     model, _ = load_model_for_eval(export, False)
     return model
+
+
+def rotated_run_logits(model: Path, out: Path, runner: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A full ``msquant`` run of ``quarot`` alone (float export, Ascend format) with ``runner``:
+    the export's logits read back and the original model's, on :data:`TOKENS`."""
+    config = {
+        "apiversion": "modelslim_v1",
+        "spec": {
+            "runner": runner,
+            "process": [{"type": "quarot"}],
+            "save": [{"type": "ascendv1_saver"}],
+        },
+    }
+    msquant.quantize(str(model), str(out), config, progress=False)
+    with torch.no_grad():
+        return read_back(out)(TOKENS).logits, load(model)(TOKENS).logits

@@ -11,7 +11,14 @@ from typing import Any
 
 import pytest
 import torch
-from rotation_helpers import TOKENS, load, read_back, rotate_in_memory, save_with_random_norms
+from rotation_helpers import (
+    TOKENS,
+    load,
+    read_back,
+    rotate_in_memory,
+    rotated_run_logits,
+    save_with_random_norms,
+)
 from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForCausalLM
@@ -218,14 +225,8 @@ def test_full_run_float_export_computes_the_same_logits(
     runner: str, tied: bool, norm_model_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
     path = norm_model_factory("qwen2", tied)
-    config = _config({"type": "quarot"})
-    config["spec"]["runner"] = runner
     out = tmp_path / "out"
-    msquant.quantize(str(path), str(out), config, progress=False)
-    back = read_back(out)
-    with torch.no_grad():
-        reference = load(path)(TOKENS).logits
-        got = back(TOKENS).logits
+    got, reference = rotated_run_logits(path, out, runner)
     assert torch.allclose(got, reference, rtol=0, atol=2e-5), (got - reference).abs().max()
     exported = json.loads((out / "config.json").read_text(encoding="utf-8"))
     assert exported.get("tie_word_embeddings", False) is False

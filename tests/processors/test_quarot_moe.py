@@ -12,7 +12,14 @@ from typing import Any
 
 import pytest
 import torch
-from rotation_helpers import TOKENS, load, read_back, rotate_in_memory, save_with_random_norms
+from rotation_helpers import (
+    TOKENS,
+    load,
+    read_back,
+    rotate_in_memory,
+    rotated_run_logits,
+    save_with_random_norms,
+)
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -254,14 +261,8 @@ def test_full_run_float_export_computes_the_same_logits(
     family: str, runner: str, family_model: Callable[[str], Path], tmp_path: Path
 ) -> None:
     path = family_model(family)
-    config = _config({"type": "quarot"})
-    config["spec"]["runner"] = runner
     out = tmp_path / "out"
-    msquant.quantize(str(path), str(out), config, progress=False)
-    back = read_back(out)
-    with torch.no_grad():
-        reference = load(path)(TOKENS).logits
-        got = back(TOKENS).logits
+    got, reference = rotated_run_logits(path, out, runner)
     assert torch.allclose(got, reference, rtol=0, atol=2e-5), (got - reference).abs().max()
     marker = json.loads((out / "msquant_export.json").read_text(encoding="utf-8"))
     assert marker["weights_transformed_by"] == ["quarot"]
