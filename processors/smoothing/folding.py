@@ -28,9 +28,8 @@ from msquant.plugin import (
     ov_scales_mean,
     search_alpha_beta,
 )
-from msquant.processors.smoothing.statistics import evenly_spaced
 
-__all__ = ["MAX_SEARCH_TOKENS", "ScaleRule", "search_rows", "smooth_subgraph"]
+__all__ = ["MAX_SEARCH_TOKENS", "ScaleRule", "smooth_subgraph"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,21 +54,15 @@ class ScaleRule:
     scale_min: float = 1e-5
 
     def alpha_beta(self, rows: torch.Tensor | None, weight: torch.Tensor) -> tuple[float, float]:
-        """The flex rule's ``(alpha, beta)``: as given, or searched on ``rows``."""
+        """The flex rule's ``(alpha, beta)``: as given, or searched on ``rows`` (the smoothing
+        processor passes at most :data:`MAX_SEARCH_TOKENS` of them, evenly spaced)."""
         if self.alpha is not None and self.beta is not None:
             return self.alpha, self.beta
         if rows is None:
             raise ValueError("flex_smooth_quant: no calibration rows to search alpha and beta on")
-        alpha, beta, error = search_alpha_beta(search_rows(rows).to(weight.dtype), weight)
+        alpha, beta, error = search_alpha_beta(rows.to(weight.dtype), weight)
         logger.debug("alpha %.2f beta %.2f (relative error %.5f)", alpha, beta, error)
         return alpha, beta
-
-
-def search_rows(rows: torch.Tensor, limit: int = MAX_SEARCH_TOKENS) -> torch.Tensor:
-    """At most ``limit`` rows of ``rows``, evenly spaced (all of them when there are fewer)."""
-    if rows.shape[0] <= limit:
-        return rows
-    return rows[evenly_spaced(rows.shape[0], limit, rows.device)]
 
 
 def _weight(module: nn.Module) -> torch.Tensor:

@@ -52,14 +52,9 @@ class InputStatistics:
             handle.remove()
         self._handles.clear()
 
-    def input_rows(self, name: str) -> torch.Tensor | None:
-        """Every recorded input row of ``name``, ``[tokens, in]``, or None."""
-        rows = self.rows.get(name)
-        return torch.cat(rows, dim=0) if rows else None
-
     def spaced_rows(self, name: str, limit: int) -> torch.Tensor | None:
         """At most ``limit`` recorded input rows of ``name``, evenly spaced over all of them:
-        ``input_rows(name)[evenly_spaced(count, limit)]``, gathered from the recorded batches
+        ``torch.cat(self.rows[name])[evenly_spaced(count, limit)]``, gathered from the recorded batches
         without joining them all first (``[min(count, limit), in]``, or None)."""
         batches = self.rows.get(name)
         if not batches:

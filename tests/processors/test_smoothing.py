@@ -361,9 +361,8 @@ def test_smooth_quant_export_evaluates(
 @pytest.mark.parametrize("limit", [5, 16, 40, 200])
 def test_spaced_rows_are_the_evenly_spaced_rows_of_all_batches(limit: int) -> None:
     """The search rows gathered batch by batch are exactly the evenly spaced rows of all the
-    recorded rows joined (as search_rows picks them), whatever the batch sizes."""
-    from msquant.processors.smoothing.folding import search_rows
-    from msquant.processors.smoothing.statistics import InputStatistics
+    recorded rows joined, whatever the batch sizes."""
+    from msquant.processors.smoothing.statistics import InputStatistics, evenly_spaced
 
     linear = nn.Linear(6, 3)
     statistics = InputStatistics(keep_rows=True)
@@ -372,11 +371,11 @@ def test_spaced_rows_are_the_evenly_spaced_rows_of_all_batches(limit: int) -> No
     for tokens in (7, 1, 13, 30, 2, 11):  # 64 rows in 6 uneven batches
         linear(torch.randn(1, tokens, 6, generator=generator))
     statistics.unhook()
-    every_row = statistics.input_rows("linear")
-    assert every_row is not None and every_row.shape == (64, 6)
+    every_row = torch.cat(statistics.rows["linear"], dim=0)
+    assert every_row.shape == (64, 6)
     spaced = statistics.spaced_rows("linear", limit)
     assert spaced is not None
-    assert torch.equal(spaced, search_rows(every_row, limit))
+    assert torch.equal(spaced, every_row[evenly_spaced(64, limit)])
     assert spaced.shape[0] == min(limit, 64)
     assert torch.equal(spaced[0], every_row[0]) and torch.equal(spaced[-1], every_row[-1])
     assert statistics.spaced_rows("other", limit) is None
