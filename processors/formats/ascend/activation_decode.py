@@ -72,8 +72,9 @@ def decode_w8a8(reader: AscendReader, module: str) -> DecodedLayer | None:
         return None
     codes = reader.store.get(names["weight"])
     stored_bias = reader.store.get(names["quant_bias"])
-    if not torch.equal(stored_bias, quant_bias(codes, input_offset)):
-        count = int((stored_bias != quant_bias(codes, input_offset)).sum())
+    expected_bias = quant_bias(codes, input_offset)
+    if not torch.equal(stored_bias, expected_bias):
+        count = int((stored_bias != expected_bias).sum())
         reader.findings.error(
             f"{names['quant_bias']}: {count} value(s) differ from -input_offset * sum of the "
             "weight codes of their row"
