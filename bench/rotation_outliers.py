@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from msquant.quant.int_quant import dequantize, minmax_qparams, quantize
 from msquant.quant.rotation import rotation_for
 
 #: (name, norm, reader) per part of a decoder layer.
@@ -31,9 +32,11 @@ PARTS = (
 
 
 def int4_rtn(weight: torch.Tensor) -> torch.Tensor:
-    """Symmetric int4 per-output-channel round-to-nearest, dequantized."""
-    step = weight.abs().amax(dim=1, keepdim=True) / 7
-    return (weight / step).round().clamp(-8, 7) * step
+    """Symmetric int4 per-output-channel round-to-nearest (msquant's ``minmax`` quantizer, in
+    float32 as in a run), dequantized back to ``weight``'s dtype."""
+    scale, offset = minmax_qparams(weight, 4, True, None)
+    codes = quantize(weight, scale, offset, 4, None)
+    return dequantize(codes, scale, offset, None).to(weight.dtype)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor, rows: torch.Tensor) -> float:
