@@ -31,6 +31,7 @@ from msquant.errors import (
     OutputPathError,
     QuantizationError,
     RegistryError,
+    TransformCheckError,
 )
 from msquant.evaluate.errors import (
     EvaluationError,
@@ -116,6 +117,7 @@ __all__ = [
     "DeviceError",
     "OutputPathError",
     "QuantizationError",
+    "TransformCheckError",
     "NotImplementedYetError",
     "RegistryError",
     "ResumeError",

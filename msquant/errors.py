@@ -21,6 +21,7 @@ __all__ = [
     "DeviceError",
     "OutputPathError",
     "QuantizationError",
+    "TransformCheckError",
     "NotImplementedYetError",
     "RegistryError",
     "validation_message",
@@ -114,3 +115,8 @@ class NotImplementedYetError(MsquantInputError):
 
 class RegistryError(MsquantError):
     """A processor registration is inconsistent (duplicate name, bad plugin entry point)."""
+
+
+class TransformCheckError(QuantizationError):
+    """A transform that must keep the model's function (a smoothing fold, a rotation) would not:
+    its data flow does not hold on this model, or the layer computes something else after it."""

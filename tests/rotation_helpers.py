@@ -3,6 +3,7 @@ with norms (and MoE routers) that compute in float64, and the processor's hooks 
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 import msquant
 from msquant.evaluate.models import load_model_for_eval
-from msquant.plugin import RunContext, adapter_for, get_backend
+from msquant.plugin import RunContext, adapter_for, get_backend, measure_norm_form
 from msquant.processors.quarot.config import QuaRotConfig
 from msquant.processors.quarot.processor import QuaRot
 
@@ -45,17 +46,18 @@ def load(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
 def norms_in_float64(model: nn.Module) -> None:
     """transformers' RMSNorms compute in float32 whatever the model's dtype (1e-7 errors); the
     float64 reference tests make them compute in float64 too, before and after the rotation.
-    The gain is ``offset + weight`` with the offset of the model's adapter (1 for Qwen3-Next)."""
-    offset = adapter_for(model).norm_scale_offset
+    The gain is ``offset + weight`` with the offset measured on each norm (1 for Qwen3-Next)."""
 
-    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def forward(self: nn.Module, x: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
         eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
         scale = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         return scale * (offset + self.weight)
 
     for module in model.modules():
         if type(module).__name__.endswith("RMSNorm"):
-            module.forward = forward.__get__(module)  # type: ignore[method-assign]
+            form = measure_norm_form(module)
+            assert form is not None, type(module).__name__
+            module.forward = partial(forward, module, offset=form.offset)  # type: ignore[method-assign]
 
 
 def rotate_in_memory(model: nn.Module, tmp_path: Path, **config: Any) -> tuple[QuaRot, RunContext]:

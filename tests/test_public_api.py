@@ -52,6 +52,7 @@ USER_API = [
     "DeviceError",
     "OutputPathError",
     "QuantizationError",
+    "TransformCheckError",
     "NotImplementedYetError",
     "RegistryError",
     "ResumeError",
@@ -130,18 +131,23 @@ PLUGIN_API = [
     *("ModuleReport", "relative_output_errors"),
     # errors a plugin raises or reports (also in msquant)
     *("MsquantError", "MsquantInputError", "ConfigError", "ConfigIssue", "QuantizationError"),
-    "RegistryError",
+    *("RegistryError", "TransformCheckError"),
+    # proofs that a transform keeps the model's function (msquant.check)
+    *("TransformProbe", "FlowPair", "prove_flow", "ov_channel_map", "FunctionCheck"),
+    *("layer_fingerprint", "shared_weight_problems", "function_tolerance", "max_relative_error"),
+    *("in_float32", "NormForm", "NormLayout", "measure_norm_form", "norm_form_problem"),
+    "LayerRotationLayout",
 ]
 
 
 def test_the_user_api_is_the_promised_list() -> None:
     assert sorted(msquant.__all__) == sorted(USER_API)
-    assert len(set(msquant.__all__)) == len(msquant.__all__) == 37
+    assert len(set(msquant.__all__)) == len(msquant.__all__) == 38
 
 
 def test_the_plugin_api_is_the_promised_list() -> None:
     assert sorted(msquant.plugin.__all__) == sorted(PLUGIN_API)
-    assert len(set(msquant.plugin.__all__)) == len(msquant.plugin.__all__) == 174
+    assert len(set(msquant.plugin.__all__)) == len(msquant.plugin.__all__) == 190
 
 
 def test_the_facades_hold_nothing_but_their_lists() -> None:

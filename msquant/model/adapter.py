@@ -36,6 +36,7 @@ from msquant.model.fused import (
 from msquant.model.head import OutputHeadStage, find_final_norm, find_output_head
 from msquant.model.layers import DecoderLayer, find_decoder_layers
 from msquant.model.moe import MoEInfo, moe_routers, unfuse_experts
+from msquant.model.norms import NormLayout
 from msquant.model.rotation_layout import RotationLayout, default_rotation_layout
 from msquant.model.subgraphs import SmoothingSubgraph, default_subgraphs
 
@@ -53,10 +54,17 @@ class ModelAdapter:
     #: ``packed_modules_mapping``); the default is the generic table of Llama-like models.
     fused_shards: ClassVar[Mapping[str, tuple[str, ...]]] = FUSED_SHARDS
 
-    #: The model's RMSNorms compute ``x / rms(x) * (norm_scale_offset + weight)``: 0 for the
-    #: usual RMSNorm, 1 for those storing the gain minus one (Qwen3-Next's); a rotation folds
-    #: the gain into the linears after the norm.
-    norm_scale_offset: ClassVar[float] = 0.0
+    #: The model's norms compute ``x / rms(x) * (norm_scale_offset + weight)``: 0 for the usual
+    #: RMSNorm, 1 for those storing the gain minus one (Qwen3-Next's, Gemma's). None (the
+    #: default): not declared. Smoothing and rotation measure every norm's form before folding
+    #: into it (:func:`msquant.model.norms.measure_norm_form`) and use what they measure; a
+    #: declared offset the measurement contradicts is refused.
+    norm_scale_offset: ClassVar[float | None] = None
+
+    #: Which norm of a decoder layer feeds the attention and which the MLP, and the norms on a
+    #: block's output before the residual add (data smoothing and rotation both read; Llama's
+    #: names by default).
+    norm_layout: ClassVar[NormLayout] = NormLayout()
 
     # -- decoder body -----------------------------------------------------------------------
 
@@ -93,7 +101,7 @@ class ModelAdapter:
         of :mod:`msquant.model.rotation_blocks`, norms scaling by
         ``norm_scale_offset + weight``
         (:func:`~msquant.model.rotation_layout.default_rotation_layout`)."""
-        return default_rotation_layout(model, layers, self.norm_scale_offset)
+        return default_rotation_layout(model, layers, self.norm_scale_offset, self.norm_layout)
 
     # -- fused matrices ---------------------------------------------------------------------
 
@@ -139,11 +147,11 @@ class ModelAdapter:
 
     def smoothing_subgraphs(self, model: nn.Module, layer: DecoderLayer) -> list[SmoothingSubgraph]:
         """The norm -> linears and linear -> linear subgraphs of ``layer`` that smoothing
-        processors fold their scales into (default: the Llama layout by module names,
-        :func:`~msquant.model.subgraphs.default_subgraphs`); the norms' subgraphs carry
-        :attr:`norm_scale_offset`."""
-        found = default_subgraphs(model, layer)
-        if not self.norm_scale_offset:
+        processors fold their scales into (default: by module names, the norms from
+        :attr:`norm_layout`, :func:`~msquant.model.subgraphs.default_subgraphs`); the norms'
+        subgraphs carry :attr:`norm_scale_offset` when it is declared."""
+        found = default_subgraphs(model, layer, self.norm_layout)
+        if self.norm_scale_offset is None:
             return found
         return [
             replace(s, norm_offset=self.norm_scale_offset) if s.kind == "norm-linear" else s

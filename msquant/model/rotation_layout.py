@@ -21,6 +21,7 @@ from torch import nn
 
 from msquant.model.head import find_final_norm, find_output_head, head_is_tied
 from msquant.model.layers import DecoderLayer
+from msquant.model.norms import NormLayout
 from msquant.model.rotation_blocks import find_attention_block, find_mlp_block, unknown_readers
 
 __all__ = [
@@ -30,10 +31,6 @@ __all__ = [
     "default_rotation_layout",
     "layer_rotation_layout",
 ]
-
-#: The norms of a pre-norm decoder layer, names relative to the layer.
-ATTENTION_NORM = "input_layernorm"
-MLP_NORM = "post_attention_layernorm"
 
 
 @dataclass(frozen=True)
@@ -55,6 +52,9 @@ class LayerRotationLayout:
     :param head_width: the width of one head's value (the per-head rotation's size; 0: none).
     :param value_skip: rows of each head's block in the value projection's output that come
         before the head's value and are not rotated (DeepSeek's kv_b_proj: the head's k_nope).
+    :param branch_norms: norms on a block's output before the residual add (Gemma 2/3's
+        sandwich norms): the rotated writers' output passes through them, which is exact only
+        when each one's gain is the same for every channel (checked on the weights in the run).
     """
 
     norms: tuple[NormReaders, ...]
@@ -62,6 +62,7 @@ class LayerRotationLayout:
     value_output: tuple[tuple[str, str], ...]
     head_width: int = 0
     value_skip: int = 0
+    branch_norms: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,9 @@ class RotationLayout:
     :param tied: whether the head shares its weight with the embedding (a rotation unties them).
     :param layers: per decoder layer, in order.
     :param norm_offset: the norms on the stream compute ``x / rms(x) * (norm_offset + weight)``
-        (0 for RMSNorm; 1 for Qwen3-Next's, whose weight is stored as the gain minus one): the
-        rotation folds ``norm_offset + weight`` into the readers and sets the weight to
-        ``1 - norm_offset``.
+        (0 for RMSNorm; 1 for Qwen3-Next's, whose weight is stored as the gain minus one), as the
+        model adapter declares it; None when it does not (the rotation measures each norm and
+        folds ``offset + weight`` into the readers, then sets the weight to ``1 - offset``).
     """
 
     hidden_size: int
@@ -88,7 +89,7 @@ class RotationLayout:
     head: str
     tied: bool
     layers: tuple[LayerRotationLayout, ...]
-    norm_offset: float = 0.0
+    norm_offset: float | None = None
 
     @property
     def rotates_heads(self) -> bool:
@@ -127,20 +128,24 @@ def layer_rotation_layout(
     problems: list[str],
     head_dim: int | None = None,
     heads: int | None = None,
+    norms: NormLayout | None = None,
 ) -> LayerRotationLayout | None:
-    """The layout of one pre-norm decoder layer (``input_layernorm`` -> an attention block,
-    ``post_attention_layernorm`` -> a dense or MoE MLP; the blocks msquant knows are listed in
-    :mod:`msquant.model.rotation_blocks`); None (with ``problems`` appended) when the layer lacks
-    a module of it, a module has another shape, or another module reads the stream.
+    """The layout of one pre-norm decoder layer (the attention norm -> an attention block, the
+    MLP norm -> a dense or MoE MLP, names from ``norms``, Llama's by default; the blocks msquant
+    knows are listed in :mod:`msquant.model.rotation_blocks`); None (with ``problems`` appended)
+    when the layer lacks a module of it, a module has another shape, or another module reads the
+    stream.
 
     :param head_dim: the attention heads' width; ``heads`` their number (each None when unknown:
         no per-head value/output rotation where the attention needs it).
     """
+    norms = norms or NormLayout()
+    attention_norm, mlp_norm = norms.attention, norms.mlp
     found = dict(layer.module.named_modules())
     attention = find_attention_block(found, head_dim, heads)
     before = len(problems)
     mlp = find_mlp_block(layer.module, found, problems, layer.name)
-    missing = [name for name in (ATTENTION_NORM, MLP_NORM) if name not in found]
+    missing = [name for name in (attention_norm, mlp_norm) if name not in found]
     if attention is None:
         missing.append("an attention block (self_attn.q/k/v_proj, q_a_proj / kv_a_proj_with_mqa, "
                        "or linear_attn.in_proj_*) with its output projection")  # fmt: skip
@@ -149,13 +154,14 @@ def layer_rotation_layout(
     if missing:
         problems.append(
             f"{layer.name} has no {'; no '.join(missing)}: the rotation knows pre-norm layers "
-            "(input_layernorm -> attention, post_attention_layernorm -> MLP) with q/k/v, "
+            f"({attention_norm} -> attention, {mlp_norm} -> MLP) with q/k/v, "
             "multi-head latent or Gated DeltaNet attention and dense or MoE MLPs; other layouts "
             "need a model adapter that describes them (docs/developer/add-model-adapter.md)"
         )
     if attention is None or mlp is None or len(problems) > before:
         return None
-    for name in (ATTENTION_NORM, MLP_NORM):
+    branch = tuple(name for name in norms.branch if name in found)
+    for name in (attention_norm, mlp_norm, *branch):
         weight = getattr(found[name], "weight", None)
         if weight is None or weight.dim() != 1 or weight.shape[0] != hidden_size:
             problems.append(
@@ -184,23 +190,28 @@ def layer_rotation_layout(
     prefix = f"{layer.name}."
     return LayerRotationLayout(
         norms=(
-            NormReaders(prefix + ATTENTION_NORM, tuple(prefix + n for n in attention.readers)),
-            NormReaders(prefix + MLP_NORM, tuple(prefix + n for n in mlp.readers)),
+            NormReaders(prefix + attention_norm, tuple(prefix + n for n in attention.readers)),
+            NormReaders(prefix + mlp_norm, tuple(prefix + n for n in mlp.readers)),
         ),
         writers=tuple(prefix + n for n in (*attention.writers, *mlp.writers)),
         value_output=tuple((prefix + v, prefix + o) for v, o in attention.value_output),
         head_width=attention.head_width,
         value_skip=attention.value_skip,
+        branch_norms=tuple(prefix + name for name in branch),
     )
 
 
 def default_rotation_layout(
-    model: nn.Module, layers: Sequence[DecoderLayer], norm_offset: float = 0.0
+    model: nn.Module,
+    layers: Sequence[DecoderLayer],
+    norm_offset: float | None = None,
+    norms: NormLayout | None = None,
 ) -> tuple[RotationLayout | None, list[str]]:
     """The rotation layout of a pre-norm model (weightless models work: only names and shapes
     are read), or None with one message per problem found.
 
-    :param norm_offset: see :attr:`RotationLayout.norm_offset` (the model adapter knows it).
+    :param norm_offset: see :attr:`RotationLayout.norm_offset` (declared by the model adapter).
+    :param norms: which norm feeds which block (the model adapter's; Llama's by default).
     """
     problems: list[str] = []
     getter = getattr(model, "get_input_embeddings", None)
@@ -222,7 +233,8 @@ def default_rotation_layout(
     head_dim = _head_dim(model, hidden_size)
     heads = _heads(model)
     per_layer = [
-        layer_rotation_layout(layer, hidden_size, problems, head_dim, heads) for layer in layers
+        layer_rotation_layout(layer, hidden_size, problems, head_dim, heads, norms)
+        for layer in layers
     ]
     if problems:
         return None, problems

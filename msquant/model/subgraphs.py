@@ -7,12 +7,15 @@ feeding one linear through per-channel operations (``up-down``: the gate's activ
 up_proj's output channel by channel; ``ov``: attention mixes value vectors across tokens, never
 across channels; ``linear-linear``: a direct pair). msModelSlim names these four types.
 
-:func:`default_subgraphs` knows the Llama layout by module names (Llama, Qwen2/3, Mistral and most
-decoder-only models): ``input_layernorm`` -> ``self_attn.{q,k,v}_proj``, ``post_attention_layernorm``
--> ``mlp.{gate,up}_proj``, ``self_attn.v_proj`` -> ``self_attn.o_proj`` (with the model config's
-head counts), ``mlp.up_proj`` -> ``mlp.down_proj``; a layer lacking one of these modules, or whose
-MLP is a mixture of experts, simply has fewer subgraphs. An architecture laid out differently
-overrides :meth:`msquant.ModelAdapter.smoothing_subgraphs`.
+:func:`default_subgraphs` finds them by module names, the norms from the model adapter's
+:class:`~msquant.model.norms.NormLayout` (Llama's by default: ``input_layernorm`` ->
+``self_attn.{q,k,v}_proj``, ``post_attention_layernorm`` -> ``mlp.{gate,up}_proj``; Gemma 2/3's MLP
+reads ``pre_feedforward_layernorm``), ``self_attn.v_proj`` -> ``self_attn.o_proj`` (with the model
+config's head counts), ``mlp.up_proj`` -> ``mlp.down_proj``; a layer lacking one of these modules,
+or whose MLP is a mixture of experts, simply has fewer subgraphs. An architecture laid out
+differently overrides :meth:`msquant.ModelAdapter.smoothing_subgraphs`. Names are only the
+hypothesis: the smoothing processors prove each subgraph's data flow on calibration tokens before
+folding (:mod:`msquant.check`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Literal
 from torch import nn
 
 from msquant.model.layers import DecoderLayer
+from msquant.model.norms import NormLayout
 
 __all__ = ["SUBGRAPH_TYPES", "SmoothingSubgraph", "SubgraphType", "default_subgraphs"]
 
@@ -43,15 +47,17 @@ class SmoothingSubgraph:
     :param heads: for ``ov``: the attention heads and the key/value heads (o_proj reads
         ``heads * head_dim`` channels, v_proj writes ``kv_heads * head_dim``).
     :param norm_offset: for ``norm-linear``: the norm scales by ``norm_offset + weight`` (1 for
-        Qwen3-Next's norms, :attr:`msquant.ModelAdapter.norm_scale_offset`), so smoothing divides
-        ``norm_offset + weight``, not ``weight``.
+        the norms of Gemma and Qwen3-Next), so smoothing divides ``norm_offset + weight``, not
+        ``weight``. None until known: the model adapter may declare it
+        (:attr:`msquant.ModelAdapter.norm_scale_offset`), and the smoothing processors measure it
+        on the norm (:func:`msquant.model.norms.measure_norm_form`), refusing a mismatch.
     """
 
     kind: SubgraphType
     source: str
     targets: tuple[str, ...]
     heads: tuple[int, int] | None = None
-    norm_offset: float = 0.0
+    norm_offset: float | None = None
 
 
 def _linear(layer: nn.Module, name: str) -> bool:
@@ -80,24 +86,26 @@ def _heads(model: nn.Module) -> tuple[int, int] | None:
     return heads, kv_heads
 
 
-def default_subgraphs(model: nn.Module, layer: DecoderLayer) -> list[SmoothingSubgraph]:
-    """The smoothing subgraphs of a Llama-shaped decoder layer, found by module names."""
+def default_subgraphs(
+    model: nn.Module, layer: DecoderLayer, norms: NormLayout | None = None
+) -> list[SmoothingSubgraph]:
+    """The smoothing subgraphs of a decoder layer, found by module names (the norms' names from
+    ``norms``; Llama's by default)."""
+    norms = norms or NormLayout()
     module = layer.module
     prefix = f"{layer.name}."
     found: list[SmoothingSubgraph] = []
     attention = [f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
-    if _norm(module, "input_layernorm") and all(_linear(module, n) for n in attention):
+    if _norm(module, norms.attention) and all(_linear(module, n) for n in attention):
         found.append(
             SmoothingSubgraph(
-                "norm-linear", prefix + "input_layernorm", tuple(prefix + n for n in attention)
+                "norm-linear", prefix + norms.attention, tuple(prefix + n for n in attention)
             )
         )
     mlp = ["mlp.gate_proj", "mlp.up_proj"]
-    if _norm(module, "post_attention_layernorm") and all(_linear(module, n) for n in mlp):
+    if _norm(module, norms.mlp) and all(_linear(module, n) for n in mlp):
         found.append(
-            SmoothingSubgraph(
-                "norm-linear", prefix + "post_attention_layernorm", tuple(prefix + n for n in mlp)
-            )
+            SmoothingSubgraph("norm-linear", prefix + norms.mlp, tuple(prefix + n for n in mlp))
         )
     heads = _heads(model)
     if (

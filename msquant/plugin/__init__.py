@@ -19,6 +19,25 @@ from msquant.backends import (
     get_backend,
     parse_device,
 )
+from msquant.check.compare import (
+    function_tolerance,
+    max_relative_error,
+)
+from msquant.check.flow import (
+    FlowPair,
+    ov_channel_map,
+    prove_flow,
+)
+from msquant.check.function import (
+    FunctionCheck,
+    layer_fingerprint,
+)
+from msquant.check.sharing import (
+    shared_weight_problems,
+)
+from msquant.check.upcast import (
+    in_float32,
+)
 from msquant.errors import (
     ConfigError,
     ConfigIssue,
@@ -26,6 +45,7 @@ from msquant.errors import (
     MsquantInputError,
     QuantizationError,
     RegistryError,
+    TransformCheckError,
 )
 from msquant.export import (
     ShardedSafetensorsWriter,
@@ -80,7 +100,14 @@ from msquant.model.moe import (
     enough_expert_tokens,
     moe_routers,
 )
+from msquant.model.norms import (
+    NormForm,
+    NormLayout,
+    measure_norm_form,
+    norm_form_problem,
+)
 from msquant.model.rotation_layout import (
+    LayerRotationLayout,
     RotationLayout,
 )
 from msquant.model.subgraphs import (
@@ -250,6 +277,9 @@ from msquant.quant.w8a8_params import (
 )
 from msquant.report.run_report import (
     ModuleReport,
+)
+from msquant.run.probe import (
+    TransformProbe,
 )
 from msquant.verify import (
     LayerReport,
@@ -450,8 +480,25 @@ __all__ = [
     "ConfigIssue",
     "QuantizationError",
     "RegistryError",
+    "TransformCheckError",
+    # proofs that a transform keeps the model's function (msquant.check)
+    "TransformProbe",
+    "FlowPair",
+    "prove_flow",
+    "ov_channel_map",
+    "FunctionCheck",
+    "layer_fingerprint",
+    "shared_weight_problems",
+    "function_tolerance",
+    "max_relative_error",
+    "in_float32",
+    "NormForm",
+    "NormLayout",
+    "measure_norm_form",
+    "norm_form_problem",
     # outlier suppression (smoothing) and rotation
     "RotationLayout",
+    "LayerRotationLayout",
     "SUBGRAPH_TYPES",
     "SmoothingSubgraph",
     "SubgraphType",

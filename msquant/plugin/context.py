@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from msquant.backends.base import Backend
     from msquant.load.streaming import StreamedWeights
     from msquant.run.checkpoint.store import LayerStore
+    from msquant.run.probe import TransformProbe
 
 __all__ = ["DiskNamed", "RunContext", "disk_name"]
 
@@ -63,6 +64,11 @@ class RunContext:
     :param optional_tensors: tensors a processor asks savers to ship beside the weights, by scope
         (``{"quarot": {"global_rotation": R}}``); the Ascend savers write each scope to
         ``optional/<scope>.safetensors`` and name it in the description's ``optional``.
+    :param probe: set by the layer runner when a processor transforms weights
+        (``transforms_weights``): a few calibration tokens and their hidden states entering the
+        current decoder layer, on which such a processor proves that its transform keeps the
+        model's function (:mod:`msquant.check`; :class:`msquant.plugin.TransformProbe`); None
+        otherwise.
     """
 
     model: nn.Module
@@ -81,6 +87,7 @@ class RunContext:
     checkpoint_names: CheckpointNames | None = None
     config_updates: dict[str, Any] = field(default_factory=dict)
     optional_tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    probe: TransformProbe | None = None
 
     def disk_name(self, name: str) -> str:
         """The checkpoint's name for a module or tensor name of the loaded model (see

@@ -32,6 +32,7 @@ __all__ = [
     "REPORT_FORMAT",
     "ModuleReport",
     "LayerTiming",
+    "TransformCheck",
     "EvaluationReport",
     "RunReport",
     "write_report",
@@ -84,11 +85,41 @@ class ModuleReport:
 
 @dataclass(frozen=True)
 class LayerTiming:
-    """Wall time of one decoder layer (load, every processor's hooks, offload)."""
+    """Wall time of one decoder layer (load, every processor's hooks, offload).
+
+    :param check_seconds: of ``seconds``, the time of the transform checks on the probe tokens
+        (their forwards of the layer and the probe's push to the next layer); None when the run
+        transforms no weight.
+    """
 
     index: int
     name: str
     seconds: float
+    check_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class TransformCheck:
+    """What one processor's function-preserving transform (smoothing, rotation) proved on one
+    decoder layer, on the run's probe tokens (:mod:`msquant.check`).
+
+    :param layer: the decoder layer's index.
+    :param processor: the processor's YAML type.
+    :param flow_checks: data-flow comparisons made (a reader's input against its producer's
+        scaled output, and the layer's output with every producer scaled).
+    :param flow_error: the worst of them (relative; the proof's bound is 1e-4); None when none.
+    :param function_checks: comparisons of the layer's output before and after a transform step.
+    :param function_error: the worst of them, relative to what the layer adds to its input.
+    :param function_tolerance: the bound they were held to (by the weights' dtype).
+    """
+
+    layer: int
+    processor: str
+    flow_checks: int
+    flow_error: float | None
+    function_checks: int
+    function_error: float | None
+    function_tolerance: float | None
 
 
 @dataclass(frozen=True)
@@ -130,6 +161,9 @@ class RunReport:
     model's embeddings to capture the first decoder layer's inputs (None without calibration),
     ``total_seconds`` the whole run up to writing the report. ``evaluation`` is the quantized
     model's perplexity when the run was asked for one (``eval_data``), else None.
+    ``transform_checks`` records what every function-preserving transform proved on each layer,
+    on ``probe_tokens`` tokens (None when the run transforms no weight; the checks' time is in
+    each layer's ``check_seconds``).
 
     Fields that grow as layers finish are lists (``modules``, ``layers``): a checkpoint records
     them (:meth:`layer_records`) and a resumed run takes them up (:meth:`restore_layer_records`);
@@ -149,6 +183,8 @@ class RunReport:
     device: str = ""
     modules: list[ModuleReport] = field(default_factory=list)
     layers: list[LayerTiming] = field(default_factory=list)
+    transform_checks: list[TransformCheck] = field(default_factory=list)
+    probe_tokens: int | None = None
     evaluation: EvaluationReport | None = None
     capture_seconds: float | None = None
     total_seconds: float = 0.0
@@ -156,6 +192,10 @@ class RunReport:
     def add_module(self, module: ModuleReport) -> None:
         """Record a quantized module (processors call this once per module they quantize)."""
         self.modules.append(module)
+
+    def add_transform_check(self, check: TransformCheck) -> None:
+        """Record what a transform proved on a decoder layer (the run's probe calls this)."""
+        self.transform_checks.append(check)
 
     def add_layer(self, layer: LayerTiming) -> None:
         """Record a finished decoder layer (the runner calls this)."""

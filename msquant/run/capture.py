@@ -30,6 +30,8 @@ __all__ = [
     "CalibrationActivations",
     "batch_samples",
     "capture_layer_inputs",
+    "first_layer_input",
+    "tree_to_device",
 ]
 
 # Tokens per calibration batch: 8 samples of 512 tokens; the largest intermediate activation of a
@@ -80,8 +82,8 @@ class CalibrationActivations:
             call = calls[layer.index]
             result = layer.module(
                 backend.tensor_to_device(hidden),
-                *_to_device(call.args, backend),
-                **_to_device(call.kwargs, backend),
+                *tree_to_device(call.args, backend),
+                **tree_to_device(call.kwargs, backend),
             )
             if keep_outputs:
                 out = result[0] if isinstance(result, tuple) else result
@@ -106,15 +108,16 @@ class CalibrationActivations:
         self.commit(layer, outputs)
 
 
-def _to_device(obj: Any, backend: Backend) -> Any:
+def tree_to_device(obj: Any, backend: Backend) -> Any:
+    """``obj`` with every tensor inside (tuples, lists, dicts) on ``backend``'s device."""
     if isinstance(obj, torch.Tensor):
         return backend.tensor_to_device(obj)
     if isinstance(obj, tuple):
-        return tuple(_to_device(o, backend) for o in obj)
+        return tuple(tree_to_device(o, backend) for o in obj)
     if isinstance(obj, list):
-        return [_to_device(o, backend) for o in obj]
+        return [tree_to_device(o, backend) for o in obj]
     if isinstance(obj, dict):
-        return {k: _to_device(v, backend) for k, v in obj.items()}
+        return {k: tree_to_device(v, backend) for k, v in obj.items()}
     return obj
 
 
@@ -224,3 +227,56 @@ def capture_layer_inputs(
         for i, real in enumerate(originals):
             layer_list[i] = real
     return CalibrationActivations(hidden, calls, tuple_output=bool(session.tuple_output))
+
+
+class _FirstLayerReached(Exception):
+    """Stops the model body once the first decoder layer's input is recorded."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__("first decoder layer reached")
+        self.hidden = hidden
+
+
+class _StopAtFirstLayer(nn.Module):
+    """Stands in for the first decoder layer: raises with its input (the layer never runs, so
+    its weights need not be loaded)."""
+
+    def __init__(self, real: nn.Module) -> None:
+        super().__init__()
+        self.real = [real]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            real = self.__dict__.get("real")
+            if not real:
+                raise
+            return getattr(real[0], name)
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        raise _FirstLayerReached(hidden_states.detach())
+
+
+@torch.no_grad()
+def first_layer_input(
+    model: nn.Module, layers: list[DecoderLayer], input_ids: torch.Tensor
+) -> torch.Tensor:
+    """The hidden states the model body feeds its first decoder layer for ``input_ids``
+    (``[batch, seq]``): the embeddings and whatever the model applies to them first. No decoder
+    layer runs.
+
+    :raises RuntimeError: when the body never calls its first layer.
+    """
+    body = parent_module(model, layers)
+    layer_list = model.get_submodule(layer_list_name(layers))
+    assert isinstance(layer_list, nn.ModuleList)
+    real = layer_list[0]
+    layer_list[0] = _StopAtFirstLayer(real)
+    try:
+        body(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
+    except _FirstLayerReached as reached:
+        return reached.hidden
+    finally:
+        layer_list[0] = real
+    raise RuntimeError(f"{type(body).__name__} did not call its first decoder layer")

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from msquant.errors import QuantizationError
 from msquant.model.layers import DecoderLayer
 from msquant.plugin.context import RunContext
-from msquant.plugin.processor import Processor
+from msquant.plugin.processor import Processor, flatten_processors
 from msquant.report.run_report import LayerTiming
 from msquant.run.capture import (
     DEFAULT_MAX_BATCH_TOKENS,
@@ -41,12 +41,14 @@ from msquant.run.capture import (
 )
 from msquant.run.checkpoint.folder import RunCheckpoints
 from msquant.run.output_head import run_output_head
+from msquant.run.probe import TransformProbe
 
 __all__ = [
     "batch_token_limit",
     "calibrates_on_quantized",
     "calibration_stages",
     "needs_calibration",
+    "needs_probe",
     "run_layer_wise",
 ]
 
@@ -56,6 +58,12 @@ logger = logging.getLogger(__name__)
 def needs_calibration(processors: Sequence[Processor]) -> bool:
     """Whether any processor asks for calibration activations."""
     return any(p.requires_calibration for p in processors)
+
+
+def needs_probe(processors: Sequence[Processor]) -> bool:
+    """Whether a processor (a group's children included) transforms weights, and so proves on
+    the probe tokens that it keeps the model's function (:mod:`msquant.run.probe`)."""
+    return any(p.transforms_weights for p in flatten_processors(processors))
 
 
 @torch.no_grad()
@@ -77,6 +85,27 @@ def run_layer_wise(
     if checkpoints is not None and checkpoints.finished:  # the export files are complete
         checkpoints.restore_finished(ctx)
         return
+    probe = None
+    if needs_probe(processors):
+        if checkpoints is not None and checkpoints.resuming:
+            raise RuntimeError("a run whose processors transform weights cannot be resumed yet")
+        probe = TransformProbe(ctx.model, ctx.layers, ctx.backend, samples)
+    ctx.probe = probe
+    try:
+        _run_layers(ctx, processors, samples, progress, checkpoints, probe)
+    finally:
+        ctx.probe = None
+
+
+def _run_layers(
+    ctx: RunContext,
+    processors: Sequence[Processor],
+    samples: Sequence[torch.Tensor] | None,
+    progress: bool,
+    checkpoints: RunCheckpoints | None,
+    probe: TransformProbe | None,
+) -> None:
+    """The body of :func:`run_layer_wise` (``ctx.probe`` set)."""
     for processor in processors:
         processor.setup(ctx)
     activations = None
@@ -102,6 +131,11 @@ def run_layer_wise(
             activations.token_count,
             ctx.report.capture_seconds,
         )
+    if probe is not None:
+        if ctx.streamed is not None:  # capture runs the first layer once to learn its output type
+            ctx.streamed.materialize(ctx.layers[0].module, ctx.layers[0].name)
+        probe.capture()
+        ctx.report.probe_tokens = probe.tokens
     quantized = calibrates_on_quantized(processors)
     if activations is not None and quantized:
         logger.info("each decoder layer is calibrated on the quantized previous layers' outputs")
@@ -120,6 +154,8 @@ def run_layer_wise(
         if ctx.streamed is not None:
             ctx.streamed.materialize(layer.module, layer.name)
         ctx.backend.to_device(layer.module)
+        if probe is not None:
+            probe.enter(layer)
         for processor in processors:
             processor.before_layer(ctx, layer)
         outputs = None
@@ -132,6 +168,7 @@ def run_layer_wise(
                 outputs = activations.run(layer, ctx.backend)
             assert outputs is not None
             activations.commit(layer, outputs)
+        check_seconds = None if probe is None else probe.leave(layer, ctx.report)
         ctx.backend.offload(layer.module)
         if checkpoints is not None:
             checkpoints.keep_layer(layer)
@@ -139,7 +176,7 @@ def run_layer_wise(
             _release(ctx, layer)
         ctx.backend.empty_cache()
         seconds = time.perf_counter() - started
-        ctx.report.add_layer(LayerTiming(layer.index, layer.name, seconds))
+        ctx.report.add_layer(LayerTiming(layer.index, layer.name, seconds, check_seconds))
         if checkpoints is not None:
             checkpoints.commit_layer(ctx, processors, layer, activations)
         logger.debug("layer %s done in %.2f s", layer.name, seconds)

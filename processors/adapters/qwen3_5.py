@@ -23,7 +23,7 @@ class Qwen35Adapter(ModelAdapter):
     """The default heuristics plus the fused projections of Gated DeltaNet layers, and norms
     scaling by ``1 + weight`` (as Qwen3-Next's: a rotation folds that gain)."""
 
-    norm_scale_offset: ClassVar[float] = 1.0
+    norm_scale_offset: ClassVar[float | None] = 1.0
 
     fused_shards: ClassVar[Mapping[str, tuple[str, ...]]] = {
         **FUSED_SHARDS,

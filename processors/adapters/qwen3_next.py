@@ -20,4 +20,4 @@ __all__ = ["Qwen3NextAdapter"]
 class Qwen3NextAdapter(ModelAdapter):
     """The default heuristics, with norms scaling by ``1 + weight``."""
 
-    norm_scale_offset: ClassVar[float] = 1.0
+    norm_scale_offset: ClassVar[float | None] = 1.0

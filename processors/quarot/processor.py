@@ -20,6 +20,15 @@ value; DeepSeek's MLA: the value rows of kv_b_proj and o_proj's input). The
 model computes the same outputs, to float rounding; its activations have flatter channels, which
 quantize better. The matrices are msModelSlim's construction (:mod:`msquant.quant.rotation`).
 
+Every step proves itself during the run (:mod:`msquant.check`, on the run's probe tokens): each
+norm's form is measured (an RMSNorm scaling by ``offset + weight``) before its gain is folded;
+in ``setup`` the first layer's input must become the original one rotated and the head's logits
+must stay; in ``before_layer`` each norm's output must be what its readers read and nothing else
+(scaling its channels scales their inputs only), norms on a block's output (Gemma's sandwich
+norms) must have one gain for every channel, and the rotated layer, fed the rotated input, must
+compute the original output rotated. A model wired otherwise is refused with the layer and what
+did not hold, before anything is written.
+
 ``online_quarot`` and ``online: true`` (rotations applied at run time) are refused: see
 :data:`~msquant.processors.quarot.config.ONLINE_REFUSAL`.
 """
@@ -31,20 +40,31 @@ import logging
 import torch
 from torch import nn
 
-from msquant import ConfigIssue, QuantizationError
+from msquant import ConfigIssue, QuantizationError, TransformCheckError
 from msquant.plugin import (
     DecoderLayer,
+    FlowPair,
+    FunctionCheck,
+    LayerRotationLayout,
     OutputHeadStage,
     Processor,
     ProcessorConfig,
     RotationLayout,
     RunContext,
+    TransformProbe,
     adapter_for,
+    function_tolerance,
     fuse_norm_into_linear,
     hadamard_core_order,
+    in_float32,
+    max_relative_error,
+    measure_norm_form,
+    norm_form_problem,
+    prove_flow,
     rotate_input,
     rotate_output,
     rotation_for,
+    shared_weight_problems,
 )
 from msquant.processors.quarot.config import (
     ONLINE_REFUSAL,
@@ -56,6 +76,15 @@ from msquant.processors.quarot.config import (
 __all__ = ["OnlineQuaRot", "QuaRot", "check_rms_norm", "size_problems"]
 
 logger = logging.getLogger(__name__)
+
+#: What a user can do when the rotation's layout does not hold on the model.
+FIX = (
+    ". The rotation layout comes from the model adapter (docs/developer/add-model-adapter.md): an "
+    "architecture wired otherwise needs an adapter describing it (norm_layout, rotation_layout), "
+    "or run without quarot"
+)
+#: Rows of the random hidden states the output head's check runs on.
+HEAD_CHECK_ROWS = 8
 
 #: The scope and tensor name of the exported rotation (msModelSlim's ``optional.quarot``).
 OPTIONAL_SCOPE = "quarot"
@@ -91,35 +120,38 @@ def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.float64 if weight.dtype == torch.float64 else torch.float32
 
 
-def check_rms_norm(module: nn.Module, name: str, offset: float = 0.0) -> None:
-    """Refuse a norm that does not compute ``x / rms(x) * (offset + weight)`` (an RMSNorm, whose
-    gain the model adapter says is stored as ``weight`` or, ``offset`` 1, as ``weight`` minus
-    one): folding its scale and rotating its input would change the model's outputs (LayerNorm
-    subtracts the mean; a ``1 + weight`` norm the adapter does not declare is refused too).
+def check_rms_norm(module: nn.Module, name: str, offset: float | None = None) -> float:
+    """The gain offset of a norm the rotation folds (``x / rms(x) * (offset + weight)``,
+    measured on a synthetic input); a norm of another form (LayerNorm subtracts the mean; a
+    bias) is refused, and so is one contradicting the ``offset`` the model adapter declares.
 
-    :raises QuantizationError: naming the module and its class.
+    :raises TransformCheckError: naming the module and its class.
     """
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
-        raise QuantizationError(f"quarot: {name} has no per-channel scale (weight) to fold")
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
-    generator = torch.Generator().manual_seed(0)
-    probe = torch.randn(3, weight.shape[0], generator=generator).to(weight.device, weight.dtype)
-    with torch.no_grad():
-        got = module(probe).to(torch.float64)
-        x = probe.to(torch.float64)
-        expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + float(eps))
-        expected = expected * (weight.to(torch.float64) + offset)
-    tolerance = 1e-2 if weight.element_size() < 4 else 1e-4
-    if not torch.allclose(got, expected, rtol=tolerance, atol=tolerance):
-        gain = "weight" if offset == 0 else f"({offset:g} + weight)"
-        raise QuantizationError(
-            f"quarot: {name} ({type(module).__name__}) does not compute x / rms(x) * {gain} (an "
-            "RMSNorm, as the model adapter declares), so its scale cannot be folded into the next "
-            "linears and a rotation would change the model's outputs; quarot supports models "
-            "with RMSNorm layers (Llama, Qwen2/3, Mistral, the MoE families in docs/rotation.md), "
-            "and a model adapter declares norms that scale by 1 + weight (norm_scale_offset)"
+    form, problem = norm_form_problem(module, name, offset, allow_centered=False, allow_bias=False)
+    if problem is not None or form is None:
+        raise TransformCheckError(
+            f"quarot: {problem}: its scale cannot be folded into the next linears and a rotation "
+            "would change the model's outputs; quarot supports models whose norms on the residual "
+            "stream are RMSNorms (scaling by weight or 1 + weight){FIX}"
         )
+    return form.offset
+
+
+def _uniform_gain_problem(module: nn.Module, name: str) -> str | None:
+    """Why a norm on a block's output stops the rotation (None when its gain is one value for
+    every channel: then it commutes with the rotation)."""
+    form = measure_norm_form(module)
+    if form is None or form.centered or form.has_bias:
+        return f"{name} ({type(module).__name__}) is not an RMSNorm"
+    gain = _weight(module).detach().to(torch.float64) + form.offset
+    if float(gain.max() - gain.min()) <= 1e-6 * max(float(gain.abs().max()), 1e-30):
+        return None
+    return (
+        f"{name} normalises a block's output before the residual add with a gain that differs "
+        f"between channels ({float(gain.min()):.3g} to {float(gain.max()):.3g}): a rotation of "
+        "the residual stream cannot pass through it (Gemma 2/3's sandwich norms); quarot cannot "
+        "rotate this model offline"
+    )
 
 
 class QuaRot(Processor):
@@ -161,13 +193,19 @@ class QuaRot(Processor):
         }
         head = model.get_submodule(layout.head)
         norm = model.get_submodule(layout.final_norm)
-        check_rms_norm(norm, layout.final_norm, layout.norm_offset)
+        offset = check_rms_norm(norm, layout.final_norm, layout.norm_offset)
+        probe = ctx.probe
+        first_input = None if probe is None else probe.first_layer_input()
+        head_check = _HeadCheck(norm, head, layout.hidden_size)
         with torch.no_grad():
             if layout.tied or _weight(head) is _weight(embedding):
                 self._untie(ctx, head, embedding)
             _rotate_input(embedding, self.rotation)
-            self._fold_norm(norm, [head], layout.norm_offset)
+            self._fold_norm(norm, [head], offset)
             _rotate_input(head, self.rotation)
+        head_check.verify(self.rotation)
+        if probe is not None and first_input is not None:
+            self._check_first_input(probe, first_input, _weight(embedding).dtype)
         if self.config.export_extra_info:
             rotation = self.rotation.to(torch.float32)
             ctx.optional_tensors[OPTIONAL_SCOPE] = {GLOBAL_ROTATION: rotation}
@@ -180,18 +218,47 @@ class QuaRot(Processor):
             else "",
         )
 
+    def _check_first_input(
+        self, probe: TransformProbe, before: torch.Tensor, dtype: torch.dtype
+    ) -> None:
+        """The first decoder layer's input must now be the original one rotated (anything the
+        model applies to its embeddings besides a scalar would break that)."""
+        after = probe.first_layer_input()
+        rotation = self.rotation.to(after.dtype)
+        error = max_relative_error(before.to(after.dtype) @ rotation, after)
+        tolerance = function_tolerance(dtype)
+        logger.debug("quarot: first layer input rotated (error %.3g)", error)
+        if not error <= tolerance:
+            raise TransformCheckError(
+                f"quarot: after rotating the input embedding, the hidden states entering the first "
+                f"decoder layer are not the original ones rotated (error {error:.3g} on "
+                f"{probe.describe()}): the model transforms its embeddings before the first layer "
+                f"(an embedding norm, a projection) in a way the rotation layout does not know{FIX}"
+            )
+
     def before_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
+        """Measure the layer's norms, prove their readers on the probe, rotate the layer and
+        check that it computes the original output, rotated."""
         if isinstance(layer, OutputHeadStage):
             return  # the head was rotated in setup
         found = self.layout.layers[layer.index]
         model = ctx.model
+        offsets = {
+            entry.norm: check_rms_norm(
+                model.get_submodule(entry.norm), entry.norm, self.layout.norm_offset
+            )
+            for entry in found.norms
+        }
+        for name in found.branch_norms:
+            problem = _uniform_gain_problem(model.get_submodule(name), name)
+            if problem is not None:
+                raise TransformCheckError(f"quarot: {problem}")
+        check = None if ctx.probe is None else self._prove(ctx.probe, model, layer, found)
         with torch.no_grad():
-            offset = self.layout.norm_offset
             for entry in found.norms:
                 norm = model.get_submodule(entry.norm)
-                check_rms_norm(norm, entry.norm, offset)
                 readers = [model.get_submodule(name) for name in entry.readers]
-                self._fold_norm(norm, readers, offset)
+                self._fold_norm(norm, readers, offsets[entry.norm])
             for name in found.writers:
                 _rotate_output(model.get_submodule(name), self.rotation)
             for entry in found.norms:
@@ -201,9 +268,53 @@ class QuaRot(Processor):
                 head = self.head_rotations[found.head_width]
                 _rotate_output(model.get_submodule(value), _after_rows(head, found.value_skip))
                 _rotate_input(model.get_submodule(output), head)
+        if check is not None:
+            check.verify("the rotation of its weights")
+
+    def _prove(
+        self,
+        probe: TransformProbe,
+        model: nn.Module,
+        layer: DecoderLayer,
+        found: LayerRotationLayout,
+    ) -> FunctionCheck:
+        """Refuse weights shared outside the layer, prove that each norm's output is what its
+        readers read (and nothing else), on the probe's input un-rotated; returns the check of
+        the rotated layer's output."""
+        touched = [
+            *(name for entry in found.norms for name in (entry.norm, *entry.readers)),
+            *found.writers,
+            *(name for pair in found.value_output for name in pair),
+        ]
+        shared = shared_weight_problems(model, layer.name, dict.fromkeys(touched))
+        if shared:
+            raise TransformCheckError(f"quarot: {layer.name}: " + "; ".join(shared) + FIX)
+        rotation = self.rotation
+
+        def unrotate(hidden: torch.Tensor) -> torch.Tensor:
+            return hidden @ rotation.to(hidden.dtype).T
+
+        prefix = layer.name + "."
+        pairs = [
+            FlowPair(
+                f"norm {entry.norm.removeprefix(prefix)} -> its readers", entry.norm, entry.readers
+            )
+            for entry in found.norms
+        ]
+        reference = prove_flow(
+            probe, model, pairs, self.type_name, hidden=unrotate(probe.hidden()), fix=FIX
+        )
+        return FunctionCheck(
+            probe,
+            self.type_name,
+            reference,
+            to_original=unrotate,
+            from_transformed=unrotate,
+            fix=FIX,
+        )
 
     @staticmethod
-    def _fold_norm(norm: nn.Module, readers: list[nn.Module], offset: float = 0.0) -> None:
+    def _fold_norm(norm: nn.Module, readers: list[nn.Module], offset: float) -> None:
         """Fold the norm's gain (``offset + weight``) into the linears reading it, then make the
         gain one (the weight ``1 - offset``)."""
         scale = _weight(norm)
@@ -224,6 +335,37 @@ class QuaRot(Processor):
                 holder.tie_word_embeddings = False
         ctx.config_updates["tie_word_embeddings"] = False
         logger.info("quarot: the output head is untied from the input embeddings")
+
+
+class _HeadCheck:
+    """The output head's logits on random hidden states, before the final norm is folded into
+    the head and both are rotated, and after (on the same states rotated)."""
+
+    def __init__(self, norm: nn.Module, head: nn.Module, width: int) -> None:
+        self.norm, self.head = norm, head
+        generator = torch.Generator().manual_seed(0)
+        self.hidden = torch.randn(HEAD_CHECK_ROWS, width, generator=generator)
+        self.dtype = _weight(head).dtype
+        self.before = self._logits(self.hidden)
+
+    @torch.no_grad()
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        device = _weight(self.head).device
+        with in_float32(self.norm), in_float32(self.head):
+            wide = torch.float64 if self.dtype == torch.float64 else torch.float32
+            out = self.head(self.norm(hidden.to(device, wide)))
+        return out.detach().to("cpu")
+
+    def verify(self, rotation: torch.Tensor) -> None:
+        after = self._logits(self.hidden.to(rotation.dtype) @ rotation.cpu())
+        error = max_relative_error(self.before, after)
+        logger.debug("quarot: head logits kept (error %.3g)", error)
+        if not error <= function_tolerance(self.dtype):
+            raise TransformCheckError(
+                f"quarot: after folding the final norm into the output head and rotating both, "
+                f"the head's logits moved by {error:.3g} (relative) on random hidden states: the "
+                f"final norm or the head is not what the rotation layout says{FIX}"
+            )
 
 
 def _weight(module: nn.Module, attribute: str = "weight") -> torch.Tensor:

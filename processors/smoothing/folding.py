@@ -102,7 +102,7 @@ def smooth_subgraph(
             scales = flex_scales(act_max, abs_column_max(weights), alpha, beta)
         for weight in weights:
             fold_into_linear_columns(weight, scales)
-        fold_into_norm(_weight(source), _bias(source), scales, subgraph.norm_offset)
+        fold_into_norm(_weight(source), _bias(source), scales, subgraph.norm_offset or 0.0)
         return scales
     (weight,) = weights
     if subgraph.kind == "ov":

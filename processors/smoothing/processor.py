@@ -20,26 +20,43 @@ rows); ``after_pass`` computes the scales and folds them into the weights, in ms
 (up-down, ov, linear-linear, norm-linear). The processor sets ``rewrites_layer``: the processors
 after it in ``spec.process`` gather their statistics (static activation ranges, GPTQ Hessians) in
 passes of their own over the smoothed layer, and ``linear_quant`` quantizes the smoothed weights.
-The smoothed float layer computes the same function as the original, up to float rounding.
+
+The smoothed float layer computes the same function as the original, up to float rounding, and
+proves it during the run (:mod:`msquant.check`, on the run's probe tokens): in ``before_layer``
+every norm's form is measured (its ``offset + weight`` gain; LayerNorm or RMSNorm), no folded
+weight may be shared outside the layer, and each subgraph's data flow is shown on data (scaling
+the producer's output channels scales its readers' inputs and nothing else); in ``after_pass``
+the layer's output is compared with the one before after each subgraph's fold. A subgraph whose
+names do not match the model's wiring is refused there, naming the layer and the pair, before
+anything is written.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 from torch import nn
 
-from msquant import ConfigIssue, QuantizationError
+from msquant import ConfigIssue, QuantizationError, TransformCheckError
 from msquant.plugin import (
     DecoderLayer,
+    FlowPair,
+    FunctionCheck,
     ModelAdapter,
     Processor,
     ProcessorConfig,
     RunContext,
     SmoothingSubgraph,
+    TransformProbe,
     adapter_for,
     first_matching_pattern,
+    layer_fingerprint,
+    norm_form_problem,
+    ov_channel_map,
+    prove_flow,
+    shared_weight_problems,
 )
 from msquant.processors.smoothing.config import (
     FlexSmoothQuantConfig,
@@ -54,6 +71,35 @@ from msquant.processors.smoothing.statistics import InputStatistics
 __all__ = ["FlexSmoothQuantProcessor", "IterSmoothProcessor", "SmoothQuantProcessor"]
 
 logger = logging.getLogger(__name__)
+
+#: What a user can do when a subgraph's data flow does not hold on the model.
+FIX = (
+    ". The subgraphs come from the model adapter (module names; docs/developer/add-model-adapter.md): "
+    "an architecture wired otherwise needs an adapter declaring its norm_layout or "
+    "smoothing_subgraphs; or leave the subgraph out (exclude, enable_subgraph_type)"
+)
+
+
+def _short(name: str, layer: DecoderLayer) -> str:
+    prefix = layer.name + "."
+    return name[len(prefix) :] if name.startswith(prefix) else name
+
+
+def _label(subgraph: SmoothingSubgraph, layer: DecoderLayer) -> str:
+    targets = ", ".join(_short(t, layer) for t in subgraph.targets)
+    return f"{subgraph.kind} {_short(subgraph.source, layer)} -> {targets}"
+
+
+def flow_pair(model: nn.Module, subgraph: SmoothingSubgraph, layer: DecoderLayer) -> FlowPair:
+    """The data flow a subgraph's fold relies on: its source's output channels are its targets'
+    input channels (through the key/value heads for ``ov``)."""
+    channel_map = None
+    if subgraph.kind == "ov" and subgraph.heads is not None:
+        heads, kv_heads = subgraph.heads
+        source = model.get_submodule(subgraph.source)
+        assert isinstance(source, nn.Linear)
+        channel_map = ov_channel_map(heads, kv_heads, source.out_features)
+    return FlowPair(_label(subgraph, layer), subgraph.source, subgraph.targets, channel_map)
 
 
 class SmoothingProcessor(Processor):
@@ -74,6 +120,8 @@ class SmoothingProcessor(Processor):
         self._statistics = InputStatistics(self.keeps_rows)
         self._subgraphs: list[SmoothingSubgraph] = []
         self._adapter: ModelAdapter | None = None
+        self._reference: torch.Tensor | None = None
+        self._fingerprint: tuple[tuple[int, int, int], ...] | None = None
 
     @classmethod
     def check_config(cls, config: ProcessorConfig) -> list[ConfigIssue]:
@@ -123,8 +171,44 @@ class SmoothingProcessor(Processor):
         self._adapter = adapter_for(ctx.model)
 
     def before_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
+        """Select the layer's subgraphs, measure their norms and prove their data flow."""
         self._statistics.clear()
-        self._subgraphs = self.selected_subgraphs(ctx.model, layer)
+        self._reference = self._fingerprint = None
+        self._subgraphs = self._with_norm_forms(
+            ctx.model, self.selected_subgraphs(ctx.model, layer)
+        )
+        if ctx.probe is not None and self._subgraphs:
+            self._prove(ctx.probe, ctx.model, layer)
+
+    def _with_norm_forms(
+        self, model: nn.Module, subgraphs: list[SmoothingSubgraph]
+    ) -> list[SmoothingSubgraph]:
+        """``subgraphs`` with each norm's measured gain offset (a norm of another form, or one
+        contradicting the offset the adapter declares, is refused)."""
+        measured = []
+        for subgraph in subgraphs:
+            if subgraph.kind != "norm-linear":
+                measured.append(subgraph)
+                continue
+            norm = model.get_submodule(subgraph.source)
+            form, problem = norm_form_problem(
+                norm, subgraph.source, subgraph.norm_offset, allow_centered=True, allow_bias=True
+            )
+            if problem is not None or form is None:
+                raise TransformCheckError(f"{self.type_name}: {problem}{FIX}")
+            measured.append(replace(subgraph, norm_offset=form.offset))
+        return measured
+
+    def _prove(self, probe: TransformProbe, model: nn.Module, layer: DecoderLayer) -> None:
+        """Refuse folds into weights shared outside the layer; prove every subgraph's data flow
+        on the probe and keep the layer's output as the reference of the function check."""
+        modules = [name for s in self._subgraphs for name in (s.source, *s.targets)]
+        shared = shared_weight_problems(model, layer.name, dict.fromkeys(modules))
+        if shared:
+            raise TransformCheckError(f"{self.type_name}: {layer.name}: " + "; ".join(shared) + FIX)
+        pairs = [flow_pair(model, subgraph, layer) for subgraph in self._subgraphs]
+        self._reference = prove_flow(probe, model, pairs, self.type_name, fix=FIX)
+        self._fingerprint = layer_fingerprint(layer.module)
 
     def before_pass(self, ctx: RunContext, layer: DecoderLayer, index: int) -> None:
         if index != 0:
@@ -139,6 +223,11 @@ class SmoothingProcessor(Processor):
         if index != 0:
             return
         rule = self.rule()
+        check = None
+        if ctx.probe is not None and self._subgraphs:
+            unchanged = layer_fingerprint(layer.module) == self._fingerprint
+            reference = self._reference if unchanged else None
+            check = FunctionCheck(ctx.probe, self.type_name, reference, fix=FIX)
         for subgraph in self._subgraphs:
             first = subgraph.targets[0]
             act_max = self._statistics.channel_max.get(first)
@@ -152,6 +241,8 @@ class SmoothingProcessor(Processor):
             )
             scales = smooth_subgraph(ctx.model, subgraph, rule, act_max, rows)
             self._prepare_source(ctx.model, subgraph)
+            if check is not None:
+                check.verify(f"the {_label(subgraph, layer)} fold")
             logger.debug(
                 "%s: %s %s -> %s, scales in [%.3g, %.3g]",
                 self.type_name,
@@ -162,6 +253,7 @@ class SmoothingProcessor(Processor):
                 float(scales.max()),
             )
         self._statistics.clear()
+        self._reference = None
 
     def _prepare_source(self, model: nn.Module, subgraph: SmoothingSubgraph) -> None:
         """Hook for a processor that changes a smoothed subgraph's source module."""
@@ -169,6 +261,7 @@ class SmoothingProcessor(Processor):
     def after_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
         self._statistics.clear()
         self._subgraphs = []
+        self._reference = self._fingerprint = None
 
 
 class SmoothQuantProcessor(SmoothingProcessor):

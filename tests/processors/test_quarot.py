@@ -134,8 +134,12 @@ def test_a_norm_that_is_not_rmsnorm_is_refused(
     norm_model_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
     model = load(norm_model_factory("llama"))
-    check_rms_norm(model.model.norm, "model.norm")  # the real one passes
-    with pytest.raises(QuantizationError, match=r"model.norm \(_LayerNorm\) does not compute"):
+    assert check_rms_norm(model.model.norm, "model.norm") == 0.0  # the real one passes
+    with pytest.raises(
+        QuantizationError,
+        match=r"model.norm \(_LayerNorm\) is a LayerNorm \(\(x - mean\(x\)\) / std\(x\) \* "
+        r"weight\); RMSNorm is needed",
+    ):
         check_rms_norm(_LayerNorm(64), "model.norm")
 
 

@@ -84,7 +84,7 @@ def test_rotated_model_computes_the_same_logits_float64(
     error = float((rotated - reference).abs().max())
     assert error < tolerance, error
     # the stream's norms now have unit gain: ones, or zeros for norms scaling by 1 + weight
-    offset = adapter_for(model).norm_scale_offset
+    offset = adapter_for(model).norm_scale_offset or 0.0
     layout = processor.layout
     for name in [layout.final_norm] + [e.norm for layer in layout.layers for e in layer.norms]:
         weight = model.get_submodule(name).weight
@@ -194,14 +194,21 @@ def test_per_head_rotation_is_kept_only_where_it_is_exact(
         assert found == per_layer, family
 
 
-def test_one_plus_weight_norm_is_refused_without_the_adapter_offset(
+def test_one_plus_weight_norm_is_measured_and_a_contradicting_declaration_refused(
     family_model: Callable[[str], Path],
 ) -> None:
+    """A norm's offset is measured (1 for Qwen3-Next's, whatever the adapter says); an adapter
+    declaring another offset than the norm computes is refused, naming the fix."""
     model = load(family_model("qwen3_next"))
     norm = model.model.layers[0].input_layernorm
-    check_rms_norm(norm, "n", offset=1.0)  # what the Qwen3-Next adapter declares
-    with pytest.raises(QuantizationError, match=r"n \(Qwen3NextRMSNorm\) does not compute"):
-        check_rms_norm(norm, "n")
+    assert check_rms_norm(norm, "n", offset=1.0) == 1.0  # what the Qwen3-Next adapter declares
+    assert check_rms_norm(norm, "n") == 1.0  # not declared: measured
+    with pytest.raises(
+        QuantizationError,
+        match=r"n \(Qwen3NextRMSNorm\) computes x / rms\(x\) \* \(1 \+ weight\), but the model "
+        r"adapter declares norms scaling by 0 \+ weight \(norm_scale_offset\): fix the adapter",
+    ):
+        check_rms_norm(norm, "n", offset=0.0)
 
 
 class _ExtraReader(nn.Module):

@@ -24,7 +24,7 @@ from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
 from msquant.model.layers import find_decoder_layers
 from msquant.model.subgraphs import default_subgraphs
-from msquant.plugin import DecoderLayer, Processor, ProcessorConfig, RunContext
+from msquant.plugin import DecoderLayer, Processor, ProcessorConfig, RunContext, TransformProbe
 from msquant.processors.smoothing.config import (
     FlexSmoothQuantConfig,
     IterSmoothConfig,
@@ -159,15 +159,32 @@ def test_later_processors_calibrate_on_the_smoothed_layer(
 
 
 def test_processors_that_gather_nothing_cost_no_forward(
-    tiny_model_factory: Callable[..., Path], tmp_path: Path
+    tiny_model_factory: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """After a smoothing processor, processors that do not calibrate (data-free linear_quant,
-    savers) get no pass: each layer runs once."""
+    savers) get no pass: each layer runs once over the calibration set. The transform checks
+    run the layer on the probe tokens besides: twice for the data-flow proof, once after each
+    of the 4 subgraph folds, once to push the probe to the next layer (counted apart)."""
     model_dir = tiny_model_factory("llama", num_layers=2)
     model = load_causal_lm(model_dir)
     calls: list[int] = []
+    probe_calls: list[int] = []
+    in_probe = [False]
     for layer in find_decoder_layers(model):
-        layer.module.register_forward_hook(lambda *_, i=layer.index: calls.append(i))
+        layer.module.register_forward_hook(
+            lambda *_, i=layer.index: (probe_calls if in_probe[0] else calls).append(i)
+        )
+    for method in ("run", "capture", "leave"):
+        original = getattr(TransformProbe, method)
+
+        def flagged(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            in_probe[0] = True
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                in_probe[0] = False
+
+        monkeypatch.setattr(TransformProbe, method, flagged)
     idle = Recorder(RecorderConfig(), calibrates=False)
     ctx = RunContext(model, model_dir, tmp_path, get_backend("cpu"), find_decoder_layers(model))
     samples = _samples(model_dir)
@@ -175,6 +192,7 @@ def test_processors_that_gather_nothing_cost_no_forward(
     batches = len(msquant.run.capture.batch_samples(samples))  # type: ignore[attr-defined]
     # capture runs layer 0 once more, to learn its return convention
     assert calls == [0] * (batches + 1) + [1] * batches
+    assert probe_calls == [0] + [0] * (2 + 4 + 1) + [1] * (2 + 4 + 1)
     assert idle.passes == {}
 
 
