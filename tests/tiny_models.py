@@ -21,6 +21,11 @@ ARCHS: dict[str, dict[str, Any]] = {
     "qwen2": dict(model_type="qwen2"),
     "qwen3": dict(model_type="qwen3", head_dim=16),
     "mistral": dict(model_type="mistral", sliding_window=8),
+    # sandwich norms scaling by 1 + weight: the MLP reads pre_feedforward_layernorm
+    "gemma2": dict(model_type="gemma2", head_dim=16, sliding_window=8),
+    "gemma3_text": dict(model_type="gemma3_text", head_dim=16, sliding_window=8),
+    # post-norm only: post_attention_layernorm normalises the attention's output
+    "olmo2": dict(model_type="olmo2"),
     # Qwen3.5's language model: a Gated DeltaNet (linear attention) layer, then a full-attention one
     "qwen3_5_text": dict(
         model_type="qwen3_5_text",

@@ -196,55 +196,116 @@ def prove_flow(
         width = _source_width(model, pair.source)
         if width is None:
             problems.append(f"{pair.label}: {pair.source} has no output channels to scale")
-            continue
-        if pair.source not in factors:
+        elif pair.source not in factors:
             factors[pair.source] = torch.rand(width, generator=generator, dtype=torch.float64)
             factors[pair.source] = factors[pair.source] * 1.5 + 0.5
-
-    def scaled_setup(rec: _Recorder) -> None:
-        for name in readers:
-            rec.record(name, replace_with=plain.outputs)
-        for source, factor in factors.items():
-            rec.scale(source, factor)
-
-    scaled, output = _run(probe, scaled_setup, model, hidden)
-    for pair in pairs:
-        if pair.source not in factors:
-            continue
-        expected_factor = factors[pair.source]
-        if pair.channel_map is not None:
-            expected_factor = expected_factor[pair.channel_map]
-        ran = [r for r in pair.readers if plain.inputs.get(r) and scaled.inputs.get(r)]
-        if not ran:
-            problems.append(
-                f"{pair.label}: none of its readers ran on the probe tokens, so its data flow "
-                "cannot be proven"
-            )
-        wrong = {}
-        for reader in ran:
-            error = _scaled_error(plain.inputs[reader], scaled.inputs[reader], expected_factor)
-            probe.record(who, f"data flow {pair.label}: {reader}", error, FLOW_TOLERANCE)
-            if error > FLOW_TOLERANCE:
-                wrong[_short(reader, layer)] = error
-        if wrong:
-            source = _short(pair.source, layer)
-            problems.append(
-                f"{pair.label}: the input of {', '.join(wrong)} does not follow {source}'s output "
-                f"channel by channel (error {max(wrong.values()):.3g} when {source}'s channels "
-                f"are scaled): {'it does' if len(wrong) == 1 else 'they do'} not read {source}'s "
-                "output"
-            )
-    if not problems:
-        leak = max_relative_error(reference, output)
-        probe.record(who, "data flow: nothing else reads a scaled output", leak, FLOW_TOLERANCE)
-        if leak > FLOW_TOLERANCE:
-            problems += _leaks(probe, model, pairs, factors, plain, reference, hidden)
+    scalable = [pair for pair in pairs if pair.source in factors]
+    joint = _scaled_forward(probe, model, scalable, factors, plain, hidden)
+    errors = joint.reader_errors(scalable, plain, factors)
+    for pair, reader, error in errors:
+        probe.record(who, f"data flow {pair.label}: {reader}", error, FLOW_TOLERANCE)
+    leak = max_relative_error(reference, joint.output)
+    probe.record(who, "data flow: nothing else reads a scaled output", leak, FLOW_TOLERANCE)
+    failed = leak > FLOW_TOLERANCE or any(not e <= FLOW_TOLERANCE for _, _, e in errors)
+    if failed or problems or len(errors) < len(scalable):
+        problems += _diagnose(probe, model, scalable, factors, plain, reference, hidden)
     if problems:
         raise TransformCheckError(
             f"{who}: {layer}: the data flow the transform relies on does not hold on this model "
             f"(checked on {probe.describe()}): " + "; ".join(problems) + fix
         )
     return reference
+
+
+@dataclass
+class _Scaled:
+    """One forward with producers scaled: what their readers read, and the layer's output."""
+
+    recorder: _Recorder
+    output: torch.Tensor
+
+    def reader_errors(
+        self, pairs: list[FlowPair], plain: _Recorder, factors: dict[str, torch.Tensor]
+    ) -> list[tuple[FlowPair, str, float]]:
+        """``(pair, reader, error)`` for each reader that ran in both forwards."""
+        found = []
+        for pair in pairs:
+            factor = factors[pair.source]
+            if pair.channel_map is not None:
+                factor = factor[pair.channel_map]
+            for reader in pair.readers:
+                before, after = plain.inputs.get(reader), self.recorder.inputs.get(reader)
+                if before and after:
+                    found.append((pair, reader, _scaled_error(before, after, factor)))
+        return found
+
+
+def _scaled_forward(
+    probe: LayerRunner,
+    model: nn.Module,
+    pairs: list[FlowPair],
+    factors: dict[str, torch.Tensor],
+    plain: _Recorder,
+    hidden: torch.Tensor | None,
+) -> _Scaled:
+    """Scale the producers of ``pairs``, record their readers' inputs and hold their outputs."""
+    readers = sorted({reader for pair in pairs for reader in pair.readers})
+
+    def setup(rec: _Recorder) -> None:
+        for name in readers:
+            rec.record(name, replace_with=plain.outputs)
+        for source in dict.fromkeys(pair.source for pair in pairs):
+            rec.scale(source, factors[source])
+
+    recorder, output = _run(probe, setup, model, hidden)
+    return _Scaled(recorder, output)
+
+
+def _diagnose(
+    probe: LayerRunner,
+    model: nn.Module,
+    pairs: list[FlowPair],
+    factors: dict[str, torch.Tensor],
+    plain: _Recorder,
+    reference: torch.Tensor,
+    hidden: torch.Tensor | None,
+) -> list[str]:
+    """What does not hold, pair by pair: each pair's producer scaled alone (one forward each,
+    run only when the joint forward failed, so that a pair broken by another one's leak is not
+    blamed)."""
+    layer = probe.layer.name
+    found = []
+    for pair in pairs:
+        alone = _scaled_forward(probe, model, [pair], factors, plain, hidden)
+        errors = alone.reader_errors([pair], plain, factors)
+        source = _short(pair.source, layer)
+        if not errors:
+            found.append(
+                f"{pair.label}: none of its readers ran on the probe tokens, so its data flow "
+                "cannot be proven"
+            )
+            continue
+        wrong = {_short(r, layer): e for _, r, e in errors if not e <= FLOW_TOLERANCE}
+        if wrong:
+            found.append(
+                f"{pair.label}: the input of {', '.join(wrong)} does not follow {source}'s output "
+                f"channel by channel (error {max(wrong.values()):.3g} when {source}'s channels "
+                f"are scaled): {'it does' if len(wrong) == 1 else 'they do'} not read {source}'s "
+                "output"
+            )
+            continue
+        error = max_relative_error(reference, alone.output)
+        if error > FLOW_TOLERANCE:
+            readers = ", ".join(_short(r, layer) for r in pair.readers)
+            found.append(
+                f"{pair.label}: {source}'s output reaches the layer's output other than through "
+                f"{readers} (the output moved by {error:.3g} with those readers' outputs held): "
+                "another module reads it, and a fold would change that module's input too"
+            )
+    return found or [
+        "scaling the producers' outputs together moved the layer's output although no pair "
+        "alone does (the pairs interact)"
+    ]
 
 
 def _short(name: str, layer: str) -> str:
@@ -266,39 +327,3 @@ def _scaled_error(
         expected = plain.detach().to("cpu", torch.float64) * factor
         worst = max(worst, max_relative_error(expected, scaled))
     return worst
-
-
-def _leaks(
-    probe: LayerRunner,
-    model: nn.Module,
-    pairs: list[FlowPair],
-    factors: dict[str, torch.Tensor],
-    plain: _Recorder,
-    reference: torch.Tensor,
-    hidden: torch.Tensor | None,
-) -> list[str]:
-    """The pairs whose scaled producer reaches the layer's output other than through their
-    readers, each found by a forward of its own (run only when the joint forward moved)."""
-    found = []
-    layer = probe.layer.name
-    for pair in pairs:
-
-        def setup(rec: _Recorder, pair: FlowPair = pair) -> None:
-            for name in pair.readers:
-                rec.record(name, replace_with=plain.outputs)
-            rec.scale(pair.source, factors[pair.source])
-
-        _, output = _run(probe, setup, model, hidden)
-        error = max_relative_error(reference, output)
-        if error > FLOW_TOLERANCE:
-            source = _short(pair.source, layer)
-            readers = ", ".join(_short(r, layer) for r in pair.readers)
-            found.append(
-                f"{pair.label}: {source}'s output reaches the layer's output other than through "
-                f"{readers} (the output moved by {error:.3g} with those readers' outputs held): "
-                "another module reads it, and a fold would change that module's input too"
-            )
-    return found or [
-        "scaling the producers' outputs moved the layer's output although no single pair does "
-        "(the pairs interact)"
-    ]

@@ -14,6 +14,7 @@ per-call overhead dominate there. Batches keep the samples' order within each le
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from msquant.backends.base import Backend
+from msquant.errors import ModelLoadError
 from msquant.model.layers import DecoderLayer, layer_list_name, parent_module
 
 __all__ = [
@@ -150,12 +152,14 @@ class _Recorder(nn.Module):
                     self.real[0](hidden_states, *args, **kwargs), tuple
                 )
         session.calls.append(LayerCall(args, dict(kwargs)))
+        session.order.append(self.index)
         return (hidden_states,) if session.tuple_output else hidden_states
 
 
 @dataclass
 class _CaptureSession:
     calls: list[LayerCall] = field(default_factory=list)
+    order: list[int] = field(default_factory=list)
     first_hidden: torch.Tensor | None = None
     tuple_output: bool | None = None
 
@@ -203,6 +207,7 @@ def capture_layer_inputs(
     is restored afterwards even if a forward fails.
     """
     body = parent_module(model, layers)
+    _check_body(body)
     layer_list = model.get_submodule(layer_list_name(layers))
     assert isinstance(layer_list, nn.ModuleList)
     session = _CaptureSession()
@@ -215,18 +220,52 @@ def capture_layer_inputs(
         rank, world_size = part
         for input_ids in batch_samples(samples, max_batch_tokens)[rank::world_size]:
             session.calls = []
+            session.order = []
             session.first_hidden = None
             body(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
-            if session.first_hidden is None or len(session.calls) != len(originals):
-                raise RuntimeError(
-                    f"{type(body).__name__} did not call its {len(originals)} decoder layers in order"
-                )
+            if session.order != list(range(len(originals))):
+                raise ModelLoadError(_order_message(body, session.order, len(originals)))
             hidden.append(session.first_hidden.detach())
             calls.append(session.calls)
     finally:
         for i, real in enumerate(originals):
             layer_list[i] = real
     return CalibrationActivations(hidden, calls, tuple_output=bool(session.tuple_output))
+
+
+def _check_body(body: nn.Module) -> None:
+    """Refuse a layer list whose owner cannot be run from token ids (msquant runs it with
+    ``input_ids`` to record what each decoder layer receives)."""
+    try:
+        parameters = inspect.signature(body.forward).parameters
+    except (TypeError, ValueError):
+        return
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    required = [
+        name
+        for name, p in parameters.items()
+        if p.default is inspect.Parameter.empty
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        and name != "input_ids"
+    ]
+    if required or ("input_ids" not in parameters and not takes_any):
+        raise ModelLoadError(
+            f"{type(body).__name__}, the module holding the decoder layers, does not take "
+            "input_ids: msquant records each decoder layer's inputs by running that module on "
+            "the calibration tokens, so this architecture (a layer stack driven by another "
+            "module) is not supported"
+        )
+
+
+def _order_message(body: nn.Module, order: list[int], count: int) -> str:
+    shown = ", ".join(map(str, order[:12])) + (", ..." if len(order) > 12 else "")
+    return (
+        f"{type(body).__name__} called its decoder layers in the order [{shown}] instead of once "
+        f"each, in order 0..{count - 1}: msquant processes a model one decoder layer at a time on "
+        "the inputs recorded for it, which needs a model body that calls each layer once, in "
+        "order (layers run several times or skipped, as in recurrent-depth models, are not "
+        "supported)"
+    )
 
 
 class _FirstLayerReached(Exception):
@@ -269,6 +308,7 @@ def first_layer_input(
     :raises RuntimeError: when the body never calls its first layer.
     """
     body = parent_module(model, layers)
+    _check_body(body)
     layer_list = model.get_submodule(layer_list_name(layers))
     assert isinstance(layer_list, nn.ModuleList)
     real = layer_list[0]
