@@ -223,7 +223,7 @@ def capture_layer_inputs(
             session.order = []
             session.first_hidden = None
             body(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
-            if session.order != list(range(len(originals))):
+            if session.order != list(range(len(originals))) or session.first_hidden is None:
                 raise ModelLoadError(_order_message(body, session.order, len(originals)))
             hidden.append(session.first_hidden.detach())
             calls.append(session.calls)
