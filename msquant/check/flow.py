@@ -101,7 +101,7 @@ def _like(value: Any, current: Any) -> Any:
     return current if value is None or not isinstance(current, torch.Tensor) else None
 
 
-class _Recorder:
+class _FlowRecorder:
     """Forward hooks recording (and, in the scaled forward, changing) module inputs/outputs."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -146,9 +146,9 @@ class _Recorder:
 
 
 def _run(
-    probe: LayerRunner, setup: Callable[[_Recorder], None], model: nn.Module, hidden: Any
-) -> tuple[_Recorder, torch.Tensor]:
-    recorder = _Recorder(model)
+    probe: LayerRunner, setup: Callable[[_FlowRecorder], None], model: nn.Module, hidden: Any
+) -> tuple[_FlowRecorder, torch.Tensor]:
+    recorder = _FlowRecorder(model)
     try:
         setup(recorder)
         output = probe.run(hidden)
@@ -184,7 +184,7 @@ def prove_flow(
     layer = probe.layer.name
     readers = sorted({reader for pair in pairs for reader in pair.readers})
 
-    def plain_setup(rec: _Recorder) -> None:
+    def plain_setup(rec: _FlowRecorder) -> None:
         for name in readers:
             rec.record(name)
 
@@ -221,11 +221,11 @@ def prove_flow(
 class _Scaled:
     """One forward with producers scaled: what their readers read, and the layer's output."""
 
-    recorder: _Recorder
+    recorder: _FlowRecorder
     output: torch.Tensor
 
     def reader_errors(
-        self, pairs: list[FlowPair], plain: _Recorder, factors: dict[str, torch.Tensor]
+        self, pairs: list[FlowPair], plain: _FlowRecorder, factors: dict[str, torch.Tensor]
     ) -> list[tuple[FlowPair, str, float]]:
         """``(pair, reader, error)`` for each reader that ran in both forwards."""
         found = []
@@ -245,13 +245,13 @@ def _scaled_forward(
     model: nn.Module,
     pairs: list[FlowPair],
     factors: dict[str, torch.Tensor],
-    plain: _Recorder,
+    plain: _FlowRecorder,
     hidden: torch.Tensor | None,
 ) -> _Scaled:
     """Scale the producers of ``pairs``, record their readers' inputs and hold their outputs."""
     readers = sorted({reader for pair in pairs for reader in pair.readers})
 
-    def setup(rec: _Recorder) -> None:
+    def setup(rec: _FlowRecorder) -> None:
         for name in readers:
             rec.record(name, replace_with=plain.outputs)
         for source in dict.fromkeys(pair.source for pair in pairs):
@@ -266,7 +266,7 @@ def _diagnose(
     model: nn.Module,
     pairs: list[FlowPair],
     factors: dict[str, torch.Tensor],
-    plain: _Recorder,
+    plain: _FlowRecorder,
     reference: torch.Tensor,
     hidden: torch.Tensor | None,
 ) -> list[str]:
