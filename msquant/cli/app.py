@@ -111,6 +111,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PeerLostError as exc:
         print(peer_lost_message(exc), file=sys.stderr)
         return EXIT_INTERNAL
+    except SystemExit as exc:  # msquant's commands return their code: this came from a plugin
+        print(
+            f"msquant: error: SystemExit({exc.code!r}) was raised inside the command (a plugin "
+            "calling sys.exit?), so the command did not finish (a quant run writes nothing to its "
+            "save path then); exit code 1, not the code it asked for",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
     except Exception as exc:
         full = disk_full(exc)
         if full is not None:

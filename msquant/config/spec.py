@@ -29,6 +29,7 @@ from msquant.config.yaml_loader import load_yaml_file, load_yaml_text
 from msquant.errors import ConfigError, ConfigIssue, validation_message
 from msquant.plugin.processor import ProcessorConfig, Stage, nested_fields
 from msquant.plugin.registry import ProcessorRegistry
+from msquant.registry_base import plugin_problems_named
 
 __all__ = [
     "RunnerType",
@@ -331,8 +332,9 @@ def _schema_issues(
         elif err["type"] in ("union_tag_invalid", "union_tag_not_found") and nested_union:
             key = str(err.get("ctx", {}).get("discriminator", "")).strip("'")
             if err["type"] == "union_tag_invalid":
+                tag = err.get("ctx", {}).get("tag")
                 valid = str(err.get("ctx", {}).get("expected_tags", "")).replace("'", "")
-                message = f"unknown {key} {err.get('ctx', {}).get('tag')!r}; valid: {valid}"
+                message = _set_aside_message(tag) or f"unknown {key} {tag!r}; valid: {valid}"
             else:
                 message = "Field required"
             loc = (*loc, key)
@@ -346,12 +348,21 @@ def _schema_issues(
                 else "missing key 'type'"
             )
             message = f"{what}; registered {stage} types: {known}"
+            problem = registry.problem(tag) if isinstance(tag, str) else None
+            if problem is not None:
+                message = problem.message()
             loc = (*loc, "type")
         elif err["type"] == "literal_error" and loc[-1:] == ("type",):
             stage = "save" if "save" in loc else "process"
             message += f" (registered {stage} types: {', '.join(registry.names(stage))})"  # type: ignore[arg-type]
         issues.append(ConfigIssue(_format_loc(loc), message))
     return issues
+
+
+def _set_aside_message(tag: object) -> str | None:
+    """The message of a name whose plugin was set aside (broken, or claimed twice), or None."""
+    problems = plugin_problems_named(tag)
+    return "; ".join(p.message() for p in problems) if problems else None
 
 
 def _unknown_key_message(model: Any) -> str:

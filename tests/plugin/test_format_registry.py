@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 import msquant
 import msquant.plugin
 from msquant import ExportVerificationError, RegistryError, verify_export
+from msquant.errors import PluginError
 from msquant.evaluate.models import load_model_for_eval
 from msquant.plugin import (
     FORMAT_ENTRY_POINT_GROUP,
@@ -134,12 +135,15 @@ def _fake_format_entry_points(monkeypatch: pytest.MonkeyPatch, *extra: tuple[str
     ],
     ids=["import_error", "not_a_format", "name_mismatch"],
 )
-def test_broken_format_entry_points_raise(
+def test_broken_format_entry_points_are_set_aside(
     name: str, value: str, needle: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _fake_format_entry_points(monkeypatch, (name, value))
-    with pytest.raises(RegistryError, match=needle):
-        default_formats()
+    registry = default_formats()
+    assert "ascend" in registry and name not in registry  # the others stay usable
+    with pytest.raises(PluginError, match=needle):
+        registry.get(name)
+    assert [p.name for p in registry.problems()] == [name]
 
 
 # --- a third-party format --------------------------------------------------------------------
