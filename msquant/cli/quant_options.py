@@ -33,6 +33,7 @@ def quant_options(args: argparse.Namespace) -> dict[str, Any]:
         max_memory=None if args.max_memory is None else parse_memory(args.max_memory),
         resume=args.resume,
         checkpoints=not args.no_checkpoints,
+        allow_float_export=args.allow_float_export,
     )
 
 
@@ -58,5 +59,12 @@ def process_devices(device: str, nproc: int | None) -> list[str]:
         raise MsquantInputError(
             f"--nproc {nproc} on {spec.kind}: name the devices instead, e.g. "
             f"--device {spec.kind}:{','.join(map(str, range(nproc)))}"
+        )
+    most = max(2, os.cpu_count() or 1)
+    if nproc is not None and nproc > most:
+        raise MsquantInputError(
+            f"--nproc {nproc}: this machine has {os.cpu_count()} CPU core(s); dp_layer_wise on "
+            f"the CPU starts one process per share of the cores, each holding a copy of a "
+            f"decoder layer, so pass --nproc between 1 and {most}"
         )
     return [device] * (nproc or 1)

@@ -44,6 +44,8 @@ __all__ = [
 ]
 
 API_VERSION: Literal["modelslim_v1"] = "modelslim_v1"
+#: The most ``spec.prior`` stages a config may have (msModelSlim's practices use one).
+MAX_PRIOR_STAGES = 8
 _STAGES: tuple[Stage, ...] = ("process", "save")
 
 logger = logging.getLogger(__name__)
@@ -93,7 +95,14 @@ class SpecBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     runner: RunnerType = RunnerType.AUTO
-    prior: list[PriorStage] = Field(default_factory=list)
+    prior: list[PriorStage] = Field(
+        default_factory=list,
+        max_length=MAX_PRIOR_STAGES,
+        description=(
+            f"At most {MAX_PRIOR_STAGES} stages: each costs a calibration flow through every "
+            "decoder layer and, in a streamed run, one copy of the decoder weights on disk."
+        ),
+    )
     process: list[ProcessorConfig] = Field(default_factory=list)
     save: list[ProcessorConfig] = Field(default_factory=list)
     dataset: str | None = Field(
@@ -172,7 +181,7 @@ def build_config_model(registry: ProcessorRegistry) -> type[QuantConfig]:
     body = create_model(
         "Spec",
         __base__=SpecBody,
-        prior=(list[prior], Field(default_factory=list)),
+        prior=(list[prior], SpecBody.model_fields["prior"]),
         process=(process_list, Field(default_factory=list)),
         save=(save_list, Field(default_factory=list)),
     )
