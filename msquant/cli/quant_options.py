@@ -37,6 +37,16 @@ def quant_options(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+#: ``--nproc`` may start this many processes per CPU core (and at least ``MIN_NPROC_LIMIT``).
+NPROC_PER_CORE = 4
+MIN_NPROC_LIMIT = 8
+
+
+def max_cpu_processes() -> int:
+    """The most processes ``--nproc`` may start on this machine."""
+    return max(MIN_NPROC_LIMIT, NPROC_PER_CORE * (os.cpu_count() or 1))
+
+
 def process_devices(device: str, nproc: int | None) -> list[str]:
     """One device string per process: several device indices start one process each
     (``npu:0,1,2,3``); ``--nproc N`` starts N processes on the CPU. Under torchrun (``WORLD_SIZE``
@@ -60,11 +70,12 @@ def process_devices(device: str, nproc: int | None) -> list[str]:
             f"--nproc {nproc} on {spec.kind}: name the devices instead, e.g. "
             f"--device {spec.kind}:{','.join(map(str, range(nproc)))}"
         )
-    most = max(2, os.cpu_count() or 1)
+    most = max_cpu_processes()
     if nproc is not None and nproc > most:
         raise MsquantInputError(
-            f"--nproc {nproc}: this machine has {os.cpu_count()} CPU core(s); dp_layer_wise on "
-            f"the CPU starts one process per share of the cores, each holding a copy of a "
-            f"decoder layer, so pass --nproc between 1 and {most}"
+            f"--nproc {nproc}: at most {most} processes on this machine ({NPROC_PER_CORE} per CPU "
+            f"core, {os.cpu_count()} core(s); at least {MIN_NPROC_LIMIT}): each process holds a "
+            "decoder layer and its share of the calibration activations, and more processes than "
+            "cores only wait on each other"
         )
     return [device] * (nproc or 1)

@@ -23,7 +23,6 @@ import msquant.plugin
 from msquant import RegistryError
 from msquant.config.processors import build_processors
 from msquant.config.resolve import resolve_config
-from msquant.errors import PluginError
 from msquant.load.model_folder import build_meta_model
 from msquant.plugin import FusedGroup, ModelAdapter, ModelAdapterRegistry
 from msquant.processors.adapters.qwen3_5 import Qwen35Adapter
@@ -117,10 +116,10 @@ def test_entry_points_are_loaded_and_broken_plugins_reported(
     points[:] = [EntryPoint("broken", "no_such_module_xyz:Adapter", group)]
     registry = ModelAdapterRegistry().load_entry_points()
     assert type(registry.get("llama")) is ModelAdapter  # other model types are unaffected
-    with pytest.raises(PluginError, match="model adapter plugin 'broken' .* failed to import"):
+    with pytest.raises(RegistryError, match="model adapter plugin 'broken' .* failed to import"):
         registry.get("broken")  # not the default adapter: it would misread such a model
     points[:] = [EntryPoint("wrong", "msquant.errors:RegistryError", group)]
-    with pytest.raises(PluginError, match="wrong = msquant.errors:RegistryError .* is not a"):
+    with pytest.raises(RegistryError, match="wrong = msquant.errors:RegistryError .* is not a"):
         ModelAdapterRegistry().load_entry_points().get("wrong")
 
 

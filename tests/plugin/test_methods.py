@@ -21,7 +21,6 @@ from conftest import CliResult
 import msquant
 import msquant.plugin
 from msquant import RegistryError
-from msquant.errors import PluginError
 from msquant.plugin import BaseScheme, MethodOptions, MethodRegistry, QDType, QScope, QuantMethod
 from msquant.processors.methods.gptq import GPTQMethod
 from msquant.processors.methods.minmax import MinMaxMethod
@@ -91,15 +90,17 @@ def test_an_entry_point_must_name_a_method_class_under_its_own_name(
 
     fake(("alias", f"{__name__}:_Rounder"))
     with pytest.raises(
-        PluginError,
+        RegistryError,
         match="names the quantization method 'test_rounder'; the two names must be equal",
     ):
         MethodRegistry().load_entry_points().get("alias")
     fake(("test_rounder", f"{__name__}:_NoOptions"))
-    with pytest.raises(PluginError, match="is not a msquant.plugin.QuantMethod subclass"):
+    with pytest.raises(RegistryError, match="is not a msquant.plugin.QuantMethod subclass"):
         MethodRegistry().load_entry_points().get("test_rounder")
     fake(("test_rounder", "msquant_no_such_method_pkg:X"))
-    with pytest.raises(PluginError, match="quantization method plugin 'test_rounder' .* failed to"):
+    with pytest.raises(
+        RegistryError, match="quantization method plugin 'test_rounder' .* failed to"
+    ):
         MethodRegistry().load_entry_points().get("test_rounder")
     fake(("test_rounder", f"{__name__}:_Rounder"))
     assert MethodRegistry().load_entry_points().names() == ["test_rounder"]

@@ -23,7 +23,6 @@ from msquant import (
     config_json_schema,
     load_config_text,
 )
-from msquant.errors import PluginError
 from msquant.load.calibration import read_calibration_texts
 from msquant.plugin import (
     ENTRY_POINT_GROUP,
@@ -697,7 +696,7 @@ def test_broken_entry_points_are_set_aside_and_refused_when_used(
     fake_entry_points(monkeypatch, *BUILTIN_EPS, (name, value))
     registry = ProcessorRegistry().load_entry_points()  # the other processors stay usable
     assert "ascendv1_saver" in registry and name not in registry
-    with pytest.raises(PluginError) as info:
+    with pytest.raises(RegistryError) as info:
         registry.get(name)
     message = str(info.value)
     assert needle in message
@@ -725,7 +724,7 @@ def test_two_plugins_claiming_one_name(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     registry = ProcessorRegistry().load_entry_points()
     assert "test_probe" not in registry  # neither may be used while the other is installed
-    with pytest.raises(PluginError) as info:
+    with pytest.raises(RegistryError) as info:
         registry.get("test_probe")
     assert "ProbeProcessor" in str(info.value) and "RivalProbe" in str(info.value)
 
