@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from msquant.registry_base import PluginProblem
 
 __all__ = [
     "MsquantError",
@@ -24,6 +27,7 @@ __all__ = [
     "TransformCheckError",
     "NotImplementedYetError",
     "RegistryError",
+    "PluginError",
     "validation_message",
 ]
 
@@ -120,3 +124,14 @@ class RegistryError(MsquantError):
 class TransformCheckError(QuantizationError):
     """A transform that must keep the model's function (a smoothing fold, a rotation) would not:
     its data flow does not hold on this model, or the layer computes something else after it."""
+
+
+class PluginError(RegistryError, MsquantInputError):
+    """A run asks for a name whose plugin was set aside: it failed to import, names the wrong
+    kind of object, or claims a name another plugin claims too (exit 2 from the CLI). The message
+    names the distribution and the entry point; ``problem`` holds them
+    (:class:`msquant.registry_base.PluginProblem`)."""
+
+    def __init__(self, problem: PluginProblem) -> None:
+        self.problem = problem
+        super().__init__(problem.message())

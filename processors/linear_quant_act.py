@@ -171,7 +171,7 @@ class StaticActCalibration:
         """Calibrate ``module``'s input range from now on (``fake_weight``: its dequantized
         quantized weight, in the weight's dtype)."""
         observer = self.observers[name] = OnlineMinMax(self.symmetric)
-        module.forward = _observed_forward(observer, fake_weight, module.bias)  # type: ignore[method-assign, assignment]
+        module.forward = _observed_forward(name, observer, fake_weight, module.bias)  # type: ignore[method-assign, assignment]
         self._hooked.append(module)
 
     def unhook(self) -> None:
@@ -196,9 +196,16 @@ class StaticActCalibration:
 
 
 def _observed_forward(
-    observer: OnlineMinMax, weight: torch.Tensor, bias: torch.Tensor | None
+    name: str, observer: OnlineMinMax, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(x))).all()):
+            raise QuantizationError(
+                f"{name}: its calibration inputs {tuple(x.shape)} hold NaN/Inf, so no static "
+                "activation range exists; the layer's inputs overflowed upstream (the "
+                "checkpoint's weights were checked to be finite and below 2^64) or the "
+                "calibration data is broken"
+            )
         return F.linear(
             observer.observe(x), weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
         )

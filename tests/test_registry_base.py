@@ -1,19 +1,21 @@
 """The one place the four registries read their entry-point groups and claim names
-(``msquant/registry_base.py``): found once each in name order, broken or wrong plugins reported
-by name, a name two classes claim refused."""
+(``msquant/registry_base.py``): found once each in name order, broken or wrong plugins set aside
+and reported by name, a name two classes claim refused."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from importlib.metadata import EntryPoint
+from pathlib import Path
 
 import pytest
 
-from msquant import RegistryError
+from msquant import MsquantInputError, RegistryError
 from msquant.registry_base import (
     check_entry_point_name,
     claim,
     distinct_entry_points,
+    load_plugin,
     plugin_classes,
     plugin_instances,
 )
@@ -66,43 +68,71 @@ def test_entry_points_are_sorted_and_each_pair_kept_once() -> None:
 
 def test_classes_are_loaded_in_name_order(advertise: Callable[..., None]) -> None:
     advertise(("second", f"{__name__}:Other"), ("first", f"{__name__}:Child"))
-    assert [(ep.name, cls) for ep, cls in plugin_classes(GROUP, Base, "thing")] == [
-        ("first", Child),
-        ("second", Other),
-    ]
+    found, problems = plugin_classes(GROUP, Base, "thing")
+    assert [(ep.name, cls) for ep, cls in found] == [("first", Child), ("second", Other)]
+    assert problems == []
 
 
-def test_a_plugin_that_cannot_be_imported_is_named(advertise: Callable[..., None]) -> None:
-    advertise(("broken", "no_such_module_xyz:Thing"))
-    with pytest.raises(RegistryError) as info:
-        plugin_classes(GROUP, Base, "test thing")
-    assert str(info.value).startswith(
-        "cannot load test thing plugin 'broken' from entry point 'no_such_module_xyz:Thing': "
+def test_a_plugin_that_cannot_be_imported_is_set_aside_and_named(
+    advertise: Callable[..., None],
+) -> None:
+    advertise(("broken", "no_such_module_xyz:Thing"), ("fine", f"{__name__}:Child"))
+    found, problems = plugin_classes(GROUP, Base, "test thing")
+    assert [ep.name for ep, _ in found] == ["fine"]
+    [problem] = problems
+    assert problem.message() == (
+        "the test thing plugin 'broken' (distribution an unknown distribution, entry point "
+        f"broken = no_such_module_xyz:Thing in group {GROUP}) failed to import: "
+        "ModuleNotFoundError: No module named 'no_such_module_xyz'; fix or uninstall the package "
+        "that declares that entry point"
     )
+
+
+def test_system_exit_and_keyboard_interrupt_raised_by_an_import_are_the_plugins_problem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An import that raises SystemExit(0) once ended every msquant command with exit 0."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for module, statement in (
+        ("rt_exits", "raise SystemExit(0)"),
+        ("rt_ctrl_c", "raise KeyboardInterrupt"),
+    ):
+        (tmp_path / f"{module}.py").write_text(statement + "\n")
+        with pytest.raises(RegistryError) as info:
+            load_plugin(EntryPoint("x", f"{module}:Thing", GROUP), "thing")
+        assert isinstance(info.value, MsquantInputError)  # exit 2
+        raised = "SystemExit(0)" if module == "rt_exits" else "KeyboardInterrupt()"
+        assert f"failed to import: its import raised {raised}" in str(info.value)
+
+
+def test_a_real_interrupt_during_an_import_still_stops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "rt_slow.py").write_text(
+        "import os, signal\nos.kill(os.getpid(), signal.SIGINT)\nimport time\ntime.sleep(5)\n"
+    )
+    with pytest.raises(KeyboardInterrupt):
+        load_plugin(EntryPoint("x", "rt_slow:Thing", GROUP), "thing")
 
 
 def test_an_object_of_the_wrong_kind_is_named_with_the_public_spelling(
     advertise: Callable[..., None],
 ) -> None:
     advertise(("wrong", "json:dumps"))
-    with pytest.raises(RegistryError) as info:
-        plugin_classes(GROUP, Base, "thing")
-    assert str(info.value) == (
-        "entry point 'wrong' = 'json:dumps' is not a msquant.plugin.Base subclass"
+    assert plugin_classes(GROUP, Base, "thing")[1][0].reason == (
+        "is not a msquant.plugin.Base subclass"
     )
-    with pytest.raises(RegistryError) as info:
-        plugin_instances(GROUP, Base, "thing")
-    assert str(info.value) == "entry point 'wrong' = 'json:dumps' is not a msquant.plugin.Base"
+    assert plugin_instances(GROUP, Base, "thing")[1][0].reason == "is not a msquant.plugin.Base"
 
 
 def test_instances_are_loaded(advertise: Callable[..., None]) -> None:
     advertise(("one", f"{__name__}:INSTANCE"))
-    assert [(ep.name, obj) for ep, obj in plugin_instances(GROUP, Base, "thing")] == [
-        ("one", INSTANCE)
-    ]
+    found, _ = plugin_instances(GROUP, Base, "thing")
+    assert [(ep.name, obj) for ep, obj in found] == [("one", INSTANCE)]
     advertise(("cls", f"{__name__}:Child"))  # a class where an instance is expected
-    with pytest.raises(RegistryError, match="is not a msquant.plugin.Base$"):
-        plugin_instances(GROUP, Base, "thing")
+    found, problems = plugin_instances(GROUP, Base, "thing")
+    assert found == [] and problems[0].reason == "is not a msquant.plugin.Base"
 
 
 def test_a_name_claimed_by_two_classes_is_refused() -> None:

@@ -87,6 +87,11 @@ def disk_full(exc: BaseException) -> BaseException | None:
     return None
 
 
+def _notes(exc: BaseException) -> str:
+    """``; <note>`` for each note the run added to an interruption (what became of its work)."""
+    return "".join(f"; {note}" for note in getattr(exc, "__notes__", None) or ())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``msquant`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
@@ -100,16 +105,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ExportVerificationError as exc:
         print(f"msquant: error: {exc}\nnothing was written to the save path", file=sys.stderr)
         return EXIT_INPUT
-    except KeyboardInterrupt:
-        print("msquant: interrupted; nothing was written to the save path", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Terminated:
+    except KeyboardInterrupt as exc:
         print(
-            "msquant: terminated (SIGTERM); nothing was written to the save path", file=sys.stderr
+            "msquant: interrupted; nothing was written to the save path" + _notes(exc),
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+    except Terminated as exc:
+        print(
+            "msquant: terminated (SIGTERM); nothing was written to the save path" + _notes(exc),
+            file=sys.stderr,
         )
         return EXIT_TERMINATED
     except PeerLostError as exc:
         print(peer_lost_message(exc), file=sys.stderr)
+        return EXIT_INTERNAL
+    except SystemExit as exc:  # msquant's commands return their code: this came from a plugin
+        print(
+            f"msquant: error: SystemExit({exc.code!r}) was raised inside the command (a plugin "
+            "calling sys.exit?), so the command did not finish (a quant run writes nothing to its "
+            "save path then); exit code 1, not the code it asked for",
+            file=sys.stderr,
+        )
         return EXIT_INTERNAL
     except Exception as exc:
         full = disk_full(exc)

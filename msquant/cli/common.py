@@ -40,9 +40,17 @@ class Parser(argparse.ArgumentParser):
 
 
 def peer_lost_message(exc: PeerLostError) -> str:
-    """One line for a ``dp_layer_wise`` process whose group lost a member, with the way on."""
+    """One line for a ``dp_layer_wise`` process whose group lost a member, with the way on (what
+    the run noted became of its work, when it got that far)."""
+    notes = [str(note) for note in getattr(exc, "__notes__", None) or ()]
+    if notes:
+        return (
+            f"msquant: error: {exc}; nothing was written to the save path; "
+            + "; ".join(notes)
+            + " (once the cause is fixed)"
+        )
     return (
         f"msquant: error: {exc}; nothing was written to the save path. Once the cause is fixed, "
         "rerun the same command with --resume to continue after the last finished layer "
-        "(runs with --no_checkpoints start over)"
+        "(runs that write no checkpoints start over)"
     )

@@ -35,6 +35,11 @@ def add_plan_parser(sub: argparse._SubParsersAction[Parser], common: Parser) -> 
         "--json", action="store_true", help="print the plan as JSON instead of a table"
     )
     plan.add_argument(
+        "--allow_float_export",
+        action="store_true",
+        help="as for quant: a config that quantizes no linear layer is no error",
+    )
+    plan.add_argument(
         "--trust_remote_code",
         nargs="?",
         const=True,
@@ -56,6 +61,7 @@ def run_plan(args: argparse.Namespace) -> int:
         args.model_path,
         config,  # type: ignore[arg-type]
         trust_remote_code=args.trust_remote_code,
+        allow_float_export=args.allow_float_export,
     )
     print(json.dumps(result.to_dict(), indent=2) if args.json else render_plan(result))
     if not result.ok:

@@ -97,6 +97,12 @@ def add_quant_parser(sub: argparse._SubParsersAction[Parser], common: Parser) ->
         "command otherwise); the result is the uninterrupted run's",
     )
     quant.add_argument(
+        "--allow_float_export",
+        action="store_true",
+        help="write the export even when the config quantizes no linear layer (a rotated or "
+        "smoothed float model); without it such a config is refused",
+    )
+    quant.add_argument(
         "--no_checkpoints",
         action="store_true",
         help="write no checkpoint after each layer (a killed run then cannot be resumed)",

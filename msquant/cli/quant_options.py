@@ -33,7 +33,18 @@ def quant_options(args: argparse.Namespace) -> dict[str, Any]:
         max_memory=None if args.max_memory is None else parse_memory(args.max_memory),
         resume=args.resume,
         checkpoints=not args.no_checkpoints,
+        allow_float_export=args.allow_float_export,
     )
+
+
+#: ``--nproc`` may start this many processes per CPU core (and at least ``MIN_NPROC_LIMIT``).
+NPROC_PER_CORE = 4
+MIN_NPROC_LIMIT = 8
+
+
+def max_cpu_processes() -> int:
+    """The most processes ``--nproc`` may start on this machine."""
+    return max(MIN_NPROC_LIMIT, NPROC_PER_CORE * (os.cpu_count() or 1))
 
 
 def process_devices(device: str, nproc: int | None) -> list[str]:
@@ -58,5 +69,13 @@ def process_devices(device: str, nproc: int | None) -> list[str]:
         raise MsquantInputError(
             f"--nproc {nproc} on {spec.kind}: name the devices instead, e.g. "
             f"--device {spec.kind}:{','.join(map(str, range(nproc)))}"
+        )
+    most = max_cpu_processes()
+    if nproc is not None and nproc > most:
+        raise MsquantInputError(
+            f"--nproc {nproc}: at most {most} processes on this machine ({NPROC_PER_CORE} per CPU "
+            f"core, {os.cpu_count()} core(s); at least {MIN_NPROC_LIMIT}): each process holds a "
+            "decoder layer and its share of the calibration activations, and more processes than "
+            "cores only wait on each other"
         )
     return [device] * (nproc or 1)

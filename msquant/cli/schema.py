@@ -17,7 +17,29 @@ def add_schema_parser(sub: argparse._SubParsersAction[Parser], common: Parser) -
     schema = sub.add_parser(
         "schema", parents=[common], help="print the JSON Schema of config files"
     )
-    schema.add_argument("--indent", type=int, default=2)
+    schema.add_argument(
+        "--indent",
+        type=_indent,
+        default=2,
+        help=f"spaces per nesting level, 0 to {MAX_INDENT} (default 2)",
+    )
+
+
+#: The widest ``--indent`` accepted (a huge one would print gigabytes of spaces).
+MAX_INDENT = 16
+
+
+def _indent(text: str) -> int:
+    """An ``--indent`` value, 0 to :data:`MAX_INDENT` (a usage error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_INDENT:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer from 0 to {MAX_INDENT}, got {text!r}"
+        )
+    return value
 
 
 def run_schema(args: argparse.Namespace) -> int:

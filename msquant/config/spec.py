@@ -29,6 +29,7 @@ from msquant.config.yaml_loader import load_yaml_file, load_yaml_text
 from msquant.errors import ConfigError, ConfigIssue, validation_message
 from msquant.plugin.processor import ProcessorConfig, Stage, nested_fields
 from msquant.plugin.registry import ProcessorRegistry
+from msquant.registry_base import plugin_problems_named
 
 __all__ = [
     "RunnerType",
@@ -43,6 +44,8 @@ __all__ = [
 ]
 
 API_VERSION: Literal["modelslim_v1"] = "modelslim_v1"
+#: The most ``spec.prior`` stages a config may have (msModelSlim's practices use one).
+MAX_PRIOR_STAGES = 8
 _STAGES: tuple[Stage, ...] = ("process", "save")
 
 logger = logging.getLogger(__name__)
@@ -92,7 +95,14 @@ class SpecBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     runner: RunnerType = RunnerType.AUTO
-    prior: list[PriorStage] = Field(default_factory=list)
+    prior: list[PriorStage] = Field(
+        default_factory=list,
+        max_length=MAX_PRIOR_STAGES,
+        description=(
+            f"At most {MAX_PRIOR_STAGES} stages: each costs a calibration flow through every "
+            "decoder layer and, in a streamed run, one copy of the decoder weights on disk."
+        ),
+    )
     process: list[ProcessorConfig] = Field(default_factory=list)
     save: list[ProcessorConfig] = Field(default_factory=list)
     dataset: str | None = Field(
@@ -171,7 +181,7 @@ def build_config_model(registry: ProcessorRegistry) -> type[QuantConfig]:
     body = create_model(
         "Spec",
         __base__=SpecBody,
-        prior=(list[prior], Field(default_factory=list)),
+        prior=(list[prior], SpecBody.model_fields["prior"]),
         process=(process_list, Field(default_factory=list)),
         save=(save_list, Field(default_factory=list)),
     )
@@ -331,8 +341,9 @@ def _schema_issues(
         elif err["type"] in ("union_tag_invalid", "union_tag_not_found") and nested_union:
             key = str(err.get("ctx", {}).get("discriminator", "")).strip("'")
             if err["type"] == "union_tag_invalid":
+                tag = err.get("ctx", {}).get("tag")
                 valid = str(err.get("ctx", {}).get("expected_tags", "")).replace("'", "")
-                message = f"unknown {key} {err.get('ctx', {}).get('tag')!r}; valid: {valid}"
+                message = _set_aside_message(tag) or f"unknown {key} {tag!r}; valid: {valid}"
             else:
                 message = "Field required"
             loc = (*loc, key)
@@ -346,12 +357,21 @@ def _schema_issues(
                 else "missing key 'type'"
             )
             message = f"{what}; registered {stage} types: {known}"
+            problem = registry.problem(tag) if isinstance(tag, str) else None
+            if problem is not None:
+                message = problem.message()
             loc = (*loc, "type")
         elif err["type"] == "literal_error" and loc[-1:] == ("type",):
             stage = "save" if "save" in loc else "process"
             message += f" (registered {stage} types: {', '.join(registry.names(stage))})"  # type: ignore[arg-type]
         issues.append(ConfigIssue(_format_loc(loc), message))
     return issues
+
+
+def _set_aside_message(tag: object) -> str | None:
+    """The message of a name whose plugin was set aside (broken, or claimed twice), or None."""
+    problems = plugin_problems_named(tag)
+    return "; ".join(p.message() for p in problems) if problems else None
 
 
 def _unknown_key_message(model: Any) -> str:

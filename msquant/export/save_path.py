@@ -38,21 +38,35 @@ def _contains(outer: Path, inner: Path) -> bool:
     return inner == outer or outer in inner.parents
 
 
+def _spellings(path: Path) -> list[Path]:
+    """``path`` with its symbolic links resolved, and as written (absolute, ``..`` folded)."""
+    return list(dict.fromkeys([Path(os.path.realpath(path)), Path(os.path.normpath(path))]))
+
+
+def _model_overlap(path: Path, model_path: str | Path) -> str | None:
+    """How the save path overlaps the model folder, or None. Both are compared as written and
+    with their links resolved: a save path inside the model folder through a symbolic link
+    (``model/link/out``, ``link`` pointing elsewhere) is refused like one inside it."""
+    model_given = Path(model_path).expanduser().absolute()
+    for save in _spellings(path):
+        for model in _spellings(model_given):
+            if save == model:
+                return f"is the model folder {model}"
+            if _contains(model, save):
+                return f"lies inside the model folder {model}"
+            if _contains(save, model):
+                return f"contains the model folder {model}"
+    return None
+
+
 def _overlap_problem(path: Path, model_path: str | Path | None) -> str | None:
     """Why ``path`` may not be written because of where it lies, or None."""
     real = Path(os.path.realpath(path))
     if model_path is not None:
-        model = Path(os.path.realpath(Path(model_path).expanduser()))
-        if _contains(model, real) or _contains(real, model):
-            where = (
-                "is the model folder"
-                if real == model
-                else "lies inside the model folder"
-                if _contains(model, real)
-                else "contains the model folder"
-            )
+        where = _model_overlap(path, model_path)
+        if where is not None:
             return (
-                f"save path {path} {where} {model}: the export replaces the save path as a whole, "
+                f"save path {path} {where}: the export replaces the save path as a whole, "
                 "which would delete or mix with the model's files; choose a folder outside the model"
             )
     try:

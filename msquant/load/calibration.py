@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ __all__ = [
     "read_calibration_texts",
     "resolve_dataset_path",
     "tokenize_samples",
+    "DEFAULT_MAX_SAMPLE_TOKENS",
+    "SampleLimit",
 ]
 
 TEXT_KEYS = ("inputs_pretokenized", "text")
@@ -41,6 +44,46 @@ TEXT_KEYS = ("inputs_pretokenized", "text")
 DEFAULT_DATASET_ALIASES = ("mix_calib.jsonl",)
 SUFFIXES = (".jsonl", ".json", ".txt")
 logger = logging.getLogger(__name__)
+
+
+#: The longest calibration sample (in tokens) a run takes whole by default, unless the model's
+#: context (``max_position_embeddings``) is longer: about four minutes of attention on a CPU for a
+#: 64-wide two-layer model, and hours for an unknowingly huge sample (a book on one line).
+DEFAULT_MAX_SAMPLE_TOKENS = 65536
+
+
+@dataclass(frozen=True)
+class SampleLimit:
+    """The most tokens one calibration sample may have without ``--max_calib_tokens``, and why.
+
+    :param tokens: the limit.
+    :param context: the model's ``max_position_embeddings`` (None when unknown).
+    """
+
+    tokens: int
+    context: int | None = None
+
+    @classmethod
+    def for_model(cls, model_config: Any) -> SampleLimit:
+        """The larger of :data:`DEFAULT_MAX_SAMPLE_TOKENS` and the model's context length."""
+        context = getattr(model_config, "max_position_embeddings", None)
+        context = context if isinstance(context, int) and context > 0 else None
+        return cls(max(DEFAULT_MAX_SAMPLE_TOKENS, context or 0), context)
+
+    def message(self, number: int, count: int, tokens: int) -> str:
+        """Why sample ``number`` of ``count`` (``tokens`` long) is refused, and what to do."""
+        context = (
+            "" if self.context is None else f", the model's max_position_embeddings {self.context}"
+        )
+        return (
+            f"calibration sample {number} of {count} has {tokens} tokens, more than the "
+            f"{self.tokens} a sample may have whole (the larger of {DEFAULT_MAX_SAMPLE_TOKENS}"
+            f"{context}): each sample goes through attention at once, in time growing with its "
+            "length squared. Split the text into shorter samples (one per line in .jsonl, "
+            "separated by blank lines in .txt), or pass --max_calib_tokens N (Python: "
+            "max_calib_tokens=N) to keep the first N tokens of every sample (any N: it is then "
+            "your limit)"
+        )
 
 
 def default_dataset_path() -> Path:
@@ -98,10 +141,19 @@ def read_calibration_texts(path: str | Path, role: str = "calibration") -> list[
     elif file.suffix == ".json":
         texts = _parse_json(content, file)
     else:
-        texts = [block.strip() for block in content.split("\n\n")]
+        texts = _parse_text(content, file)
     texts = [t for t in texts if t.strip()]
     if not texts:
         raise CalibrationDataError(f"{role} file {file} contains no text samples")
+    return texts
+
+
+def _parse_text(content: str, file: Path) -> list[str]:
+    """The blank-line separated samples of a ``.txt`` file, each checked to be text."""
+    texts, line = [], 1
+    for block in content.split("\n\n"):
+        texts.append(_checked(block.strip(), f"{file} line {line}"))
+        line += block.count("\n") + 2
     return texts
 
 
@@ -114,8 +166,30 @@ def _parse_jsonl(content: str, file: Path) -> list[str]:
             item: Any = json.loads(line)
         except json.JSONDecodeError as exc:
             raise CalibrationDataError(f"{file} line {number}: not valid JSON ({exc.msg})") from exc
-        texts.append(_text_of(item, f"{file} line {number}"))
+        texts.append(_checked(_text_of(item, f"{file} line {number}"), f"{file} line {number}"))
     return texts
+
+
+def _checked(text: str, where: str) -> str:
+    """``text``, refused when it cannot be text for a tokenizer: a NUL character (a binary file,
+    or a broken export) or a lone surrogate (half of an escaped UTF-16 pair, ``\\ud800``, which
+    is not Unicode; tokenizers fail on it with a TypeError)."""
+    nul = text.find("\x00")
+    if nul >= 0:
+        raise CalibrationDataError(
+            f"{where}: holds a NUL character (U+0000) at character {nul + 1}, which is not text "
+            "(a binary file, or a broken conversion?); remove it from the sample"
+        )
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        raise CalibrationDataError(
+            f"{where}: holds a lone surrogate (U+{code:04X}) at character {exc.start + 1}, which "
+            "is not valid Unicode (half of an escaped UTF-16 pair such as \\ud83d\\ude00 "
+            "written without its other half); fix or remove the escape"
+        ) from None
+    return text
 
 
 def _parse_json(content: str, file: Path) -> list[str]:
@@ -127,7 +201,10 @@ def _parse_json(content: str, file: Path) -> list[str]:
         ) from exc
     if not isinstance(data, list):
         raise CalibrationDataError(f"{file}: a .json calibration file must hold a list of strings")
-    return [_text_of(item, f"{file} item {i}") for i, item in enumerate(data)]
+    return [
+        _checked(_text_of(item, f"{file} item {i}"), f"{file} item {i}")
+        for i, item in enumerate(data)
+    ]
 
 
 def _text_of(item: Any, where: str) -> str:
@@ -143,23 +220,32 @@ def _text_of(item: Any, where: str) -> str:
 
 
 def tokenize_samples(
-    texts: Sequence[str], tokenizer: Any, max_length: int | None = None
+    texts: Sequence[str],
+    tokenizer: Any,
+    max_length: int | None = None,
+    longest: SampleLimit | None = None,
 ) -> list[torch.Tensor]:
     """Tokenize each sample on its own (no padding), as ``[1, seq]`` int64 ``input_ids`` tensors.
 
     :param max_length: truncate samples to this many tokens (``None`` keeps them whole).
-    :raises CalibrationDataError: if no sample yields any token.
+    :param longest: without ``max_length``, the most tokens a sample may have (a longer one is
+        refused: one sample goes through attention whole, whose cost grows with its length
+        squared; a ``.txt`` file without blank lines is a single sample).
+    :raises CalibrationDataError: if no sample yields any token, or one is longer than
+        ``longest``.
     """
     if max_length is not None and max_length < 1:
         raise CalibrationDataError(f"max_calib_tokens must be a positive integer, got {max_length}")
     samples = []
-    for text in texts:
+    for number, text in enumerate(texts, start=1):
         ids = tokenizer(
             text,
             return_tensors="pt",
             truncation=max_length is not None,
             max_length=max_length,
         )["input_ids"]
+        if max_length is None and longest is not None and ids.shape[-1] > longest.tokens:
+            raise CalibrationDataError(longest.message(number, len(texts), int(ids.shape[-1])))
         if ids.shape[-1] > 0:
             samples.append(ids.to(torch.long))
     if not samples:

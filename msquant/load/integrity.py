@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from msquant.errors import ModelLoadError
-from msquant.quant.finite import non_finite_count
+from msquant.quant.finite import non_finite_count, overflowing_values
 
 __all__ = ["check_finite", "check_loading_info"]
 
@@ -89,7 +89,9 @@ def check_loading_info(info: Mapping[str, Any], path: Path, config: Any = None) 
 
 
 def check_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Refuse NaN/Inf in any of ``tensors`` (name, tensor) as loaded from the checkpoint.
+    """Refuse NaN/Inf in any of ``tensors`` (name, tensor) as loaded from the checkpoint, and
+    values so large (beyond 2^64) that the run's arithmetic would overflow on them: checked here,
+    the message names the tensor that holds them, not a later module whose inputs overflowed.
 
     :raises ModelLoadError: naming the first tensor that holds one.
     """
@@ -99,4 +101,13 @@ def check_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
             raise ModelLoadError(
                 f"{name}: the checkpoint's tensor {tuple(tensor.shape)} contains {bad} NaN/Inf "
                 "value(s); fix the checkpoint before quantizing"
+            )
+        huge, largest = overflowing_values(tensor)
+        if huge:
+            raise ModelLoadError(
+                f"{name}: the checkpoint's tensor {tuple(tensor.shape)} holds {huge} value(s) "
+                f"larger than 2^64 in magnitude (the largest {largest:.3g}): their squares "
+                "overflow float32, so the layer's outputs and the statistics the quantization "
+                "gathers on them would be Inf; no trained weight is that large: fix the "
+                "checkpoint before quantizing"
             )

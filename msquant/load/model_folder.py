@@ -109,27 +109,70 @@ def load_model_config(path: Path, trust_remote_code: bool = False) -> Any:
     from transformers import AutoConfig
 
     _check_dtype(path)
+    _check_attention_heads(path)
     try:
         return AutoConfig.from_pretrained(
             str(path), trust_remote_code=trust_remote_code, local_files_only=True
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise ModelLoadError(f"cannot read the model config in {path}: {_one_line(exc)}") from exc
+    except Exception as exc:
+        # huggingface_hub's StrictDataclassError (transformers 5 validates configs with it) is
+        # no ValueError; it says what is wrong with the config, like the errors above.
+        if type(exc).__module__.split(".")[0] != "huggingface_hub":
+            raise
+        raise ModelLoadError(f"cannot read the model config in {path}: {_one_line(exc)}") from exc
+
+
+def _config_sections(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """config.json's mapping and its ``text_config`` (prefix for messages, section); empty when
+    the file is not readable JSON (transformers then says why)."""
+    try:
+        data = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return []
+    if not isinstance(data, dict):
+        return []
+    sections = [("", data)]
+    if isinstance(data.get("text_config"), dict):
+        sections.append(("text_config.", data["text_config"]))
+    return sections
+
+
+def _check_attention_heads(path: Path) -> None:
+    """The attention heads must split the hidden size (when ``head_dim`` is not given) and the
+    key/value heads the attention heads: transformers otherwise fails deep inside (5.x) or
+    builds a model whose attention cannot run (4.x)."""
+    for prefix, section in _config_sections(path):
+        hidden = _positive_int(section.get("hidden_size"))
+        heads = _positive_int(section.get("num_attention_heads"))
+        kv_heads = _positive_int(section.get("num_key_value_heads"))
+        if heads is None:
+            continue
+        if hidden is not None and section.get("head_dim") is None and hidden % heads:
+            raise ModelLoadError(
+                f"config.json in {path} says {prefix}hidden_size {hidden} and "
+                f"{prefix}num_attention_heads {heads}, which does not divide it: each head "
+                "takes hidden_size / num_attention_heads channels; fix config.json (or give "
+                "head_dim)"
+            )
+        if kv_heads is not None and heads % kv_heads:
+            raise ModelLoadError(
+                f"config.json in {path} says {prefix}num_attention_heads {heads} and "
+                f"{prefix}num_key_value_heads {kv_heads}, which does not divide it: each "
+                "key/value head serves the same number of attention heads; fix config.json"
+            )
+
+
+def _positive_int(value: object) -> int | None:
+    """``value`` when it is an int > 0 (a bool is not), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _check_dtype(path: Path) -> None:
     """``dtype`` (or the older ``torch_dtype``) in config.json, and in its ``text_config``, must
     name a torch dtype (transformers fails on others with an AttributeError deep inside)."""
-    try:
-        data = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return  # transformers reports an unreadable config.json
-    sections = [("", data)]
-    if isinstance(data, dict) and isinstance(data.get("text_config"), dict):
-        sections.append(("text_config.", data["text_config"]))
-    for prefix, section in sections:
-        if not isinstance(section, dict):
-            continue
+    for prefix, section in _config_sections(path):
         for key in ("dtype", "torch_dtype"):
             value = section.get(key)
             if value is None or value == "auto":

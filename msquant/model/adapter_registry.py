@@ -17,7 +17,14 @@ from torch import nn
 
 from msquant.errors import RegistryError
 from msquant.model.adapter import ModelAdapter
-from msquant.registry_base import claim, plugin_classes, qualified_name
+from msquant.registry_base import (
+    PluginError,
+    PluginProblem,
+    claim,
+    plugin_classes,
+    qualified_name,
+    register_plugins,
+)
 
 __all__ = [
     "MODEL_ADAPTER_GROUP",
@@ -40,6 +47,7 @@ class ModelAdapterRegistry:
 
     def __init__(self, adapters: Iterable[tuple[str, type[ModelAdapter]]] = ()) -> None:
         self._classes: dict[str, type[ModelAdapter]] = {}
+        self._problems: dict[str, PluginProblem] = {}
         for model_type, cls in adapters:
             self.register(model_type, cls)
 
@@ -62,14 +70,30 @@ class ModelAdapterRegistry:
         return claim(self._classes, model_type, cls, "model adapter for model type")
 
     def load_entry_points(self, group: str = MODEL_ADAPTER_GROUP) -> ModelAdapterRegistry:
-        """Register every adapter advertised in the entry-point ``group``; returns ``self``."""
-        for ep, cls in plugin_classes(group, ModelAdapter, "model adapter"):
-            self.register(ep.name, cls)
+        """Register every adapter advertised in the entry-point ``group``; returns ``self``.
+        A plugin that cannot be registered is set aside: :meth:`get` refuses its model type
+        (the default adapter would silently misread such a model)."""
+        found, problems = plugin_classes(group, ModelAdapter, "model adapter")
+        self._problems.update(
+            register_plugins(
+                group,
+                found,
+                problems,
+                lambda ep, cls: self.register(ep.name, cls),
+                lambda name: self._classes.pop(name, None),
+                "model adapter",
+            )
+        )
         return self
 
     def get(self, model_type: str | None) -> ModelAdapter:
         """The adapter for ``model_type``; the default :class:`ModelAdapter` for a type no
-        adapter claims (or None)."""
+        adapter claims (or None).
+
+        :raises PluginError: when the adapter plugin of that model type was set aside.
+        """
+        if model_type in self._problems:
+            raise PluginError(self._problems[model_type])
         cls = self._classes.get(model_type) if model_type else None
         return (cls or ModelAdapter)()
 
@@ -111,6 +135,7 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
     """The installed adapter for ``model``'s ``config.model_type`` (the default one when none
     claims it).
 
-    :raises RegistryError: when an installed adapter plugin is broken or two claim one type.
+    :raises PluginError: when the adapter plugin of its model type was set aside (broken, or
+        its model type claimed twice).
     """
     return default_adapter_registry().for_model(model)

@@ -114,11 +114,14 @@ def analyse_plan(
     layers: Sequence[DecoderLayer],
     *,
     adapter: ModelAdapter | None = None,
+    allow_float_export: bool = False,
 ) -> ModelPlan:
     """The plan of ``model`` (usually a meta model) under the ``spec.process`` entries, with the
     cross-entry errors and the warnings (the entries' own ``check_model`` errors are not included).
 
     :param adapter: the model's adapter (default: the installed one for its ``model_type``).
+    :param allow_float_export: a plan that quantizes no linear layer is no error (the user asks
+        for the float model, transformed by the config's rotations or smoothings if any).
     """
     adapter = adapter if adapter is not None else adapter_for(model)
     planners = _planners(processors)
@@ -142,8 +145,12 @@ def analyse_plan(
     errors += fused_errors([*groups, *adapter.expert_groups(names)], selected_by, by_name, adapter)
     errors += tied_head_errors(model, selected_by, adapter)
     process = [p for p in processors if p.stage == "process"]
-    if len(planners) == len(process):  # a processor that does not plan may quantize on its own
-        errors += nothing_quantized_errors(rows, len(planners))
+    planning = {id(planner) for _, planner in planners}
+    others = [p for p in process if id(p) not in planning]
+    transforms = [p.type_name for p in others if p.transforms_weights]
+    # a processor that neither plans nor only transforms weights may quantize on its own
+    if len(transforms) == len(others) and not allow_float_export:
+        errors += nothing_quantized_errors(rows, len(planners), transforms)
     head = adapter.output_head(model)
     warnings: list[str] = []
     for (index, planner), found in zip(planners, decisions, strict=True):
@@ -169,10 +176,14 @@ def check_plan(
     layers: Sequence[DecoderLayer],
     *,
     adapter: ModelAdapter | None = None,
+    allow_float_export: bool = False,
 ) -> list[str]:
     """The cross-entry problems of a run (logging the warnings): call it on the meta model after
-    every processor's ``check_model``, before weights are loaded."""
-    result = analyse_plan(processors, model, layers, adapter=adapter)
+    every processor's ``check_model``, before weights are loaded (``allow_float_export``: as for
+    :func:`analyse_plan`)."""
+    result = analyse_plan(
+        processors, model, layers, adapter=adapter, allow_float_export=allow_float_export
+    )
     for warning in result.warnings:
         logger.warning("%s", warning)
     return result.errors

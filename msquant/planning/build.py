@@ -27,11 +27,13 @@ def build_plan(
     *,
     trust_remote_code: bool = False,
     registry: ProcessorRegistry | None = None,
+    allow_float_export: bool = False,
 ) -> ModelPlan:
     """The plan of a model folder under a config, with every problem a run would report before
     loading weights (the processors' ``check_model`` errors included). Nothing is quantized and no
     weight is read: the model is built on the meta device from its ``config.json``.
 
+    :param allow_float_export: a config that quantizes no linear layer is no error.
     :raises msquant.MsquantInputError: for an invalid config or model folder.
     """
     registry = registry if registry is not None else default_registry()
@@ -44,7 +46,9 @@ def build_plan(
     adapter = adapter_for(meta_model)
     layers = adapter.decoder_layers(meta_model)
     own = [message for p in processors for message in p.check_model(meta_model, layers)]
-    result = analyse_plan(processors, meta_model, layers, adapter=adapter)
+    result = analyse_plan(
+        processors, meta_model, layers, adapter=adapter, allow_float_export=allow_float_export
+    )
     result.errors[:0] = own
     return result
 
@@ -55,15 +59,23 @@ def plan(
     *,
     trust_remote_code: bool = False,
     registry: ProcessorRegistry | None = None,
+    allow_float_export: bool = False,
 ) -> list[PlanRow]:
     """Per linear layer: the bits, group size, symmetry, method, skip decision and deciding rule
     a run of ``config`` on ``model_path`` would use (``msquant plan``). Warnings are logged.
+    ``allow_float_export``: as for :func:`build_plan`.
 
     :raises msquant.QuantizationError: listing every problem when the config cannot be applied
         to this model (the same problems ``quantize`` refuses before loading weights).
     :raises msquant.MsquantInputError: for an invalid config or model folder.
     """
-    result = build_plan(model_path, config, trust_remote_code=trust_remote_code, registry=registry)
+    result = build_plan(
+        model_path,
+        config,
+        trust_remote_code=trust_remote_code,
+        registry=registry,
+        allow_float_export=allow_float_export,
+    )
     for warning in result.warnings:
         logger.warning("%s", warning)
     if result.errors:

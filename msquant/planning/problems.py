@@ -117,17 +117,34 @@ def tied_head_errors(
     return [tied_head_message(model, name, f"{entry_path(quantizing[0])} (lm_head: true)")]
 
 
-def nothing_quantized_errors(rows: Sequence[PlanRow], planners: int) -> list[str]:
+#: How to write a float export on purpose, appended to the refusals below.
+FLOAT_EXPORT_HINT = (
+    "; to write the float model on purpose, pass --allow_float_export (Python: "
+    "allow_float_export=True)"
+)
+
+
+def nothing_quantized_errors(
+    rows: Sequence[PlanRow], planners: int, transforms: Sequence[str] = ()
+) -> list[str]:
     """A run that would quantize no linear layer is refused before any weight is loaded (its
-    export would be the float model under a quantized format's name). Only asked when every
-    ``spec.process`` entry plans its modules: a plugin processor that does not may quantize
-    modules the plan cannot see."""
+    export would be the float model under a quantized format's name), unless the user asks for
+    a float export. Only asked when every ``spec.process`` entry plans its modules or only
+    transforms weights (``transforms``: the types of those, a rotation or a smoothing): another
+    plugin processor may quantize modules the plan cannot see."""
     if any(not row.skipped for row in rows):
         return []
+    if not planners and transforms:
+        return [
+            f"spec.process transforms the weights ({', '.join(dict.fromkeys(transforms))}) but "
+            "has no entry that quantizes linear layers, so the export would be a float model "
+            "under a quantized format's name; add a linear_quant entry after it (as "
+            "yaml_examples/w8a8_dynamic_iter_smooth.yaml does)" + FLOAT_EXPORT_HINT
+        ]
     if not planners:
         return [
             "spec.process has no entry that quantizes linear layers, so the export would be the "
-            "float model; add a linear_quant entry"
+            "float model; add a linear_quant entry" + FLOAT_EXPORT_HINT
         ]
     reasons = Counter(row.decided_by for row in rows).most_common()
     shown = "; ".join(f"{count} {reason}" for reason, count in reasons[:LISTED])
@@ -136,7 +153,7 @@ def nothing_quantized_errors(rows: Sequence[PlanRow], planners: int) -> list[str
         f"the config quantizes none of the model's {len(rows)} linear layer(s) ({shown}{more}), "
         "so the export would be the float model; check the entries' include / exclude patterns "
         "and dynamic rules against the module names (msquant plan lists every module and what "
-        "decided it)"
+        "decided it)" + FLOAT_EXPORT_HINT
     ]
 
 

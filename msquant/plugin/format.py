@@ -18,11 +18,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from importlib.metadata import EntryPoint
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from msquant.errors import RegistryError
-from msquant.registry_base import check_entry_point_name, plugin_instances
+from msquant.registry_base import (
+    PluginError,
+    PluginProblem,
+    check_entry_point_name,
+    plugin_instances,
+    register_plugins,
+)
 
 if TYPE_CHECKING:
     from msquant.verify.base import ExportReader
@@ -72,6 +79,7 @@ class FormatRegistry:
 
     def __init__(self, formats: Iterable[ExportFormat] = ()) -> None:
         self._formats: dict[str, ExportFormat] = {}
+        self._problems: dict[str, PluginProblem] = {}
         for fmt in formats:
             self.register(fmt)
 
@@ -99,17 +107,40 @@ class FormatRegistry:
         return fmt
 
     def load_entry_points(self, group: str = FORMAT_ENTRY_POINT_GROUP) -> FormatRegistry:
-        """Register every format advertised in the entry-point ``group``; returns ``self``."""
-        for ep, fmt in plugin_instances(group, ExportFormat, "export format"):
+        """Register every format advertised in the entry-point ``group``; returns ``self``.
+        A plugin that cannot be registered is set aside: :meth:`get` refuses its name, and
+        :meth:`detect` does not know it."""
+        found, problems = plugin_instances(group, ExportFormat, "export format")
+
+        def register(ep: EntryPoint, fmt: ExportFormat) -> None:
             check_entry_point_name(ep, fmt.name, "export format")
             self.register(fmt)
+
+        self._problems.update(
+            register_plugins(
+                group,
+                found,
+                problems,
+                register,
+                lambda name: self._formats.pop(name, None),
+                "export format",
+            )
+        )
         return self
+
+    def problems(self) -> list[PluginProblem]:
+        """The format plugins set aside, in name order (a ``verify`` that recognises no format
+        names them)."""
+        return [self._problems[name] for name in sorted(self._problems)]
 
     def get(self, name: str) -> ExportFormat:
         """The format registered as ``name``.
 
+        :raises PluginError: when the plugin of that name was set aside.
         :raises KeyError: listing the registered names when ``name`` is unknown.
         """
+        if name in self._problems:
+            raise PluginError(self._problems[name])
         try:
             return self._formats[name]
         except KeyError:

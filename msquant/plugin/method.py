@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
+from importlib.metadata import EntryPoint
 from typing import Annotated, Any, ClassVar, Literal, Protocol, Union
 
 import torch
@@ -44,7 +45,14 @@ from msquant.quant.hessian import HessianAccumulator
 from msquant.quant.qconfig import QDType, QScope, WeightQConfig
 from msquant.quant.quantized_weight import QuantizedWeight
 from msquant.quant.rules import BaseScheme, DynamicRule, ResolvedScheme
-from msquant.registry_base import check_entry_point_name, claim, plugin_classes
+from msquant.registry_base import (
+    PluginError,
+    PluginProblem,
+    check_entry_point_name,
+    claim,
+    plugin_classes,
+    register_plugins,
+)
 
 __all__ = [
     "METHOD_ENTRY_POINT_GROUP",
@@ -209,6 +217,7 @@ class MethodRegistry:
 
     def __init__(self, methods: Iterable[type[QuantMethod]] = ()) -> None:
         self._classes: dict[str, type[QuantMethod]] = {}
+        self._problems: dict[str, PluginProblem] = {}
         for cls in methods:
             self.register(cls)
 
@@ -223,19 +232,40 @@ class MethodRegistry:
         return cls
 
     def load_entry_points(self, group: str = METHOD_ENTRY_POINT_GROUP) -> MethodRegistry:
-        """Register every method advertised in the entry-point ``group``; returns ``self``."""
+        """Register every method advertised in the entry-point ``group``; returns ``self``.
+        A plugin that cannot be registered is set aside: :meth:`get` refuses its name."""
         # mypy takes no abstract class for type[T] (python/mypy#4717); the subclasses are concrete.
-        found = plugin_classes(group, QuantMethod, "quantization method")  # type: ignore[type-abstract]
-        for ep, cls in found:
+        found, problems = plugin_classes(group, QuantMethod, "quantization method")  # type: ignore[type-abstract]
+
+        def register(ep: EntryPoint, cls: type[QuantMethod]) -> None:
+            _check_method_class(cls)
             check_entry_point_name(ep, cls.name, "quantization method")
             self.register(cls)
+
+        self._problems.update(
+            register_plugins(
+                group,
+                found,
+                problems,
+                register,
+                lambda name: self._classes.pop(name, None),
+                "quantization method",
+            )
+        )
         return self
+
+    def problem(self, name: str) -> PluginProblem | None:
+        """Why the plugin registered as ``name`` was set aside, or None."""
+        return self._problems.get(name)
 
     def get(self, name: str) -> type[QuantMethod]:
         """The class registered as ``name``.
 
+        :raises PluginError: when the plugin of that name was set aside.
         :raises KeyError: listing the registered names when ``name`` is unknown.
         """
+        if name in self._problems:
+            raise PluginError(self._problems[name])
         try:
             return self._classes[name]
         except KeyError:

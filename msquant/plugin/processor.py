@@ -124,7 +124,9 @@ class Processor(ABC):
     #: Whether the processor changes float weights into others computing the same function (a
     #: rotation, a smoothing): the export then differs from the original model tensor by tensor.
     #: A run records such processors in ``msquant_export.json`` (``weights_transformed_by``), and
-    #: ``msquant verify --model_path`` compares only names, not values, with the original.
+    #: ``msquant verify --model_path`` compares only names, not values, with the original. Such a
+    #: processor quantizes nothing: a config whose other entries quantize no linear layer is
+    #: refused (unless ``allow_float_export``), as a config without them would be.
     transforms_weights: ClassVar[bool] = False
     #: Class default; an instance may set its own value. When any processor of a run sets it,
     #: each decoder layer's inputs are the previous layer's outputs after every ``after_layer``

@@ -2,7 +2,8 @@
 
 Built-in processors and third-party plugins are found the same way, through the entry-point group
 ``msquant.processors`` (``name = "package.module:ProcessorClass"``); classes can also be registered
-explicitly on a registry instance. The engine never imports a concrete processor.
+explicitly on a registry instance. The engine never imports a concrete processor. A broken plugin
+is set aside (:mod:`msquant.registry_base`): only a config that names it is refused.
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ from typing import Literal, get_args, get_origin
 
 from msquant.errors import RegistryError
 from msquant.plugin.processor import Processor, ProcessorConfig, Stage
-from msquant.registry_base import claim, plugin_classes
+from msquant.registry_base import (
+    PluginError,
+    PluginProblem,
+    claim,
+    plugin_classes,
+    register_plugins,
+)
 
 __all__ = ["ENTRY_POINT_GROUP", "ProcessorRegistry", "default_registry"]
 
@@ -27,6 +34,7 @@ class ProcessorRegistry:
 
     def __init__(self, processors: Iterable[type[Processor]] = ()) -> None:
         self._classes: dict[str, type[Processor]] = {}
+        self._problems: dict[str, PluginProblem] = {}
         for cls in processors:
             self.register(cls)
 
@@ -45,16 +53,34 @@ class ProcessorRegistry:
         return claim(self._classes, key, cls, "processor type")
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> ProcessorRegistry:
-        """Register every processor advertised in the entry-point ``group``; returns ``self``."""
-        for ep, cls in plugin_classes(group, Processor, "processor"):
-            self.register(cls, ep.name)
+        """Register every processor advertised in the entry-point ``group``; returns ``self``.
+        A plugin that cannot be registered is set aside: :meth:`get` refuses its name."""
+        found, problems = plugin_classes(group, Processor, "processor")
+        self._problems.update(
+            register_plugins(
+                group,
+                found,
+                problems,
+                lambda ep, cls: self.register(cls, ep.name),
+                lambda name: self._classes.pop(name, None),
+                "processor",
+            )
+        )
         return self
+
+    def problem(self, name: str) -> PluginProblem | None:
+        """Why the plugin registered as ``name`` was set aside, or None."""
+        return self._problems.get(name)
 
     def get(self, name: str) -> type[Processor]:
         """The class registered as ``name``.
 
+        :raises PluginError: when the plugin of that name was set aside (broken, or its name
+            claimed twice).
         :raises KeyError: listing the registered names when ``name`` is unknown.
         """
+        if name in self._problems:
+            raise PluginError(self._problems[name])
         try:
             return self._classes[name]
         except KeyError:

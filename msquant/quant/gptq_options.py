@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
 from msquant.errors import QuantizationError
 from msquant.quant.mse_clip import MSEOptions, mse_option_problems
@@ -73,6 +73,10 @@ class GPTQOptions:
     max_damp_retries: int = 10
     mse: MSEOptions | None = None
     full_range: bool = False
+    #: The most damping increases accepted (``max_damp_retries``): each one factorises the
+    #: Hessian again; a Hessian that 100 increases (1 + 100 x 0.01 of its mean diagonal by
+    #: default) cannot make positive definite is broken, not under-damped.
+    max_retries: ClassVar[int] = 100
 
     @classmethod
     def from_flat(cls, name: str = "layer", **values: Any) -> GPTQOptions:
@@ -136,8 +140,11 @@ class GPTQOptions:
             problems.append(
                 f"damp_auto_increment must be a number > 0, got {self.damp_auto_increment!r}"
             )
-        if not _is_int(self.max_damp_retries) or self.max_damp_retries < 0:
-            problems.append(f"max_damp_retries must be an int >= 0, got {self.max_damp_retries!r}")
+        if not _is_int(self.max_damp_retries) or not 0 <= self.max_damp_retries <= self.max_retries:
+            problems.append(
+                f"max_damp_retries must be an int between 0 and {self.max_retries}, got "
+                f"{self.max_damp_retries!r}"
+            )
         if self.group_size is not None and (not _is_int(self.group_size) or self.group_size <= 0):
             problems.append(f"group_size must be an int > 0, got {self.group_size!r}")
         return problems

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from msquant.quant.int_quant import compute_qparams, minmax_qparams, qrange
 
 __all__ = [
+    "MAX_SEARCH_GRID",
     "MSEOptions",
+    "grid_problem",
     "mse_option_problems",
     "shrink_factors",
     "mse_qparams",
@@ -33,11 +36,25 @@ __all__ = [
 ]
 
 
+#: The finest search grid accepted (``mse_grid``, ``clip_grid``): the search quantizes the weight
+#: once per ``1 / grid`` step of the shrink, so its cost grows with the grid; 1000 steps a range
+#: in 0.1 % steps (the defaults: 100 and 20), a finer one would run for hours and gain nothing.
+MAX_SEARCH_GRID = 1000
+
+
+def grid_problem(grid: object, key: str = "mse_grid") -> str | None:
+    """Why ``grid`` is no search grid (an int in ``[1, MAX_SEARCH_GRID]``), or None."""
+    if isinstance(grid, bool) or not isinstance(grid, int) or not 0 < grid <= MAX_SEARCH_GRID:
+        return f"{key} must be an int between 1 and {MAX_SEARCH_GRID}, got {grid!r}"
+    return None
+
+
 def mse_option_problems(grid: object, maxshrink: object, norm: object) -> list[str]:
     """What is wrong with a set of search options (empty when they are valid)."""
     problems = []
-    if isinstance(grid, bool) or not isinstance(grid, int) or grid <= 0:
-        problems.append(f"mse_grid must be an int > 0, got {grid!r}")
+    problem = grid_problem(grid)
+    if problem is not None:
+        problems.append(problem)
     if (
         isinstance(maxshrink, bool)
         or not isinstance(maxshrink, (int, float))
@@ -58,7 +75,12 @@ def shrink_factors(grid: int, maxshrink: float) -> list[float]:
     """The range factors tried, largest first: ``1 - i / grid`` for ``i = 0 .. floor(maxshrink * grid)``.
 
     A grid coarser than ``maxshrink`` (``grid * maxshrink < 1``) leaves only ``p = 1``.
+
+    :raises ValueError: for a grid outside ``[1, MAX_SEARCH_GRID]``.
     """
+    problem = grid_problem(grid, "grid")
+    if problem is not None:
+        raise ValueError(problem)
     # The small slack keeps e.g. 0.2 * 100 (which float arithmetic may put just under 20) at 20.
     steps = math.floor(maxshrink * grid + 1e-9)
     return [1.0 - i / grid for i in range(steps + 1)]
@@ -78,6 +100,8 @@ class MSEOptions:
     grid: int = 100
     maxshrink: float = 0.2
     norm: float = 2.4
+    #: The finest grid accepted (:data:`MAX_SEARCH_GRID`), for configs to bound theirs with.
+    max_grid: ClassVar[int] = MAX_SEARCH_GRID
 
     def __post_init__(self) -> None:
         problems = mse_option_problems(self.grid, self.maxshrink, self.norm)

@@ -33,6 +33,7 @@ __all__ = [
     "log_runner",
     "calibration_texts",
     "warn_long_samples",
+    "warn_few_tokens",
     "check_applicable",
     "check_memory_limit",
     "fingerprint_of",
@@ -96,9 +97,32 @@ def warn_long_samples(samples: Sequence[torch.Tensor], model_config: Any) -> Non
         )  # fmt: skip
 
 
-def check_applicable(processors: list[Processor], meta_model: Any) -> None:
+#: Fewer calibration tokens than this are warned about (msModelSlim's and msquant's default
+#: sets hold tens of thousands): a static activation range, a GPTQ Hessian or a smoothing scale
+#: measured on a few tokens describes those tokens, not the inputs the model will serve.
+MIN_CALIB_TOKENS = 512
+
+
+def warn_few_tokens(samples: Sequence[torch.Tensor], what: str = "calibration") -> None:
+    """Warn when a calibrating run measures its statistics on fewer than
+    :data:`MIN_CALIB_TOKENS` tokens in all."""
+    tokens = sum(int(s.shape[-1]) for s in samples)
+    if tokens < MIN_CALIB_TOKENS:
+        logger.warning(
+            "%s: %d sample(s) with %d token(s) in all, fewer than %d: what the run measures on "
+            "them (static activation ranges, GPTQ Hessians, smoothing scales) describes those "
+            "tokens, not the inputs the model will serve; calibrate on more text (leave out "
+            "--calib_path and spec.dataset for msquant's default set)",
+            what, len(samples), tokens, MIN_CALIB_TOKENS,
+        )  # fmt: skip
+
+
+def check_applicable(
+    processors: list[Processor], meta_model: Any, allow_float_export: bool = False
+) -> None:
     """Refuse, before weights load, a config that cannot be applied to the model: every
-    processor's ``check_model`` and the plan's cross-entry problems, listed together.
+    processor's ``check_model`` and the plan's cross-entry problems (a config quantizing no
+    linear layer among them, unless ``allow_float_export``), listed together.
 
     :raises QuantizationError: listing every problem.
     """
@@ -106,7 +130,9 @@ def check_applicable(processors: list[Processor], meta_model: Any) -> None:
     layers = adapter.decoder_layers(meta_model)
     problems = [msg for p in processors for msg in p.check_model(meta_model, layers)]
     # across entries: overlaps, fused splits
-    problems += check_plan(processors, meta_model, layers, adapter=adapter)
+    problems += check_plan(
+        processors, meta_model, layers, adapter=adapter, allow_float_export=allow_float_export
+    )
     if problems:
         count = len(problems)
         raise QuantizationError(

@@ -24,7 +24,7 @@ from msquant.evaluate.run_evaluation import EvaluationData, prepare_evaluation
 from msquant.evaluate.windows import DEFAULT_SEQLEN
 from msquant.export.files import copied_model_files
 from msquant.export.staging import check_save_path
-from msquant.load.calibration import tokenize_samples
+from msquant.load.calibration import SampleLimit, tokenize_samples
 from msquant.load.model_folder import (
     build_meta_model,
     check_model_dir,
@@ -41,6 +41,7 @@ from msquant.run.input_checks import (
     check_memory_limit,
     fingerprint_of,
     log_runner,
+    warn_few_tokens,
     warn_long_samples,
 )
 from msquant.run.launch import from_environment
@@ -72,6 +73,7 @@ class QuantizeOptions:
     eval_stride: int | None = None
     eval_max_samples: int | None = None
     max_memory: int | None = None
+    allow_float_export: bool = False
     resume: bool = False
     checkpoints: bool = True
 
@@ -148,7 +150,7 @@ def check_inputs(
     )
     check_prior_stages(prior_stages, meta_model)
     samples, eval_ids = _tokenize(model_dir, model_config, texts, evaluation, options)
-    prior = _prior_runs(model_dir, prior_stages, prior_texts, texts, samples, options)
+    prior = _prior_runs(model_dir, model_config, prior_stages, prior_texts, texts, samples, options)
     streaming = streams(resolved.config.spec.runner)
     if options.max_memory is not None:
         check_memory_limit(
@@ -164,6 +166,7 @@ def check_inputs(
 
 def _prior_runs(
     model_dir: Path,
+    model_config: Any,
     stages: list[list[Processor]],
     stage_texts: list[tuple[str, list[str] | None]],
     main_texts: list[str] | None,
@@ -179,8 +182,11 @@ def _prior_runs(
             samples = main_samples
         elif texts is not None:
             tokenizer = tokenizer or load_tokenizer(model_dir, options.trust_remote_code)
-            samples = tokenize_samples(texts, tokenizer, options.max_calib_tokens)
+            samples = tokenize_samples(
+                texts, tokenizer, options.max_calib_tokens, SampleLimit.for_model(model_config)
+            )
             logger.info("spec.prior[%d] calibration: %d sample(s)", index, len(samples))
+            warn_few_tokens(samples, f"spec.prior[{index}] calibration")
         runs.append(PriorStageRun(index, processors, samples, dataset))
     return runs
 
@@ -209,7 +215,7 @@ def _check_model(
     if evaluation is not None:
         evaluation.check_model(model_config, model_dir)
     meta_model = build_meta_model(model_config, options.trust_remote_code)
-    check_applicable(processors, meta_model)
+    check_applicable(processors, meta_model, options.allow_float_export)
     if evaluation is not None and streams(resolved.config.spec.runner):
         check_evaluable_export(processors)
     return model_dir, model_config, meta_model
@@ -228,9 +234,12 @@ def _tokenize(
         return None, None
     tokenizer = load_tokenizer(model_dir, options.trust_remote_code)
     if texts is not None:
-        samples = tokenize_samples(texts, tokenizer, options.max_calib_tokens)
+        samples = tokenize_samples(
+            texts, tokenizer, options.max_calib_tokens, SampleLimit.for_model(model_config)
+        )
         logger.info("calibration: %d sample(s)", len(samples))
         warn_long_samples(samples, model_config)
+        warn_few_tokens(samples, "calibration")
     if evaluation is not None:
         eval_ids = evaluation.tokens(tokenizer)
     return samples, eval_ids

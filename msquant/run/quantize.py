@@ -71,6 +71,7 @@ def quantize(
     max_memory: int | None = None,
     resume: bool = False,
     checkpoints: bool = True,
+    allow_float_export: bool = False,
 ) -> QuantizeResult:
     """Quantize a local Hugging Face causal LM as ``config`` says and write the export to ``save_path``.
 
@@ -102,6 +103,9 @@ def quantize(
         run's.
     :param checkpoints: write a checkpoint after every decoder layer, so that a killed run can be
         resumed (runs whose processors are all resumable; ``dp_layer_wise`` groups too).
+    :param allow_float_export: write the export even when the config quantizes no linear layer
+        (the float model, transformed by the config's rotations or smoothings if any); without
+        it such a config is refused before any weight is loaded.
     :raises msquant.MsquantInputError: (a subclass) for any problem with the inputs.
     """
     started = time.perf_counter()
@@ -110,7 +114,7 @@ def quantize(
         registry=registry, max_calib_tokens=max_calib_tokens, progress=progress,
         overwrite=overwrite, verify=verify, eval_data=eval_data, eval_seqlen=eval_seqlen,
         eval_stride=eval_stride, eval_max_samples=eval_max_samples, max_memory=max_memory,
-        resume=resume, checkpoints=checkpoints,
+        resume=resume, checkpoints=checkpoints, allow_float_export=allow_float_export,
     )  # fmt: skip
     inputs = check_inputs(model_path, save_path, config, options)
     with (

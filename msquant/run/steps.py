@@ -14,8 +14,10 @@ import yaml
 from msquant.export.recovery import SCRATCH_INFIX, sibling
 from msquant.model.layers import layer_list_name
 from msquant.plugin.context import RunContext
+from msquant.plugin.distributed import PeerLostError
 from msquant.run.checkpoint.folder import RunCheckpoints
 from msquant.run.checkpoint.opening import checkpoint_blocker, open_checkpoints
+from msquant.run.checkpoint.progress import interrupted_work
 from msquant.run.exports import mark_export, model_to_evaluate, verify_exports
 from msquant.run.inputs import RunInputs
 from msquant.run.placement import LoadedModel, load_for_run
@@ -29,11 +31,26 @@ __all__ = ["finish_run", "hold_save_path", "load_model", "run_layers", "start_ru
 logger = logging.getLogger(__name__)
 
 
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` (Python 3.11), or its effect on 3.10: the CLI prints the notes of
+    an interruption after its own line."""
+    notes = getattr(exc, "__notes__", None)
+    if not isinstance(notes, list):
+        notes = []
+        exc.__notes__ = notes  # type: ignore[attr-defined]
+    notes.append(note)
+
+
 @contextmanager
 def hold_save_path(inputs: RunInputs) -> Iterator[RunCheckpoints | None]:
     """Lock the save path until the export is in place, and decide how the run uses its
     checkpoint folder: the run's checkpoints (fresh or resumed), or None when not checkpointed."""
     options = inputs.options
+    blocker = (
+        PRIOR_CHECKPOINT_BLOCKER
+        if inputs.prior and options.checkpoints
+        else checkpoint_blocker(inputs.processors, options.checkpoints)
+    )
     with locked_save_path(
         inputs.target,
         options.overwrite,
@@ -44,15 +61,17 @@ def hold_save_path(inputs: RunInputs) -> Iterator[RunCheckpoints | None]:
             inputs.fingerprint,
             resume=options.resume,
             overwrite=options.overwrite,
-            blocker=(
-                PRIOR_CHECKPOINT_BLOCKER
-                if inputs.prior and options.checkpoints
-                else checkpoint_blocker(inputs.processors, options.checkpoints)
-            ),
+            blocker=blocker,
             dist=inputs.dist,
         ),
     ) as run_checkpoints:
-        yield run_checkpoints
+        try:
+            yield run_checkpoints
+        except BaseException as exc:
+            if isinstance(exc, PeerLostError) or not isinstance(exc, Exception | GeneratorExit):
+                # interrupted (Ctrl-C, SIGTERM, a lost process): say what became of the work
+                add_note(exc, interrupted_work(inputs.target, blocker))
+            raise
 
 
 @contextmanager

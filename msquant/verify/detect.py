@@ -105,7 +105,10 @@ def _find(directory: Path, formats: FormatRegistry) -> ExportFormat:
             f"{', '.join(formats.names())}"
         )
     known = "; ".join(f"{fmt.name}: {fmt.description}" for fmt in formats.formats())
-    raise ExportReadError(f"{directory} holds no export msquant can verify (looked for {known})")
+    set_aside = "".join(f"; not looked for: {p.message()}" for p in formats.problems())
+    raise ExportReadError(
+        f"{directory} holds no export msquant can verify (looked for {known}){set_aside}"
+    )
 
 
 def detect_format(path: str | Path, formats: FormatRegistry | None = None) -> str:

@@ -166,7 +166,11 @@ class GPTQExt(MethodOptions):
         description="Added to percdamp after each failed Cholesky factorisation.",
     )
     max_damp_retries: StrictInt = Field(
-        10, ge=0, description="How many damping increases are tried before giving up."
+        10,
+        ge=0,
+        le=GPTQOptions.max_retries,
+        description="How many damping increases are tried before giving up "
+        f"(0 to {GPTQOptions.max_retries}).",
     )
     mse: bool | None = Field(
         None,

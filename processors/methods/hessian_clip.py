@@ -19,6 +19,7 @@ from msquant.plugin import (
     CalibratedQuantizer,
     HessianAccumulator,
     MethodOptions,
+    MSEOptions,
     QDType,
     QScope,
     QuantizedWeight,
@@ -37,7 +38,11 @@ class HessianClipExt(MethodOptions):
 
     group_size: GroupSize = 128
     clip_grid: StrictInt = Field(
-        20, gt=0, description="The range shrinks in steps of 1 / clip_grid."
+        20,
+        gt=0,
+        le=MSEOptions.max_grid,
+        description="The range shrinks in steps of 1 / clip_grid "
+        f"(1 to {MSEOptions.max_grid}: each step quantizes the weight once more).",
     )
     clip_maxshrink: float = Field(
         0.5,

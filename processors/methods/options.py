@@ -35,7 +35,13 @@ MseFlag = Annotated[
     ),
 ]
 MseGrid = Annotated[
-    StrictInt, Field(gt=0, description="MSE search: the range shrinks in steps of 1 / mse_grid.")
+    StrictInt,
+    Field(
+        gt=0,
+        le=MSEOptions.max_grid,
+        description="MSE search: the range shrinks in steps of 1 / mse_grid "
+        f"(1 to {MSEOptions.max_grid}: each step quantizes the weight once more).",
+    ),
 ]
 MseMaxShrink = Annotated[
     float,

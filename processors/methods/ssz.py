@@ -28,7 +28,7 @@ from msquant.plugin import (
     check_weight,
 )
 from msquant.processors.methods.options import GroupSize
-from msquant.processors.methods.ssz_search import DEFAULT_STEPS, ssz_codes, ssz_scales
+from msquant.processors.methods.ssz_search import DEFAULT_STEPS, MAX_STEPS, ssz_codes, ssz_scales
 
 __all__ = ["SszExt", "SszMethod"]
 
@@ -36,8 +36,9 @@ Steps = Annotated[
     StrictInt,
     Field(
         ge=0,
+        le=MAX_STEPS,
         description="At most this many search steps (least-squares scale, then rounding); 0 "
-        "means the default 50, as in msModelSlim.",
+        f"means the default 50, as in msModelSlim (0 to {MAX_STEPS}).",
     ),
 ]
 

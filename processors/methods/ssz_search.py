@@ -23,10 +23,13 @@ import torch
 
 from msquant.plugin import qrange
 
-__all__ = ["DEFAULT_STEPS", "ssz_scales", "ssz_codes"]
+__all__ = ["DEFAULT_STEPS", "MAX_STEPS", "ssz_scales", "ssz_codes"]
 
 #: msModelSlim's default number of search steps (``ext.step`` unset or not a positive integer).
 DEFAULT_STEPS = 50
+#: The most search steps ``ext.step`` may ask for: each step rounds the whole weight again, and
+#: the search stops once the error settles (usually within a few dozen steps).
+MAX_STEPS = 1000
 #: Stop once no channel's error changes by more than this (relative or absolute).
 CONVERGED = 1e-10
 #: The smallest ``<q, q>`` divided by (channels whose codes are all zero get a zero scale).

@@ -464,8 +464,10 @@ def test_config_without_a_quantizing_entry_is_refused(weightless_llama: Path) ->
     result = msquant.plugin.build_plan(weightless_llama, config())
     assert result.errors == [
         "spec.process has no entry that quantizes linear layers, so the export would be the "
-        "float model; add a linear_quant entry"
+        "float model; add a linear_quant entry; to write the float model on purpose, pass "
+        "--allow_float_export (Python: allow_float_export=True)"
     ]
+    assert msquant.plugin.build_plan(weightless_llama, config(), allow_float_export=True).ok
 
 
 def test_cli_refuses_a_config_quantizing_nothing_before_loading(

@@ -134,12 +134,15 @@ def _fake_format_entry_points(monkeypatch: pytest.MonkeyPatch, *extra: tuple[str
     ],
     ids=["import_error", "not_a_format", "name_mismatch"],
 )
-def test_broken_format_entry_points_raise(
+def test_broken_format_entry_points_are_set_aside(
     name: str, value: str, needle: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _fake_format_entry_points(monkeypatch, (name, value))
+    registry = default_formats()
+    assert "ascend" in registry and name not in registry  # the others stay usable
     with pytest.raises(RegistryError, match=needle):
-        default_formats()
+        registry.get(name)
+    assert [p.name for p in registry.problems()] == [name]
 
 
 # --- a third-party format --------------------------------------------------------------------

@@ -459,7 +459,9 @@ def test_hessian_errors() -> None:
         ({"percdamp": 0}, "percdamp must be a number > 0, got 0"),
         ({"block_size": True}, "block_size must be an int > 0, got True"),
         ({"damp_auto_increment": -1.0}, "damp_auto_increment must be a number > 0"),
-        ({"max_damp_retries": -1}, "max_damp_retries must be an int >= 0, got -1"),
+        ({"max_damp_retries": -1}, "max_damp_retries must be an int between 0 and 100, got -1"),
+        ({"max_damp_retries": 101}, "max_damp_retries must be an int between 0 and 100, got 101"),
+        ({"mse": True, "mse_grid": 1001}, "mse_grid must be an int between 1 and 1000, got 1001"),
         ({"group_size": 0}, "group_size must be an int > 0, got 0"),
     ],
 )

@@ -171,6 +171,9 @@ def test_shrink_factors() -> None:
     assert len(default) == 21 and default[0] == 1.0 and default[-1] == pytest.approx(0.8)
     assert shrink_factors(10, 0.25) == pytest.approx([1.0, 0.9, 0.8])
     assert shrink_factors(3, 0.2) == [1.0]  # a grid coarser than maxshrink: plain min/max only
+    assert len(shrink_factors(1000, 0.9)) == 901
+    with pytest.raises(ValueError, match="grid must be an int between 1 and 1000, got 1001"):
+        shrink_factors(1001, 0.2)  # a billion steps once spun for hours
 
 
 BRUTE_CASES = [
@@ -384,6 +387,7 @@ def test_yaml_accepts_mse(method: str) -> None:
     [
         ("{mse: maybe}", "mse", "boolean"),
         ("{mse: true, mse_grid: 0}", "mse_grid", "greater than 0"),
+        ("{mse: true, mse_grid: 1001}", "mse_grid", "less than or equal to 1000"),
         ("{mse_grid: 2.5}", "mse_grid", "integer"),
         ("{mse_maxshrink: 1.0}", "mse_maxshrink", "less than 1"),
         ("{mse_maxshrink: 0}", "mse_maxshrink", "greater than 0"),

@@ -12,9 +12,10 @@ from msquant.run.checkpoint.layout import (
     PROGRESS_FORMAT,
     STAGE_FINISHED,
     ResumeError,
+    partial_path,
 )
 
-__all__ = ["layer_key", "read_progress", "describe_progress", "hidden_name"]
+__all__ = ["layer_key", "read_progress", "describe_progress", "hidden_name", "interrupted_work"]
 
 
 def layer_key(index: int) -> str:
@@ -57,3 +58,27 @@ def describe_progress(directory: Path) -> str:
 def hidden_name(done: int, rank: int) -> str:
     """The file of process ``rank``'s hidden states entering layer ``done``."""
     return f"{HIDDEN_PREFIX}{done:05d}-rank{rank}.safetensors"
+
+
+def interrupted_work(save_path: str | Path, blocker: str | None = None, known: bool = True) -> str:
+    """What became of an interrupted run's work, and how to go on (for the message of a run
+    stopped by Ctrl-C, SIGTERM or the loss of a ``dp_layer_wise`` process; never raises).
+
+    :param blocker: why the run wrote no checkpoints (:func:`checkpoint_blocker`), or None when
+        it did.
+    :param known: False when the caller cannot tell whether the run was checkpointed (the
+        launcher of a group): the message then covers both.
+    """
+    directory = partial_path(save_path)
+    if (directory / PROGRESS_FILE).is_file():
+        return (
+            f"the finished work ({describe_progress(directory)}) is kept in {directory}: run the "
+            "same command with --resume to continue after it"
+        )
+    if not known:
+        why = "the run writes no checkpoints, or no decoder layer had finished"
+    elif blocker is not None:
+        why = f"this run writes no checkpoints: {blocker}"
+    else:
+        why = "no decoder layer had finished, so there was no checkpoint to keep"
+    return f"the work done is lost ({why}); run the same command again to start over"
