@@ -35,6 +35,9 @@ from msquant.check.function import (
 from msquant.check.sharing import (
     shared_weight_problems,
 )
+from msquant.check.snapshot import (
+    LayerSnapshot,
+)
 from msquant.check.upcast import (
     in_float32,
 )
@@ -488,6 +491,7 @@ __all__ = [
     "ov_channel_map",
     "FunctionCheck",
     "layer_fingerprint",
+    "LayerSnapshot",
     "shared_weight_problems",
     "function_tolerance",
     "max_relative_error",

@@ -44,6 +44,7 @@ from msquant.plugin import (
     DecoderLayer,
     FlowPair,
     FunctionCheck,
+    LayerSnapshot,
     ModelAdapter,
     Processor,
     ProcessorConfig,
@@ -218,42 +219,63 @@ class SmoothingProcessor(Processor):
             self._statistics.hook(first, ctx.model.get_submodule(first))
 
     def after_pass(self, ctx: RunContext, layer: DecoderLayer, index: int) -> None:
-        """Fold every subgraph's scales (in priority order) once its statistics are in."""
+        """Fold every subgraph's scales (in priority order) once its statistics are in, then
+        check that the layer still computes what it did."""
         self._statistics.unhook()
         if index != 0:
             return
-        rule = self.rule()
-        check = None
+        check = snapshot = None
         if ctx.probe is not None and self._subgraphs:
             unchanged = layer_fingerprint(layer.module) == self._fingerprint
             reference = self._reference if unchanged else None
             check = FunctionCheck(ctx.probe, self.type_name, reference, fix=FIX)
-        for subgraph in self._subgraphs:
-            first = subgraph.targets[0]
-            act_max = self._statistics.channel_max.get(first)
-            if act_max is None:
-                logger.warning(
-                    "%s: %s saw no calibration token, left unsmoothed", self.type_name, first
-                )
-                continue
-            rows = (
-                self._statistics.spaced_rows(first, MAX_SEARCH_TOKENS) if self.keeps_rows else None
-            )
-            scales = smooth_subgraph(ctx.model, subgraph, rule, act_max, rows)
-            self._prepare_source(ctx.model, subgraph)
-            if check is not None:
-                check.verify(f"the {_label(subgraph, layer)} fold")
-            logger.debug(
-                "%s: %s %s -> %s, scales in [%.3g, %.3g]",
-                self.type_name,
-                subgraph.kind,
-                subgraph.source,
-                ", ".join(subgraph.targets),
-                float(scales.min()),
-                float(scales.max()),
-            )
+            snapshot = LayerSnapshot(layer.module)
+        folded = [s for s in self._subgraphs if self._fold(ctx.model, layer, s)]
+        if check is not None and snapshot is not None and folded:
+            self._check_folds(ctx.model, layer, folded, check, snapshot)
         self._statistics.clear()
         self._reference = None
+
+    def _fold(self, model: nn.Module, layer: DecoderLayer, subgraph: SmoothingSubgraph) -> bool:
+        """Compute and fold one subgraph's scales; False when it saw no calibration token."""
+        first = subgraph.targets[0]
+        act_max = self._statistics.channel_max.get(first)
+        if act_max is None:
+            logger.warning(
+                "%s: %s saw no calibration token, left unsmoothed", self.type_name, first
+            )
+            return False
+        rows = self._statistics.spaced_rows(first, MAX_SEARCH_TOKENS) if self.keeps_rows else None
+        scales = smooth_subgraph(model, subgraph, self.rule(), act_max, rows)
+        self._prepare_source(model, subgraph)
+        logger.debug(
+            "%s: %s, scales in [%.3g, %.3g]",
+            self.type_name,
+            _label(subgraph, layer),
+            float(scales.min()),
+            float(scales.max()),
+        )
+        return True
+
+    def _check_folds(
+        self,
+        model: nn.Module,
+        layer: DecoderLayer,
+        folded: list[SmoothingSubgraph],
+        check: FunctionCheck,
+        snapshot: LayerSnapshot,
+    ) -> None:
+        """One check of the layer after all of its folds; when it fails, the layer is put back
+        and folded again one subgraph at a time, each checked, so that the message names the
+        fold that changes the layer's function (the run stops either way)."""
+        try:
+            check.verify(f"the folds of {', '.join(_label(s, layer) for s in folded)}")
+        except TransformCheckError:
+            snapshot.restore()
+            for subgraph in folded:
+                self._fold(model, layer, subgraph)
+                check.verify(f"the {_label(subgraph, layer)} fold")
+            raise
 
     def _prepare_source(self, model: nn.Module, subgraph: SmoothingSubgraph) -> None:
         """Hook for a processor that changes a smoothed subgraph's source module."""

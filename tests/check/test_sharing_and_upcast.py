@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from msquant.plugin import in_float32, shared_weight_problems
+from msquant.plugin import LayerSnapshot, in_float32, shared_weight_problems
 
 
 class _Two(nn.Module):
@@ -44,3 +44,22 @@ def test_in_float32_swaps_sixteen_bit_tensors_and_restores_the_originals() -> No
         assert tensor.dtype == originals[name][1].dtype and torch.equal(tensor, originals[name][1])
     with in_float32(nn.Linear(2, 2)) as swapped:
         assert not swapped
+
+
+def test_a_snapshot_puts_a_layer_back_exactly() -> None:
+    """Values, in-place changes, replaced tensors and a parameter added since (smooth_quant's
+    zero norm bias) all go back to what they were."""
+    layer = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4, bias=False)).to(torch.bfloat16)
+    layer.register_buffer("table", torch.randn(3))
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    snapshot = LayerSnapshot(layer)
+    with torch.no_grad():
+        layer[0].weight.mul_(3)
+        layer[0].bias.data = torch.zeros(4, dtype=torch.bfloat16)
+        layer[1].bias = nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        layer.table.add_(1)
+    snapshot.restore()
+    after = layer.state_dict()
+    assert sorted(after) == sorted(before)
+    assert all(torch.equal(after[k], v) and after[k].dtype == v.dtype for k, v in before.items())
+    assert layer[1].bias is None

@@ -163,8 +163,8 @@ def test_processors_that_gather_nothing_cost_no_forward(
 ) -> None:
     """After a smoothing processor, processors that do not calibrate (data-free linear_quant,
     savers) get no pass: each layer runs once over the calibration set. The transform checks
-    run the layer on the probe tokens besides: twice for the data-flow proof, once after each
-    of the 4 subgraph folds, once to push the probe to the next layer (counted apart)."""
+    run the layer on the probe tokens besides: twice for the data-flow proof, once after the
+    folds, once to push the probe to the next layer (counted apart)."""
     model_dir = tiny_model_factory("llama", num_layers=2)
     model = load_causal_lm(model_dir)
     calls: list[int] = []
@@ -192,7 +192,7 @@ def test_processors_that_gather_nothing_cost_no_forward(
     batches = len(msquant.run.capture.batch_samples(samples))  # type: ignore[attr-defined]
     # capture runs layer 0 once more, to learn its return convention
     assert calls == [0] * (batches + 1) + [1] * batches
-    assert probe_calls == [0] + [0] * (2 + 4 + 1) + [1] * (2 + 4 + 1)
+    assert probe_calls == [0] + [0] * (2 + 1 + 1) + [1] * (2 + 1 + 1)
     assert idle.passes == {}
 
 
