@@ -47,6 +47,7 @@ from msquant.plugin import (
     rotation_for,
 )
 from msquant.processors.quarot.config import (
+    ONCE_PER_CONFIG,
     ONLINE_REFUSAL,
     OnlineQuaRotConfig,
     QuaRotConfig,
@@ -132,6 +133,7 @@ class QuaRot(Processor):
     # which would leave those layers' norms and float linears unrotated in memory.
     resumable = False
     transforms_weights = True
+    once_per_config = ONCE_PER_CONFIG
     config: QuaRotConfig
 
     @classmethod
