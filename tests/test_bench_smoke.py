@@ -119,3 +119,31 @@ def test_msmodelslim_configs_run_quantizes_verifies_and_reports(tmp_path: Path) 
     assert runs["unheard_of/x.yaml"]["verdict"] == "not run"
     assert "no tiny model for family 'unheard_of'" in runs["unheard_of/x.yaml"]["detail"]
     assert "run: 3 valid files: " in out and "1 exported+verified" in out
+
+
+def test_activation_practices_bench_finds_every_shipped_activation_config() -> None:
+    """bench/activation_practices.py's rows: the W8A16 reference, every example and practice
+    that quantizes activations (also inside a group), each tagged with what it runs first."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import activation_practices
+    finally:
+        sys.path.remove(str(BENCH))
+    rows = {row.name: row.transforms for row in activation_practices.discover_rows()}
+    assert set(rows) == {
+        "w8a16_per_channel_minmax",
+        "w4a8_dynamic_quarot",
+        "w8a8_dynamic_flex_smooth",
+        "w8a8_dynamic_iter_smooth",
+        "w8a8_dynamic_per_token",
+        "w8a8_static_flex_smooth",
+        "w8a8_static_iter_smooth",
+        "w8a8_static_per_tensor_asym",
+        "--quant_type w4a8",
+        "--quant_type w8a8",
+    }
+    assert list(rows)[0] == "w8a16_per_channel_minmax"
+    assert rows["w8a8_dynamic_per_token"] == () and rows["--quant_type w4a8"] == ()
+    assert rows["w8a8_static_flex_smooth"] == ("flex_smooth_quant",)
+    assert rows["--quant_type w8a8"] == ("iter_smooth",)
+    assert rows["w4a8_dynamic_quarot"] == ("quarot",)

@@ -26,6 +26,7 @@ TOP_LEVEL = {
     "test_bench_smoke.py",
     "test_docs.py",
     "test_layout.py",
+    "test_prepare_model.py",
     "test_public_api.py",
     "test_registry_base.py",
     "test_retarget_imports.py",

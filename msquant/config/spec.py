@@ -257,12 +257,47 @@ def load_config_text(
 
 def _semantic_issues(config: QuantConfig, registry: ProcessorRegistry) -> list[ConfigIssue]:
     issues = []
+    located: list[tuple[str, str]] = []
     for number, prior in enumerate(config.spec.prior):
         for index, entry in enumerate(prior.process):
-            issues += _entry_issues(registry, f"spec.prior[{number}].process[{index}]", entry)
+            where = f"spec.prior[{number}].process[{index}]"
+            issues += _entry_issues(registry, where, entry)
+            located += _located_types(where, entry)
     for stage in _STAGES:
         for index, entry in enumerate(getattr(config.spec, stage)):
             issues += _entry_issues(registry, f"spec.{stage}[{index}]", entry)
+            located += _located_types(f"spec.{stage}[{index}]", entry)
+    return issues + _repeated_entry_issues(registry, located)
+
+
+def _located_types(prefix: str, entry: ProcessorConfig) -> list[tuple[str, str]]:
+    """``(YAML path, type)`` of an entry and of the entries it holds, in YAML order."""
+    located = [(prefix, entry.type)]
+    for name in nested_fields(type(entry)):
+        for index, child in enumerate(getattr(entry, name)):
+            located += _located_types(f"{prefix}.{name}[{index}]", child)
+    return located
+
+
+def _repeated_entry_issues(
+    registry: ProcessorRegistry, located: list[tuple[str, str]]
+) -> list[ConfigIssue]:
+    """One issue for every entry after the first of a processor that allows one per config
+    (:attr:`~msquant.plugin.Processor.once_per_config`), naming the first entry's path."""
+    first: dict[str, str] = {}
+    issues = []
+    for path, kind in located:
+        reason = registry.get(kind).once_per_config if kind in registry else None
+        if not reason:
+            continue
+        if kind not in first:
+            first[kind] = path
+            continue
+        issues.append(
+            ConfigIssue(
+                path, f"{kind} is listed more than once ({first[kind]} and {path}): {reason}"
+            )
+        )
     return issues
 
 
@@ -289,17 +324,40 @@ def _semantic_issues_of_raw(data: dict[Any, Any], registry: ProcessorRegistry) -
         return []
     classes = {stage: entry_classes(registry, stage) for stage in _STAGES}
     issues = []
+    located: list[tuple[str, str]] = []
     priors = spec.get("prior")
     for number, prior in enumerate(priors if isinstance(priors, list) else []):
         entries = prior.get("process") if isinstance(prior, dict) else None
         for index, raw in enumerate(entries if isinstance(entries, list) else []):
             where = f"spec.prior[{number}].process[{index}]"
             issues += _raw_entry_issues(registry, classes["process"], where, raw)
+            located += _raw_located_types(registry, classes["process"], where, raw)
     for stage in _STAGES:
         entries = spec.get(stage)
         for index, raw in enumerate(entries if isinstance(entries, list) else []):
             issues += _raw_entry_issues(registry, classes[stage], f"spec.{stage}[{index}]", raw)
-    return issues
+            located += _raw_located_types(registry, classes[stage], f"spec.{stage}[{index}]", raw)
+    return issues + _repeated_entry_issues(registry, located)
+
+
+def _raw_located_types(
+    registry: ProcessorRegistry,
+    classes: dict[str, type[ProcessorConfig]],
+    prefix: str,
+    raw: Any,
+) -> list[tuple[str, str]]:
+    """``(YAML path, type)`` of a raw entry of a type registered for its stage (``classes``) and
+    of the ``spec.process`` entries it holds."""
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if not isinstance(kind, str) or kind not in classes:
+        return []
+    located = [(prefix, kind)]
+    process = entry_classes(registry, "process")
+    for name in nested_fields(classes[kind]):
+        children = raw.get(name)
+        for index, child in enumerate(children if isinstance(children, list) else []):
+            located += _raw_located_types(registry, process, f"{prefix}.{name}[{index}]", child)
+    return located
 
 
 def _raw_entry_issues(

@@ -144,6 +144,12 @@ class Processor(ABC):
     #: the runner then runs its passes first, and gives the processors after it passes of their
     #: own over the rewritten layer (none when none of them calibrates).
     rewrites_layer: bool = False
+    #: Set to the reason when a config may hold at most one entry of this processor, counting
+    #: every place an entry can be (``spec.prior`` stages, ``spec.process``, the entries of a
+    #: container): validation then refuses every entry after the first, naming both entries' YAML
+    #: paths and this reason (e.g. a rotation whose export ships one matrix: two entries would
+    #: rotate twice and ship only one of them).
+    once_per_config: ClassVar[str | None] = None
 
     #: Set by the run when several savers share one save path: this saver then writes into
     #: ``save_path/<output_subdir>`` (see :meth:`output_dir`).

@@ -10,7 +10,13 @@ from pydantic import Field
 from msquant import ConfigIssue
 from msquant.plugin import ProcessorConfig, is_power_of_two
 
-__all__ = ["ONLINE_REFUSAL", "OnlineQuaRotConfig", "QuaRotConfig", "quarot_issues"]
+__all__ = [
+    "ONLINE_REFUSAL",
+    "ONCE_PER_CONFIG",
+    "OnlineQuaRotConfig",
+    "QuaRotConfig",
+    "quarot_issues",
+]
 
 #: Why run-time rotation is refused (``quarot.online: true`` and ``online_quarot``).
 ONLINE_REFUSAL = (
@@ -21,6 +27,15 @@ ONLINE_REFUSAL = (
     "models), so such an export would compute wrong outputs there (docs/rotation.md). Use the "
     "offline rotation, `type: quarot` with `online: false` (the default), which folds the "
     "rotation into the weights and needs nothing at run time"
+)
+
+#: Why a config may hold one ``quarot`` entry (counted in spec.prior, spec.process and groups).
+ONCE_PER_CONFIG = (
+    "each quarot entry rotates the residual stream again, so the model would carry the product "
+    "of the rotations while the export ships one matrix (optional/quarot.safetensors, "
+    "global_rotation, which vLLM-Ascend applies to the weights of an EAGLE-3 draft model); "
+    "msModelSlim 26.1.0 fails when saving such a run, or ships one entry's matrix alone when the "
+    "other sets export_extra_info: false. Keep one quarot entry (docs/rotation.md)"
 )
 
 

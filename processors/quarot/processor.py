@@ -67,6 +67,7 @@ from msquant.plugin import (
     shared_weight_problems,
 )
 from msquant.processors.quarot.config import (
+    ONCE_PER_CONFIG,
     ONLINE_REFUSAL,
     OnlineQuaRotConfig,
     QuaRotConfig,
@@ -164,6 +165,7 @@ class QuaRot(Processor):
     # which would leave those layers' norms and float linears unrotated in memory.
     resumable = False
     transforms_weights = True
+    once_per_config = ONCE_PER_CONFIG
     config: QuaRotConfig
 
     @classmethod
