@@ -93,6 +93,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
+        """The estimate: the sum of the items."""
         return sum(size for _, size in self.items)
 
     def get(self, what: str) -> int:

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 from torch import nn
 from transformers import AutoConfig
 
@@ -260,6 +261,30 @@ def test_the_w8a8_practice_fits_in_64_gib(deepseek: nn.Module) -> None:
     assert 108.8 * GIB < gptq_run.total < 108.9 * GIB
     with pytest.raises(msquant.MsquantInputError, match=r"ext\.experts_per_pass"):
         check_memory(gptq_run, 64 * GIB)
+
+
+def test_experts_per_pass_brings_gptq_under_64_gib(deepseek: nn.Module) -> None:
+    """``ext.experts_per_pass: 32``: the first of the MoE layer's 8 passes holds the attention's
+    and the shared expert's Hessians and those of experts 0-31."""
+    config = yaml.safe_load((REPO / "yaml_examples/w8a16_per_channel_gptq.yaml").read_text())
+    config["spec"]["process"][0]["qconfig"]["weight"]["ext"]["experts_per_pass"] = 32
+    registry = default_registry()
+    processors = build_processors(resolve_config(config, registry).config, registry)
+    params = sum(p.numel() for p in deepseek.parameters())
+    layers = adapter_for(deepseek).decoder_layers(deepseek)
+    estimate = estimate_memory(
+        deepseek, layers, params * BF16, processors, streaming=True, calibration=CALIBRATION
+    )
+    first_pass = (
+        2 * hessian(HIDDEN) + hessian(Q_LORA) + hessian(KV_LORA) + hessian(HEADS * V_HEAD)
+        + (SHARED + 32) * (hessian(HIDDEN) + hessian(EXPERT_FFN))
+    )  # fmt: skip
+    assert estimate.items == tuple(gptq(None)[:-2]) + (
+        ("linear_quant: gptq Hessians (busiest pass)", first_pass),
+        ("linear_quant: gptq solve and output errors (largest module)", GPTQ_WORK),
+    )
+    assert 51.9 * GIB < estimate.total < 52.0 * GIB
+    check_memory(estimate, 64 * GIB)
 
 
 def test_smoothing_on_a_dense_layer(deepseek: nn.Module) -> None:
