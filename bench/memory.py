@@ -7,8 +7,15 @@ runner (``model_wise``), and prints each run's peak resident memory (``ru_maxrss
 of the 16-layer run to the 4-layer run. The streamed runner's ratio should stay near 1: only one
 decoder layer is in memory at a time.
 
+Beside each peak it prints the run's ``--max_memory`` estimate (:mod:`msquant.run.memory_estimate`,
+computed in this process, before the run) and what the run's data took: its peak minus the peak of
+the same run on a one-layer model 128 wide (the interpreter and every library the run loads, which
+the estimate leaves out, at a few MiB of data). ``--config`` replaces the GPTQ config by a YAML
+file (e.g. a practice).
+
     python bench/memory.py                      # 4, 8, 16 layers
     python bench/memory.py --layers 4 16 --hidden 512
+    python bench/memory.py --layers 4 --config msquant/data/practices/w8a8.yaml
 """
 
 from __future__ import annotations
@@ -20,8 +27,12 @@ import sys
 import tempfile
 import textwrap
 from pathlib import Path
+from typing import Any
 
+import yaml
 from random_llama import CALIB_TXT, build_model, gptq_int4_config
+
+from msquant.run.plan_memory import plan_with_memory
 
 # Runs in a child process so that each measurement starts from a fresh interpreter.
 CHILD = textwrap.dedent(
@@ -41,9 +52,26 @@ CHILD = textwrap.dedent(
 )
 
 
-def measure(model: Path, runner: str, work: Path, tokens: int) -> dict[str, float]:
+def run_config(runner: str, path: Path | None) -> dict[str, Any]:
+    """The GPTQ int4 config, or the YAML at ``path``, with ``spec.runner`` set."""
+    if path is None:
+        return gptq_int4_config(runner)
+    config = yaml.safe_load(path.read_text(encoding="utf-8"))
+    config["spec"]["runner"] = runner
+    return dict(config)
+
+
+def estimate_mib(model: Path, config: dict[str, Any], tokens: int) -> float:
+    """The run's ``--max_memory`` estimate, in MiB (one process)."""
+    _, estimate = plan_with_memory(model, config, calib_path=CALIB_TXT, max_calib_tokens=tokens)
+    assert estimate is not None, "the config does not apply to the model"
+    return estimate.total / 2**20
+
+
+def measure(
+    model: Path, runner: str, work: Path, tokens: int, config: dict[str, Any]
+) -> dict[str, float]:
     """Peak RSS (MiB) and seconds of one run in a fresh process."""
-    config = gptq_int4_config(runner)
     save = work / f"out-{model.name}-{runner}"
     calib = CALIB_TXT
     result = subprocess.run(
@@ -74,23 +102,35 @@ def main() -> None:
     parser.add_argument(
         "--workdir", type=Path, default=None, help="keep models here (default: temp)"
     )
+    parser.add_argument("--config", type=Path, default=None, help="a YAML config instead of GPTQ")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as temp:
         work = args.workdir or Path(temp)
         work.mkdir(parents=True, exist_ok=True)
         peaks: dict[str, dict[int, float]] = {"layer_wise": {}, "model_wise": {}}
+        tiny = build_model(work / "llama-1L-128", 1, 128, 256)  # group 128 divides its widths
+        baselines = {
+            runner: measure(tiny, runner, work, args.tokens, run_config(runner, args.config))
+            for runner in peaks
+        }
+        for runner, result in baselines.items():
+            print(f"one layer 128 wide, {runner:10s}: peak RSS {result['peak_mib']:8.1f} MiB")
         for layers in args.layers:
             model = build_model(
                 work / f"llama-{layers}L-{args.hidden}", layers, args.hidden, args.intermediate
             )
             weights = sum(p.stat().st_size for p in model.glob("*.safetensors")) / 2**20
             for runner in peaks:
-                result = measure(model, runner, work, args.tokens)
+                config = run_config(runner, args.config)
+                result = measure(model, runner, work, args.tokens, config)
                 peaks[runner][layers] = result["peak_mib"]
+                added = result["peak_mib"] - baselines[runner]["peak_mib"]
                 print(
                     f"{layers:3d} layers ({weights:7.1f} MiB of weights), {runner:10s}: "
-                    f"peak RSS {result['peak_mib']:8.1f} MiB, {result['seconds']:6.1f} s",
+                    f"peak RSS {result['peak_mib']:8.1f} MiB, {result['seconds']:6.1f} s; "
+                    f"above the one-layer run {added:7.1f} MiB, "
+                    f"estimated {estimate_mib(model, config, args.tokens):7.1f} MiB",
                     flush=True,
                 )
         low, high = min(args.layers), max(args.layers)

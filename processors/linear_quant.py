@@ -81,6 +81,7 @@ from msquant.plugin import (
     BASE_SOURCE,
     ActivationQuant,
     BaseScheme,
+    CalibrationSize,
     ConfigIssue,
     DecoderLayer,
     DynamicRule,
@@ -111,6 +112,7 @@ from msquant.processors.linear_quant_act import StaticActCalibration, act_scheme
 from msquant.processors.linear_quant_calibration import HessianCollector, plan_passes
 from msquant.processors.linear_quant_checks import divisor_problem, fused_problems, head_problems
 from msquant.processors.linear_quant_config import METHODS, LinearQuantConfig, config_issues
+from msquant.processors.linear_quant_memory import linear_quant_memory
 from msquant.processors.linear_quant_solve import Selected, solve_modules
 
 __all__ = ["LinearQuantConfig", "LinearQuantProcessor"]
@@ -345,6 +347,17 @@ class LinearQuantProcessor(Processor):
                 and parse_expert_linear(name) is not None
             ][:1]
         return problems + fused_problems(decisions)
+
+    def memory_bytes(
+        self, model: nn.Module, layer: DecoderLayer, calibration: CalibrationSize
+    ) -> dict[str, int]:
+        """The quantized copy of the layer's selected linears, and the Hessians, solves, fake-
+        quantized weights or rounding copies of its method (:mod:`.linear_quant_memory`)."""
+        if self._adapter is None:
+            self._adapter = adapter_for(model)
+        return linear_quant_memory(
+            layer, self.selected(layer), self.method, self._act_calibration is not None
+        )
 
     # -- calibration (methods that learn from data) ---------------------------------------------
 

@@ -23,12 +23,16 @@ from msquant.plugin import (
 )
 from msquant.processors.linear_quant_calibration import HessianCollector
 
-__all__ = ["Selected", "solve_modules"]
+__all__ = ["OUTPUT_ERROR_COPIES", "Selected", "solve_modules"]
 
 logger = logging.getLogger(__name__)
 
 #: A selected module: its name, the linear layer and its resolved scheme.
 Selected = tuple[str, nn.Linear, ResolvedScheme]
+#: Float32 copies of a module's weight the output-error check of its report entry holds at once:
+#: the weight, the solved and the rounded weights dequantized, their two differences, and the
+#: three stacked with their product with the Hessian (:func:`msquant.plugin.relative_output_errors`).
+OUTPUT_ERROR_COPIES = 11
 #: The scheme part of a module's report entry.
 ReportOf = Callable[[str, ResolvedScheme], ModuleReport]
 

@@ -6,11 +6,13 @@ import argparse
 import json
 import sys
 
-from msquant.cli.common import EXIT_INPUT, EXIT_OK, Parser, bool_flag
+from msquant.cli.common import EXIT_INPUT, EXIT_OK, Parser, bool_flag, positive_int
 from msquant.config.presets import preset_config
 from msquant.errors import MsquantInputError
 from msquant.planning.build import build_plan
 from msquant.planning.render import render_plan
+from msquant.run.memory_estimate import MemoryEstimate, check_memory, format_size, parse_memory
+from msquant.run.plan_memory import plan_with_memory
 
 __all__ = ["add_plan_parser", "run_plan"]
 
@@ -40,6 +42,23 @@ def add_plan_parser(sub: argparse._SubParsersAction[Parser], common: Parser) -> 
         help="as for quant: a config that quantizes no linear layer is no error",
     )
     plan.add_argument(
+        "--max_memory",
+        metavar="SIZE",
+        help="host memory the run may use (e.g. 64GiB), as for quant: print the run's peak "
+        "memory estimate with its breakdown, and exit 2 when it needs more",
+    )
+    plan.add_argument(
+        "--calib_path",
+        help="with --max_memory: the calibration file the run would use (default: the config's "
+        "spec.dataset, else the shipped set); its token count sizes the estimate",
+    )
+    plan.add_argument(
+        "--max_calib_tokens",
+        type=positive_int,
+        default=None,
+        help="with --max_memory: truncate calibration samples, as for quant",
+    )
+    plan.add_argument(
         "--trust_remote_code",
         nargs="?",
         const=True,
@@ -50,20 +69,41 @@ def add_plan_parser(sub: argparse._SubParsersAction[Parser], common: Parser) -> 
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    """Print the plan (table or JSON) on stdout; exit 2 when the config cannot be applied."""
+    """Print the plan (table or JSON) on stdout, and with ``--max_memory`` the memory estimate;
+    exit 2 when the config cannot be applied or the run would need more memory."""
     config: object = args.config_path
     if args.quant_type is not None:
         try:
             config = preset_config(args.quant_type)
         except KeyError as exc:
             raise MsquantInputError(str(exc.args[0])) from None
-    result = build_plan(
-        args.model_path,
-        config,  # type: ignore[arg-type]
-        trust_remote_code=args.trust_remote_code,
-        allow_float_export=args.allow_float_export,
-    )
-    print(json.dumps(result.to_dict(), indent=2) if args.json else render_plan(result))
+    limit = None if args.max_memory is None else parse_memory(args.max_memory)
+    estimate = None
+    if limit is None:
+        result = build_plan(
+            args.model_path,
+            config,  # type: ignore[arg-type]
+            trust_remote_code=args.trust_remote_code,
+            allow_float_export=args.allow_float_export,
+        )
+    else:
+        result, estimate = plan_with_memory(
+            args.model_path,
+            config,  # type: ignore[arg-type]
+            calib_path=args.calib_path,
+            max_calib_tokens=args.max_calib_tokens,
+            trust_remote_code=args.trust_remote_code,
+            allow_float_export=args.allow_float_export,
+        )
+    if args.json:
+        data = result.to_dict()
+        if estimate is not None and limit is not None:
+            data["memory"] = {**estimate.to_dict(), "limit_bytes": limit}
+        print(json.dumps(data, indent=2))
+    else:
+        print(render_plan(result))
+        if estimate is not None and limit is not None:
+            print(_memory_text(estimate, limit))
     if not result.ok:
         count = len(result.errors)
         print(
@@ -72,4 +112,15 @@ def run_plan(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_INPUT
+    if estimate is not None and limit is not None:
+        check_memory(estimate, limit)
     return EXIT_OK
+
+
+def _memory_text(estimate: MemoryEstimate, limit: int) -> str:
+    """The estimate's breakdown under its verdict."""
+    verdict = "fits" if estimate.total <= limit else "does not fit"
+    return (
+        f"memory: the run needs about {format_size(estimate.total)} at {estimate.layer}, "
+        f"{verdict} in --max_memory {format_size(limit)}\n{estimate.table()}"
+    )

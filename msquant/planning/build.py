@@ -5,7 +5,10 @@ built on the meta device from its ``config.json``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
+
+from torch import nn
 
 from msquant.config.processors import build_processors
 from msquant.config.resolve import ConfigLike, resolve_config
@@ -14,9 +17,10 @@ from msquant.load.model_folder import build_meta_model, check_model_dir, load_mo
 from msquant.model.adapter_registry import adapter_for
 from msquant.planning.analysis import analyse_plan
 from msquant.planning.model import ModelPlan, PlanRow
+from msquant.plugin.processor import Processor
 from msquant.plugin.registry import ProcessorRegistry, default_registry
 
-__all__ = ["build_plan", "plan"]
+__all__ = ["build_plan", "plan", "plan_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,14 @@ def build_plan(
     meta_model = build_meta_model(
         load_model_config(model_dir, trust_remote_code), trust_remote_code
     )
+    return plan_of(processors, meta_model, allow_float_export=allow_float_export)
+
+
+def plan_of(
+    processors: Sequence[Processor], meta_model: nn.Module, *, allow_float_export: bool = False
+) -> ModelPlan:
+    """The plan of built ``processors`` on a weightless model, their ``check_model`` errors
+    first (what :func:`build_plan` returns once it has built both)."""
     adapter = adapter_for(meta_model)
     layers = adapter.decoder_layers(meta_model)
     own = [message for p in processors for message in p.check_model(meta_model, layers)]

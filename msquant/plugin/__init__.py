@@ -147,6 +147,9 @@ from msquant.plugin.format import (
     FormatRegistry,
     default_formats,
 )
+from msquant.plugin.memory import (
+    CalibrationSize,
+)
 from msquant.plugin.method import (
     METHOD_ENTRY_POINT_GROUP,
     CalibratedQuantizer,
@@ -342,6 +345,7 @@ __all__ = [
     "MethodOptions",
     "MethodRegistry",
     "CalibratedQuantizer",
+    "CalibrationSize",
     "default_method_registry",
     "METHOD_ENTRY_POINT_GROUP",
     "RunContext",

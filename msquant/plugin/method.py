@@ -195,6 +195,20 @@ class QuantMethod(ABC):
         The default: at least :attr:`expert_min_tokens` x ``in_features`` tokens, and one."""
         return enough_expert_tokens(token_count, in_features, self.expert_min_tokens)
 
+    # -- memory (``--max_memory``: the estimate before any weight is loaded) --------------------
+
+    def quantizer_bytes(self, in_features: int) -> int:
+        """Bytes one module's calibration state (:meth:`new_quantizer`) holds once fed, for a
+        module reading ``in_features`` values: a Hessian and its staging buffer for calibrated
+        methods (:meth:`msquant.plugin.HessianAccumulator.footprint`), nothing otherwise."""
+        return HessianAccumulator.footprint(in_features) if self.calibrated else 0
+
+    def work_bytes(self, out_features: int, in_features: int) -> int:
+        """The most memory quantizing one ``[out_features, in_features]`` module takes beyond its
+        weight and its calibration state (the solve's or the rounding's working copies). The
+        default: three float32 copies of the weight, what min/max rounding makes at most."""
+        return 3 * out_features * in_features * 4
+
     def new_quantizer(
         self, name: str, in_features: int, scheme: ResolvedScheme
     ) -> CalibratedQuantizer:

@@ -8,6 +8,8 @@ hook              when it runs
 check_config      at validation time, no model needed (semantic checks beyond the schema)
 check_model       after the model's *config* is read, on a weightless (meta) copy of the model,
                   before any weight is loaded: shape-dependent errors (e.g. group_size)
+memory_bytes      on the weightless model, for each decoder layer, when a memory limit is given
+                  (``--max_memory``): what the processor holds while the run works on the layer
 setup             once, the model loaded, before the first decoder layer
 before_layer      for each decoder layer, before calibration data flows through it
 before_pass       for each calibration pass over the layer (see below), before it
@@ -77,6 +79,7 @@ from msquant.errors import ConfigIssue
 if TYPE_CHECKING:
     from msquant.model.layers import DecoderLayer
     from msquant.plugin.context import RunContext
+    from msquant.plugin.memory import CalibrationSize
 
 __all__ = [
     "Stage",
@@ -172,6 +175,18 @@ class Processor(ABC):
     def check_model(self, model: nn.Module, layers: list[DecoderLayer]) -> list[str]:
         """Model-dependent checks on a weightless copy of the model; return one message per problem."""
         return []
+
+    def memory_bytes(
+        self, model: nn.Module, layer: DecoderLayer, calibration: CalibrationSize
+    ) -> dict[str, int]:
+        """What this processor holds at once while the run works on ``layer``, in bytes, by what
+        it is (e.g. ``{"gptq Hessians": ..., "gptq solve (largest module)": ...}``): the memory
+        estimate of ``--max_memory`` and ``msquant plan --max_memory`` adds it to the runner's
+        own (the layer's weights, the calibration hidden states) for every decoder layer of the
+        weightless ``model``, before any weight is loaded. Count what lives through the layer
+        (statistics, Hessians, quantized copies, matrices kept for the whole run) and the largest
+        working copy a step makes; a close upper bound is the aim. Default: nothing."""
+        return {}
 
     def setup(self, ctx: RunContext) -> None:
         """Prepare for a run on the loaded model."""

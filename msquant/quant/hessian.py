@@ -61,6 +61,13 @@ class HessianAccumulator:
         self._mirrored = True
         self.n = 0
 
+    @staticmethod
+    def footprint(in_features: int) -> int:
+        """Bytes one accumulator of a layer of width ``in_features`` holds once fed: the float32
+        ``in x in`` sum and its staging buffer (the default height), for memory estimates."""
+        rows = max(_MIN_BUFFER_ROWS, min(_MAX_BUFFER_ROWS, _BUFFER_BYTES // (4 * in_features)))
+        return 4 * in_features * (in_features + rows)
+
     # -- feeding -----------------------------------------------------------------------------
 
     def add_batch(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:

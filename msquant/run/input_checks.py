@@ -26,8 +26,15 @@ from msquant.plugin.distributed import Distributed
 from msquant.plugin.processor import Processor
 from msquant.report.hashes import calibration_sha256, config_sha256
 from msquant.run.checkpoint.fingerprint import run_fingerprint
-from msquant.run.memory_estimate import check_memory, checkpoint_size, estimate_memory
-from msquant.run.runner import needs_calibration
+from msquant.run.memory_estimate import (
+    MemoryEstimate,
+    calibration_size,
+    check_memory,
+    checkpoint_size,
+    estimate_memory,
+    format_size,
+)
+from msquant.run.runner import batch_token_limit, needs_calibration
 
 __all__ = [
     "log_runner",
@@ -36,6 +43,7 @@ __all__ = [
     "warn_few_tokens",
     "check_applicable",
     "check_memory_limit",
+    "estimate_run_memory",
     "fingerprint_of",
 ]
 
@@ -151,21 +159,45 @@ def check_memory_limit(
     limit: int,
 ) -> None:
     """Refuse, before weights load, a run whose estimated peak memory exceeds ``limit``."""
-    tokens = sum(int(s.numel()) for s in samples) if samples else 0
-    layers = adapter_for(meta_model).decoder_layers(meta_model)
-    estimate = estimate_memory(
-        meta_model,
-        layers,
-        checkpoint_size(model_dir),
-        streaming=streaming,
-        calibration_tokens=-(-tokens // dist.world_size),
-        gptq=needs_calibration(processors),
-        gptq_passes=max(
-            (p.calibration_passes(layer) for p in processors for layer in layers), default=1
-        ),
+    estimate = estimate_run_memory(
+        meta_model, model_dir, streaming, samples, processors, dist.world_size
     )
-    logger.info("estimated peak memory: %.2f GiB (%s)", estimate.total / 2**30, estimate.describe())
-    check_memory(estimate, limit, streaming)
+    logger.info(
+        "estimated peak memory: %s at %s (%s)",
+        format_size(estimate.total),
+        estimate.layer,
+        estimate.describe(),
+    )
+    check_memory(estimate, limit)
+
+
+def estimate_run_memory(
+    meta_model: torch.nn.Module,
+    model_dir: Path,
+    streaming: bool,
+    samples: Sequence[torch.Tensor] | None,
+    processors: list[Processor],
+    world_size: int = 1,
+) -> MemoryEstimate:
+    """The peak memory estimate of a run (:mod:`msquant.run.memory_estimate`): ``samples`` are
+    the tokenized calibration samples (None or ignored when no processor calibrates), shared
+    out over ``world_size`` processes."""
+    calibration = None
+    if samples and needs_calibration(processors):
+        calibration = calibration_size(
+            meta_model,
+            [int(s.numel()) for s in samples],
+            world_size,
+            batch_token_limit(processors),
+        )
+    return estimate_memory(
+        meta_model,
+        adapter_for(meta_model).decoder_layers(meta_model),
+        checkpoint_size(model_dir),
+        processors,
+        streaming=streaming,
+        calibration=calibration,
+    )
 
 
 def fingerprint_of(

@@ -20,6 +20,7 @@ from torch import nn
 
 from msquant import ResumeError
 from msquant.plugin import (
+    CalibrationSize,
     DecoderLayer,
     DynamicRule,
     ModelPlan,
@@ -115,6 +116,17 @@ class GroupProcessor(Processor):
 
     def calibration_passes(self, layer: DecoderLayer) -> int:
         return max((c.calibration_passes(layer) for c in self.children), default=1)
+
+    def memory_bytes(
+        self, model: nn.Module, layer: DecoderLayer, calibration: CalibrationSize
+    ) -> dict[str, int]:
+        """The children's items, each named ``"configs[j] <child type>: <what>"``: they work on
+        the layer together."""
+        return {
+            f"configs[{index}] {child.type_name}: {what}": size
+            for index, child in enumerate(self.children)
+            for what, size in child.memory_bytes(model, layer, calibration).items()
+        }
 
     def before_pass(self, ctx: RunContext, layer: DecoderLayer, index: int) -> None:
         for child in self.children:

@@ -313,6 +313,12 @@ class GPTQMethod(QuantMethod):
     def experts_per_pass(self) -> int | None:
         return self.options.experts_per_pass
 
+    def work_bytes(self, out_features: int, in_features: int) -> int:
+        """The solve's working copies: at most three of the float32 weight and three of the
+        Hessian (``bench/gptq_memory.py`` measures 4.2 to 5.3 copies of a square layer,
+        act-order included; docs/performance.md)."""
+        return 3 * 4 * (out_features * in_features + in_features * in_features)
+
     def solve_options(self, scheme: ResolvedScheme) -> GPTQOptions:
         """The solve's options for one module: the entry's ``ext`` with the module's resolved
         overrides (bits, group, sym, act-order, damping, static groups, MSE norm)."""

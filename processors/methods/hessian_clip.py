@@ -99,6 +99,12 @@ class HessianClipMethod(QuantMethod):
     ) -> CalibratedQuantizer:
         return HessianOnly(name, in_features, scheme)
 
+    def work_bytes(self, out_features: int, in_features: int) -> int:
+        """The clip search's float32 working copies: five of the weight (its values, a fake-
+        quantized candidate, their difference, the product with the Hessian blocks and a
+        temporary) and the Hessian's diagonal blocks (at most one Hessian)."""
+        return 4 * (5 * out_features * in_features + in_features * in_features)
+
     def solve(
         self, quantizer: CalibratedQuantizer, weight: torch.Tensor, backend: Backend
     ) -> tuple[QuantizedWeight, Mapping[str, Any]]:

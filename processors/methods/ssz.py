@@ -81,6 +81,11 @@ class SszMethod(QuantMethod):
     def base_scheme(self) -> BaseScheme:
         return BaseScheme(bits=self.bits, group_size=None, sym=True)
 
+    def work_bytes(self, out_features: int, in_features: int) -> int:
+        """The search's float32 working copies: five of the weight (its transpose, the current
+        and the next codes, two temporaries of a step)."""
+        return 5 * out_features * in_features * 4
+
     def quantize_rtn(
         self, weight: torch.Tensor, scheme: ResolvedScheme, name: str
     ) -> QuantizedWeight:

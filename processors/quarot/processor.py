@@ -42,6 +42,7 @@ from torch import nn
 
 from msquant import ConfigIssue, QuantizationError, TransformCheckError
 from msquant.plugin import (
+    CalibrationSize,
     DecoderLayer,
     FlowPair,
     FunctionCheck,
@@ -73,6 +74,7 @@ from msquant.processors.quarot.config import (
     QuaRotConfig,
     quarot_issues,
 )
+from msquant.processors.quarot.memory import quarot_memory
 
 __all__ = ["OnlineQuaRot", "QuaRot", "check_rms_norm", "size_problems"]
 
@@ -178,6 +180,12 @@ class QuaRot(Processor):
         if layout is None:
             return [f"quarot: {problem}" for problem in problems]
         return size_problems(layout, self.config.block_size)
+
+    def memory_bytes(
+        self, model: nn.Module, layer: DecoderLayer, calibration: CalibrationSize
+    ) -> dict[str, int]:
+        """Rotation matrices and the largest rotation's working copies (:mod:`.memory`)."""
+        return quarot_memory(model, layer)
 
     def setup(self, ctx: RunContext) -> None:
         layout, problems = adapter_for(ctx.model).rotation_layout(ctx.model, ctx.layers)

@@ -41,6 +41,7 @@ from torch import nn
 
 from msquant import ConfigIssue, QuantizationError, TransformCheckError
 from msquant.plugin import (
+    CalibrationSize,
     DecoderLayer,
     FlowPair,
     FunctionCheck,
@@ -67,6 +68,7 @@ from msquant.processors.smoothing.config import (
     smoothing_issues,
 )
 from msquant.processors.smoothing.folding import MAX_SEARCH_TOKENS, ScaleRule, smooth_subgraph
+from msquant.processors.smoothing.memory import smoothing_memory
 from msquant.processors.smoothing.statistics import InputStatistics
 
 __all__ = ["FlexSmoothQuantProcessor", "IterSmoothProcessor", "SmoothQuantProcessor"]
@@ -159,6 +161,13 @@ class SmoothingProcessor(Processor):
             "check the globs, or give the architecture a model adapter that overrides "
             "smoothing_subgraphs"
         ]
+
+    def memory_bytes(
+        self, model: nn.Module, layer: DecoderLayer, calibration: CalibrationSize
+    ) -> dict[str, int]:
+        """Statistics, search rows and the largest fold's working copies (:mod:`.memory`)."""
+        subgraphs = self.selected_subgraphs(model, layer)
+        return smoothing_memory(model, subgraphs, calibration, self.keeps_rows)
 
     def setup(self, ctx: RunContext) -> None:
         """Statistics are maxima over the whole calibration set (and the search needs every
