@@ -10,10 +10,10 @@ A run is a short sequence of named steps:
    and the checkpoint folder opened (fresh, resumed, or none);
 3. :func:`~msquant.run.steps.load_model`: the model, whole or streamed layer by layer;
 4. :func:`~msquant.run.save_path.output_folder`: the staging folder the savers write into;
-5. :func:`~msquant.run.steps.start_run`, :func:`~msquant.run.prior.run_prior_stages` and
-   :func:`~msquant.run.steps.run_layers`: the run context, the ``spec.prior`` stages (each a
-   layer-wise run of its own, :mod:`msquant.run.prior`) and the layer-wise runner
-   (:mod:`msquant.run.runner`);
+5. :func:`~msquant.run.steps.start_run` and :func:`~msquant.run.steps.run_layers`: the run
+   context and the layer-wise runner (:mod:`msquant.run.runner`); ``spec.prior`` stages are
+   checked but not run, as they change nothing in msModelSlim's export
+   (:mod:`msquant.run.prior_inputs`);
 6. :func:`~msquant.run.steps.finish_run`: the exports read back and checked, the evaluation,
    the report and the export marker. The staging folder is moved into place only on success.
 """
@@ -32,7 +32,6 @@ from msquant.plugin.registry import ProcessorRegistry
 from msquant.quant.quantized_linear import QuantizedLinear
 from msquant.report.run_report import RunReport
 from msquant.run.inputs import QuantizeOptions, RunInputs, check_inputs
-from msquant.run.prior import run_prior_stages
 from msquant.run.save_path import output_folder
 from msquant.run.steps import finish_run, hold_save_path, load_model, run_layers, start_run
 
@@ -120,9 +119,6 @@ def quantize(
         output_folder(inputs.target, overwrite, inputs.dist, run_checkpoints) as staging,
     ):
         ctx = start_run(inputs, loaded, staging)
-        run_prior_stages(
-            ctx, inputs.prior, loaded.scratch, options.progress and inputs.dist.is_main
-        )
         run_layers(ctx, inputs, run_checkpoints)
         finish_run(ctx, inputs, run_checkpoints, started)
     return _result(ctx, inputs, started)

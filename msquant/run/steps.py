@@ -19,7 +19,6 @@ from msquant.run.checkpoint.opening import checkpoint_blocker, open_checkpoints
 from msquant.run.exports import mark_export, model_to_evaluate, verify_exports
 from msquant.run.inputs import RunInputs
 from msquant.run.placement import LoadedModel, load_for_run
-from msquant.run.prior import PRIOR_CHECKPOINT_BLOCKER
 from msquant.run.reporting import start_report, write_run_report
 from msquant.run.runner import run_layer_wise
 from msquant.run.save_path import locked_save_path
@@ -44,11 +43,7 @@ def hold_save_path(inputs: RunInputs) -> Iterator[RunCheckpoints | None]:
             inputs.fingerprint,
             resume=options.resume,
             overwrite=options.overwrite,
-            blocker=(
-                PRIOR_CHECKPOINT_BLOCKER
-                if inputs.prior and options.checkpoints
-                else checkpoint_blocker(inputs.processors, options.checkpoints)
-            ),
+            blocker=checkpoint_blocker(inputs.processors, options.checkpoints),
             dist=inputs.dist,
         ),
     ) as run_checkpoints:
