@@ -33,6 +33,7 @@ def quant_options(args: argparse.Namespace) -> dict[str, Any]:
         max_memory=None if args.max_memory is None else parse_memory(args.max_memory),
         resume=args.resume,
         checkpoints=not args.no_checkpoints,
+        model_type=args.model_type,
     )
 
 

@@ -63,6 +63,10 @@ class RunContext:
     :param optional_tensors: tensors a processor asks savers to ship beside the weights, by scope
         (``{"quarot": {"global_rotation": R}}``); the Ascend savers write each scope to
         ``optional/<scope>.safetensors`` and name it in the description's ``optional``.
+    :param msmodelslim_model_type: the msModelSlim model adapter the run was told to follow
+        (``--model_type``, ``quantize(model_type=...)``), None when none was named; processors
+        whose msModelSlim counterparts ask the adapter (the smoothing processors: which subgraph
+        types they smooth) follow what that adapter answers.
     """
 
     model: nn.Module
@@ -81,6 +85,7 @@ class RunContext:
     checkpoint_names: CheckpointNames | None = None
     config_updates: dict[str, Any] = field(default_factory=dict)
     optional_tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    msmodelslim_model_type: str | None = None
 
     def disk_name(self, name: str) -> str:
         """The checkpoint's name for a module or tensor name of the loaded model (see

@@ -73,6 +73,7 @@ class QuantizeOptions:
     max_memory: int | None = None
     resume: bool = False
     checkpoints: bool = True
+    model_type: str | None = None
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,9 @@ def check_inputs(
         check_memory_limit(
             meta_model, model_dir, streaming, samples, processors, dist, options.max_memory
         )
-    fingerprint = fingerprint_of(resolved.config, samples, model_dir, backend, meta_model)
+    fingerprint = fingerprint_of(
+        resolved.config, samples, model_dir, backend, meta_model, options.model_type
+    )
     return RunInputs(
         options, model_path, target, resolved, processors, backend, dist, model_dir,
         model_config, meta_model, samples if needs_calibration(processors) else None,

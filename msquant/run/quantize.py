@@ -70,6 +70,7 @@ def quantize(
     max_memory: int | None = None,
     resume: bool = False,
     checkpoints: bool = True,
+    model_type: str | None = None,
 ) -> QuantizeResult:
     """Quantize a local Hugging Face causal LM as ``config`` says and write the export to ``save_path``.
 
@@ -101,6 +102,10 @@ def quantize(
         run's.
     :param checkpoints: write a checkpoint after every decoder layer, so that a killed run can be
         resumed (runs whose processors are all resumable; ``dp_layer_wise`` groups too).
+    :param model_type: msModelSlim's ``--model_type``: the name of its model adapter
+        (``default``, ``Qwen3-8B``, ...), whose answers the processors that depend on it follow
+        (the smoothing processors smooth the subgraph types that adapter names; see
+        docs/smoothing.md); None: msquant's own rules.
     :raises msquant.MsquantInputError: (a subclass) for any problem with the inputs.
     """
     started = time.perf_counter()
@@ -109,7 +114,7 @@ def quantize(
         registry=registry, max_calib_tokens=max_calib_tokens, progress=progress,
         overwrite=overwrite, verify=verify, eval_data=eval_data, eval_seqlen=eval_seqlen,
         eval_stride=eval_stride, eval_max_samples=eval_max_samples, max_memory=max_memory,
-        resume=resume, checkpoints=checkpoints,
+        resume=resume, checkpoints=checkpoints, model_type=model_type,
     )  # fmt: skip
     inputs = check_inputs(model_path, save_path, config, options)
     with (

@@ -89,6 +89,7 @@ def start_run(inputs: RunInputs, loaded: LoadedModel, staging: Path) -> RunConte
         loaded.model, inputs.model_dir, staging, inputs.backend, loaded.layers, config_text,
         inputs.options.progress and dist.is_main, streamed=loaded.streamed, spill=loaded.spill,
         dist=dist, experts=loaded.experts, checkpoint_names=loaded.checkpoint_names,
+        msmodelslim_model_type=inputs.options.model_type,
     )  # fmt: skip
     start_report(ctx, resolved.config, inputs.samples, inputs.backend)
     return ctx
