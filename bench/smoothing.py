@@ -46,11 +46,17 @@ def run_row(name: str, args: argparse.Namespace, score: bool) -> dict[str, float
     """Quantize with the row's example and (``score``) score the export; returns its figures."""
     save = args.out / name
     shutil.rmtree(save, ignore_errors=True)
+    config = msquant.load_config(EXAMPLES / ROWS[name], msquant.plugin.default_registry())
+    if args.enable_subgraph_type:
+        kinds = args.enable_subgraph_type.split(",")
+        for entry in config.spec.process:
+            if hasattr(entry, "enable_subgraph_type"):
+                entry.enable_subgraph_type = kinds
     started = time.perf_counter()
     msquant.quantize(
         args.model_dir,
         save,
-        EXAMPLES / ROWS[name],
+        config,
         calib_path=args.texts / "calib.txt",
         max_calib_tokens=args.seqlen,
         progress=False,
@@ -75,6 +81,11 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=20)
     parser.add_argument("--only", default=",".join(ROWS), help="comma-separated rows")
     parser.add_argument("--json", type=Path, help="write the rows here as they finish")
+    parser.add_argument(
+        "--enable_subgraph_type",
+        help="comma-separated subgraph types replacing the smoothing entries' own (norm-linear: "
+        "the set msModelSlim's default adapter smooths)",
+    )
     parser.add_argument(
         "--float_ppl", type=float, help="the float model's perplexity on these windows, if known"
     )

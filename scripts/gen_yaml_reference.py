@@ -66,10 +66,13 @@ FALLBACK_DESCRIPTIONS: dict[tuple[str, str], str] = {
         "processes (torchrun, `--nproc`, `--device npu:0,1`); the export is the same."
     ),
     ("Spec", "prior"): (
-        "Stages run before `process`, as msModelSlim runs them: each stage's processors act on "
-        "every decoder layer, on the stage's own calibration set, and `process` then works on the "
-        "model they changed (a stage costs one more calibration flow through every layer; a run "
-        "with prior stages writes no checkpoints)."
+        "Stages msModelSlim runs before `process`; validated, **not run**: msModelSlim 26.1.0 "
+        "reloads the weights after each prior stage, so a stage changes nothing in its export "
+        "(its prior stages pass results through its run context, for `adapt_rotation` stage 1, "
+        "which msquant lacks). msquant skips each stage with a warning and exports what "
+        "msModelSlim exports; a stage's `dataset` must still be readable and its processors "
+        "must apply to the model. Entries meant to change the model belong in `process`. At "
+        "most 8 stages."
     ),
     ("Spec", "process"): "Processors applied to the model, in order; selected by `type`.",
     ("Spec", "save"): "Savers writing the output, in order; empty means `ascendv1_saver`.",

@@ -81,7 +81,11 @@ def add_quant_parser(sub: argparse._SubParsersAction[Parser], common: Parser) ->
         "--max_calib_tokens", type=positive_int, default=None, help="truncate calibration samples"
     )
     quant.add_argument(
-        "--model_type", help="accepted for msModelSlim compatibility; read from config.json"
+        "--model_type",
+        metavar="NAME",
+        help="msModelSlim's model adapter name (default, Qwen3-8B, QwQ-32B, ...): the smoothing "
+        "processors smooth the subgraph types msModelSlim 26.1.0's adapter of that name finds "
+        "(default: norm-linear only); without it, every type msquant's adapter finds",
     )
     quant.add_argument("--debug", action="store_true", help="same as --log_level DEBUG")
     quant.add_argument("--no_progress", action="store_true", help="hide progress bars")

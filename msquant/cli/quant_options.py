@@ -34,6 +34,7 @@ def quant_options(args: argparse.Namespace) -> dict[str, Any]:
         resume=args.resume,
         checkpoints=not args.no_checkpoints,
         allow_float_export=args.allow_float_export,
+        model_type=args.model_type,
     )
 
 

@@ -62,8 +62,9 @@ def build_processor(entry: ProcessorConfig, registry: ProcessorRegistry) -> Proc
 
 
 def build_prior_stages(config: QuantConfig, registry: ProcessorRegistry) -> list[list[Processor]]:
-    """The processors of each ``spec.prior`` stage, in order (no savers: a prior stage only
-    changes the model that ``spec.process`` then quantizes)."""
+    """The processors of each ``spec.prior`` stage, in order: built and checked against the
+    model, never run (msModelSlim's prior stages change nothing in its export,
+    :mod:`msquant.run.prior_inputs`)."""
     return [
         [build_processor(entry, registry) for entry in stage.process] for stage in config.spec.prior
     ]

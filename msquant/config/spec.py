@@ -40,6 +40,7 @@ __all__ = [
     "validate_config",
     "load_config",
     "load_config_text",
+    "prior_stage_notes",
     "config_json_schema",
 ]
 
@@ -73,9 +74,10 @@ class Metadata(BaseModel):
 
 
 class PriorStage(BaseModel):
-    """A preliminary stage (msModelSlim ``spec.prior``): its ``process`` entries run over the
-    whole model, layer by layer, on its own calibration set, before ``spec.process`` runs on the
-    model they changed."""
+    """A preliminary stage (msModelSlim ``spec.prior``). msModelSlim 26.1.0 runs its ``process``
+    entries over the model and then reloads the weights from ``model_path`` before the next
+    stage, so a stage changes nothing in its export; msquant validates a stage but does not run
+    it (:func:`prior_stage_notes`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -83,8 +85,9 @@ class PriorStage(BaseModel):
     dataset: str | None = Field(
         None,
         description=(
-            "Calibration file of this stage (same forms as spec.dataset); default: the main "
-            "calibration set (spec.dataset, or --calib_path)."
+            "Calibration file msModelSlim runs this stage on (same forms as spec.dataset; "
+            "default: the main calibration set); msquant reads it to check it, but does not run "
+            "the stage."
         ),
     )
 
@@ -98,10 +101,6 @@ class SpecBody(BaseModel):
     prior: list[PriorStage] = Field(
         default_factory=list,
         max_length=MAX_PRIOR_STAGES,
-        description=(
-            f"At most {MAX_PRIOR_STAGES} stages: each costs a calibration flow through every "
-            "decoder layer and, in a streamed run, one copy of the decoder weights on disk."
-        ),
     )
     process: list[ProcessorConfig] = Field(default_factory=list)
     save: list[ProcessorConfig] = Field(default_factory=list)
@@ -220,7 +219,29 @@ def validate_config(
     issues = _semantic_issues(config, registry)
     if issues:
         raise ConfigError(issues, source)
+    for note in prior_stage_notes(config):
+        logger.warning("%s%s", f"{source}: " if source else "", note)
     return config
+
+
+def prior_stage_notes(config: QuantConfig) -> list[str]:
+    """One warning per ``spec.prior`` stage: msModelSlim 26.1.0 reloads the model's weights
+    from ``model_path`` after each prior stage, so the stage changes nothing in its export
+    (its prior stages serve processors that hand a result on through its run context, as
+    ``adapt_rotation`` stage 1 does); msquant does not run the stage, to export what msModelSlim
+    exports."""
+    notes = []
+    for index, stage in enumerate(config.spec.prior):
+        kinds = ", ".join(entry.type for entry in stage.process) or "no processor"
+        notes.append(
+            f"spec.prior[{index}] ({kinds}) is not run: msModelSlim 26.1.0 reloads the model's "
+            "weights after each prior stage, so what the stage changes never reaches "
+            "spec.process or its export (its prior stages pass results on through its run "
+            "context, for adapt_rotation stage 1, which msquant does not have); msquant skips "
+            "the stage and exports what msModelSlim exports. Move the entries into spec.process "
+            "to apply them"
+        )
+    return notes
 
 
 def _note_extra_top_level_keys(data: dict[Any, Any], source: str | None) -> None:

@@ -69,6 +69,10 @@ class RunContext:
         current decoder layer, on which such a processor proves that its transform keeps the
         model's function (:mod:`msquant.check`; :class:`msquant.plugin.TransformProbe`); None
         otherwise.
+    :param msmodelslim_model_type: the msModelSlim model adapter the run was told to follow
+        (``--model_type``, ``quantize(model_type=...)``), None when none was named; processors
+        whose msModelSlim counterparts ask the adapter (the smoothing processors: which subgraph
+        types they smooth) follow what that adapter answers.
     """
 
     model: nn.Module
@@ -88,6 +92,7 @@ class RunContext:
     config_updates: dict[str, Any] = field(default_factory=dict)
     optional_tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     probe: TransformProbe | None = None
+    msmodelslim_model_type: str | None = None
 
     def disk_name(self, name: str) -> str:
         """The checkpoint's name for a module or tensor name of the loaded model (see

@@ -259,14 +259,23 @@ class SmoothingSearch:
         return float((product.sub_(self.reference).square_().mean().sqrt() / self.normal).item())
 
 
+#: Dtypes in which ``|x| / (max |x| / 127)`` rounds to at most 127 (a quotient off by a few units
+#: in the last place stays below 127.5), so the clamp of :func:`quant_int8_sym_rows` cannot act
+#: unless a step is 0. Not bfloat16: with 8 significant bits ``max / 127`` rounds low enough for
+#: the quotient to round to 127.5 and then to 128 (on the bf16 tiny Qwen3, 1 row in 8 of some
+#: candidates), which the clamp brings back to 127.
+_NO_CLAMP_DTYPES = (torch.float32, torch.float64)
+
+
 def _quant_int8_sym_rows_(x: torch.Tensor) -> torch.Tensor:
     """:func:`quant_int8_sym_rows` in place, with the same values in fewer passes over ``x``:
-    each row's ``max |x|`` from one min/max pass (no ``|x|`` copy), and no clamp where it cannot
-    act (``|x| <= max``, so ``|x / step|`` rounds to at most 127 unless a step is 0)."""
+    each row's ``max |x|`` from one min/max pass (no ``|x|`` copy), and in float32 / float64 no
+    clamp where it cannot act (``|x| <= max``, so ``|x / step|`` rounds to at most 127 unless a
+    step is 0; :data:`_NO_CLAMP_DTYPES`)."""
     low, high = torch.aminmax(x, dim=-1, keepdim=True)
     step = torch.maximum(low.neg_(), high).div_(127)
     x.div_(step).round_()
-    if bool((step == 0).any()):
+    if x.dtype not in _NO_CLAMP_DTYPES or bool((step == 0).any()):
         x.clamp_(-127, 127)
     return x.mul_(step)
 

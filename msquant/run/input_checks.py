@@ -206,9 +206,11 @@ def fingerprint_of(
     model_dir: Path,
     backend: Backend,
     meta_model: torch.nn.Module,
+    model_type: str | None = None,
 ) -> dict[str, Any]:
     """What a resumed run must share with the run it continues (:func:`run_fingerprint`)."""
     return run_fingerprint(
+        model_type=model_type,
         config_sha256=config_sha256(config.model_dump(mode="json")),
         calibration_sha256=calibration_sha256(samples),
         model_dir=model_dir,

@@ -10,7 +10,7 @@ estimate and the fingerprint a resumed run must match. Any problem raises a type
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +46,7 @@ from msquant.run.input_checks import (
 )
 from msquant.run.launch import from_environment
 from msquant.run.placement import streams
-from msquant.run.prior import PriorStageRun
-from msquant.run.prior_inputs import check_prior_stages, prior_calibration_texts
+from msquant.run.prior_inputs import check_prior_datasets, check_prior_stages
 from msquant.run.runner import needs_calibration
 from msquant.run.save_path import recover_early
 
@@ -76,6 +75,7 @@ class QuantizeOptions:
     allow_float_export: bool = False
     resume: bool = False
     checkpoints: bool = True
+    model_type: str | None = None
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,6 @@ class RunInputs:
     :param evaluation: the evaluation text and settings (``eval_data``), or None.
     :param eval_ids: its token ids, or None.
     :param fingerprint: what a resumed run must share with this one.
-    :param prior: the ``spec.prior`` stages, each with its processors and samples.
     """
 
     options: QuantizeOptions
@@ -113,7 +112,6 @@ class RunInputs:
     evaluation: EvaluationData | None
     eval_ids: torch.Tensor | None
     fingerprint: dict[str, Any]
-    prior: list[PriorStageRun] = field(default_factory=list)
 
     @property
     def streaming(self) -> bool:
@@ -138,57 +136,27 @@ def check_inputs(
     if dist.is_main:
         recover_early(Path(save_path).expanduser().absolute())
     target = check_save_path(save_path, options.overwrite, model_path)
-    main_needed = needs_calibration(processors) or any(
-        needs_calibration(stage) and resolved.config.spec.prior[i].dataset is None
-        for i, stage in enumerate(prior_stages)
-    )
-    texts = calibration_texts(resolved, options.calib_path, main_needed)
-    prior_texts = prior_calibration_texts(resolved, prior_stages, texts)
+    texts = calibration_texts(resolved, options.calib_path, needs_calibration(processors))
+    check_prior_datasets(resolved)  # prior stages are not run (msquant.run.prior_inputs)
     evaluation = _evaluation_data(options)
     model_dir, model_config, meta_model = _check_model(
         model_path, options, processors, resolved, evaluation
     )
     check_prior_stages(prior_stages, meta_model)
     samples, eval_ids = _tokenize(model_dir, model_config, texts, evaluation, options)
-    prior = _prior_runs(model_dir, model_config, prior_stages, prior_texts, texts, samples, options)
     streaming = streams(resolved.config.spec.runner)
     if options.max_memory is not None:
         check_memory_limit(
             meta_model, model_dir, streaming, samples, processors, dist, options.max_memory
         )
-    fingerprint = fingerprint_of(resolved.config, samples, model_dir, backend, meta_model)
+    fingerprint = fingerprint_of(
+        resolved.config, samples, model_dir, backend, meta_model, options.model_type
+    )
     return RunInputs(
         options, model_path, target, resolved, processors, backend, dist, model_dir,
         model_config, meta_model, samples if needs_calibration(processors) else None,
-        evaluation, eval_ids, fingerprint, prior,
+        evaluation, eval_ids, fingerprint,
     )  # fmt: skip
-
-
-def _prior_runs(
-    model_dir: Path,
-    model_config: Any,
-    stages: list[list[Processor]],
-    stage_texts: list[tuple[str, list[str] | None]],
-    main_texts: list[str] | None,
-    main_samples: list[torch.Tensor] | None,
-    options: QuantizeOptions,
-) -> list[PriorStageRun]:
-    """Each prior stage with its tokenized samples (the main ones when it has no dataset)."""
-    runs = []
-    tokenizer = None
-    for index, (processors, (dataset, texts)) in enumerate(zip(stages, stage_texts, strict=True)):
-        samples = None
-        if texts is not None and texts is main_texts:
-            samples = main_samples
-        elif texts is not None:
-            tokenizer = tokenizer or load_tokenizer(model_dir, options.trust_remote_code)
-            samples = tokenize_samples(
-                texts, tokenizer, options.max_calib_tokens, SampleLimit.for_model(model_config)
-            )
-            logger.info("spec.prior[%d] calibration: %d sample(s)", index, len(samples))
-            warn_few_tokens(samples, f"spec.prior[{index}] calibration")
-        runs.append(PriorStageRun(index, processors, samples, dataset))
-    return runs
 
 
 def _evaluation_data(options: QuantizeOptions) -> EvaluationData | None:

@@ -1,6 +1,13 @@
-"""The inputs of ``spec.prior`` stages, checked before any weight is loaded: each stage's
-calibration texts (its own ``dataset``, else the main calibration set) and its processors'
-model checks."""
+"""``spec.prior`` stages in a run: checked as msModelSlim reads them, never run.
+
+msModelSlim 26.1.0 runs each prior stage as a run of its own and then builds the model of the
+next stage afresh from ``model_path``, so what a stage's processors change in the weights never
+reaches ``spec.process`` or the export (its prior stages exist for processors that pass a result
+on through its run context, as ``adapt_rotation`` stage 1 does; msquant has none). msquant
+therefore does not run them (:func:`msquant.config.spec.prior_stage_notes` says so in the log)
+but refuses what msModelSlim would fail on before any weight is loaded: a stage ``dataset`` that
+cannot be read, and a processor that cannot apply to the model.
+"""
 
 from __future__ import annotations
 
@@ -14,33 +21,21 @@ from msquant.model.adapter_registry import adapter_for
 from msquant.model.layers import DecoderLayer
 from msquant.planning.model import ModulePlanner
 from msquant.plugin.processor import Processor, flatten_processors
-from msquant.run.runner import needs_calibration
 
-__all__ = ["check_prior_stages", "prior_calibration_texts"]
+__all__ = ["check_prior_datasets", "check_prior_stages"]
 
 #: How many module names a refusal lists.
 LISTED = 3
 
-#: What the log calls the main calibration set when a prior stage uses it.
-MAIN_SET = "the main calibration set"
 
+def check_prior_datasets(resolved: ResolvedConfig) -> None:
+    """Read every prior stage's own ``dataset`` (msModelSlim loads it before the stage runs).
 
-def prior_calibration_texts(
-    resolved: ResolvedConfig, stages: list[list[Processor]], main_texts: list[str] | None
-) -> list[tuple[str, list[str] | None]]:
-    """``(dataset, texts)`` of each prior stage: its own ``dataset`` read (and validated even
-    when no processor of the stage calibrates, as ``spec.dataset`` is), else the main texts;
-    ``texts`` is None when the stage does not calibrate."""
-    found: list[tuple[str, list[str] | None]] = []
-    for stage, processors in zip(resolved.config.spec.prior, stages, strict=True):
-        needed = needs_calibration(processors)
-        if stage.dataset is None:
-            found.append((MAIN_SET, main_texts if needed else None))
-            continue
-        path = resolve_dataset_path(stage.dataset, resolved.directory)
-        texts = read_calibration_texts(path)
-        found.append((str(path), texts if needed else None))
-    return found
+    :raises msquant.MsquantInputError: (a subclass) when one is missing or unreadable.
+    """
+    for stage in resolved.config.spec.prior:
+        if stage.dataset is not None:
+            read_calibration_texts(resolve_dataset_path(stage.dataset, resolved.directory))
 
 
 def check_prior_stages(stages: list[list[Processor]], meta_model: Any) -> None:
@@ -69,10 +64,9 @@ def check_prior_stages(stages: list[list[Processor]], meta_model: Any) -> None:
 def _quantizing(
     index: int, processors: list[Processor], meta_model: Any, layers: Sequence[DecoderLayer]
 ) -> list[str]:
-    """A prior stage that would quantize linear layers, one problem per entry: the modules it
-    quantizes are then already quantized when ``spec.process`` runs, which quantizes nothing
-    more, and the run report (which counts ``spec.process``'s modules) lists none of them: a
-    regression gate would compare nothing."""
+    """A prior stage that would quantize linear layers, one problem per entry: msModelSlim
+    reloads the weights after the stage, so its export holds none of that quantization, and a
+    reader of the YAML would expect it there."""
     problems = []
     for processor in flatten_processors(processors):
         if not isinstance(processor, ModulePlanner):
@@ -89,8 +83,8 @@ def _quantizing(
             )
             problems.append(
                 f"spec.prior[{index}]: {processor.type_name} would quantize {len(chosen)} "
-                f"linear layer(s) ({shown}) in a prior stage; prior stages prepare the float "
-                "model for spec.process (msModelSlim uses them for rotations), and what they "
-                "quantize is missing from the run report: move the entry into spec.process"
+                f"linear layer(s) ({shown}) in a prior stage, which changes nothing in the export "
+                "(msModelSlim reloads the weights after each prior stage; msquant does not run "
+                "them): move the entry into spec.process"
             )
     return problems

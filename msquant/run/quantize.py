@@ -10,10 +10,10 @@ A run is a short sequence of named steps:
    and the checkpoint folder opened (fresh, resumed, or none);
 3. :func:`~msquant.run.steps.load_model`: the model, whole or streamed layer by layer;
 4. :func:`~msquant.run.save_path.output_folder`: the staging folder the savers write into;
-5. :func:`~msquant.run.steps.start_run`, :func:`~msquant.run.prior.run_prior_stages` and
-   :func:`~msquant.run.steps.run_layers`: the run context, the ``spec.prior`` stages (each a
-   layer-wise run of its own, :mod:`msquant.run.prior`) and the layer-wise runner
-   (:mod:`msquant.run.runner`);
+5. :func:`~msquant.run.steps.start_run` and :func:`~msquant.run.steps.run_layers`: the run
+   context and the layer-wise runner (:mod:`msquant.run.runner`); ``spec.prior`` stages are
+   checked but not run, as they change nothing in msModelSlim's export
+   (:mod:`msquant.run.prior_inputs`);
 6. :func:`~msquant.run.steps.finish_run`: the exports read back and checked, the evaluation,
    the report and the export marker. The staging folder is moved into place only on success.
 """
@@ -32,7 +32,6 @@ from msquant.plugin.registry import ProcessorRegistry
 from msquant.quant.quantized_linear import QuantizedLinear
 from msquant.report.run_report import RunReport
 from msquant.run.inputs import QuantizeOptions, RunInputs, check_inputs
-from msquant.run.prior import run_prior_stages
 from msquant.run.save_path import output_folder
 from msquant.run.steps import finish_run, hold_save_path, load_model, run_layers, start_run
 
@@ -72,6 +71,7 @@ def quantize(
     resume: bool = False,
     checkpoints: bool = True,
     allow_float_export: bool = False,
+    model_type: str | None = None,
 ) -> QuantizeResult:
     """Quantize a local Hugging Face causal LM as ``config`` says and write the export to ``save_path``.
 
@@ -106,6 +106,10 @@ def quantize(
     :param allow_float_export: write the export even when the config quantizes no linear layer
         (the float model, transformed by the config's rotations or smoothings if any); without
         it such a config is refused before any weight is loaded.
+    :param model_type: msModelSlim's ``--model_type``: the name of its model adapter
+        (``default``, ``Qwen3-8B``, ...), whose answers the processors that depend on it follow
+        (the smoothing processors smooth the subgraph types that adapter names; see
+        docs/smoothing.md); None: msquant's own rules.
     :raises msquant.MsquantInputError: (a subclass) for any problem with the inputs.
     """
     started = time.perf_counter()
@@ -115,6 +119,7 @@ def quantize(
         overwrite=overwrite, verify=verify, eval_data=eval_data, eval_seqlen=eval_seqlen,
         eval_stride=eval_stride, eval_max_samples=eval_max_samples, max_memory=max_memory,
         resume=resume, checkpoints=checkpoints, allow_float_export=allow_float_export,
+        model_type=model_type,
     )  # fmt: skip
     inputs = check_inputs(model_path, save_path, config, options)
     with (
@@ -124,9 +129,6 @@ def quantize(
         output_folder(inputs.target, overwrite, inputs.dist, run_checkpoints) as staging,
     ):
         ctx = start_run(inputs, loaded, staging)
-        run_prior_stages(
-            ctx, inputs.prior, loaded.scratch, options.progress and inputs.dist.is_main
-        )
         run_layers(ctx, inputs, run_checkpoints)
         finish_run(ctx, inputs, run_checkpoints, started)
     return _result(ctx, inputs, started)

@@ -21,7 +21,6 @@ from msquant.run.checkpoint.progress import interrupted_work
 from msquant.run.exports import mark_export, model_to_evaluate, verify_exports
 from msquant.run.inputs import RunInputs
 from msquant.run.placement import LoadedModel, load_for_run
-from msquant.run.prior import PRIOR_CHECKPOINT_BLOCKER
 from msquant.run.reporting import start_report, write_run_report
 from msquant.run.runner import run_layer_wise
 from msquant.run.save_path import locked_save_path
@@ -46,11 +45,7 @@ def hold_save_path(inputs: RunInputs) -> Iterator[RunCheckpoints | None]:
     """Lock the save path until the export is in place, and decide how the run uses its
     checkpoint folder: the run's checkpoints (fresh or resumed), or None when not checkpointed."""
     options = inputs.options
-    blocker = (
-        PRIOR_CHECKPOINT_BLOCKER
-        if inputs.prior and options.checkpoints
-        else checkpoint_blocker(inputs.processors, options.checkpoints)
-    )
+    blocker = checkpoint_blocker(inputs.processors, options.checkpoints)
     with locked_save_path(
         inputs.target,
         options.overwrite,
@@ -113,6 +108,7 @@ def start_run(inputs: RunInputs, loaded: LoadedModel, staging: Path) -> RunConte
         loaded.model, inputs.model_dir, staging, inputs.backend, loaded.layers, config_text,
         inputs.options.progress and dist.is_main, streamed=loaded.streamed, spill=loaded.spill,
         dist=dist, experts=loaded.experts, checkpoint_names=loaded.checkpoint_names,
+        msmodelslim_model_type=inputs.options.model_type,
     )  # fmt: skip
     start_report(ctx, resolved.config, inputs.samples, inputs.backend)
     return ctx

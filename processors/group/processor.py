@@ -9,6 +9,13 @@ batches the samples unless a calibrating child needs them one at a time, calibra
 on the processed outputs when a calibrating child asks for that, is resumable when every child is
 (its checkpoint state is the list of theirs) and plans, reviews and asks for the output head
 through its children.
+
+A child that rewrites the layer from its calibration statistics (``rewrites_layer``: the
+smoothing processors) cannot share a group with a child that quantizes modules (a
+``ModulePlanner``: ``linear_quant``): msModelSlim 26.1.0 smooths nothing there (its
+``linear_quant`` wraps the layer's linears before the forward, so the smoothing statistics are
+never gathered and every subgraph is skipped with a warning) and fails when the smoothing comes
+second, so the group is refused (:func:`smoothing_beside_quantizer`) rather than smoothed.
 """
 
 from __future__ import annotations
@@ -70,7 +77,7 @@ class GroupProcessor(Processor):
             for message in child.check_model(model, layers)
         ]
         _, overlaps = merged_decisions(self._planners(), model, layers)
-        return own + overlaps
+        return smoothing_beside_quantizer(self.children) + own + overlaps
 
     def _planners(self) -> list[tuple[int, ModulePlanner]]:
         return [(i, c) for i, c in enumerate(self.children) if isinstance(c, ModulePlanner)]
@@ -160,3 +167,36 @@ class GroupProcessor(Processor):
             )
         for child, entry in zip(self.children, recorded, strict=True):
             child.restore(ctx, entry["state"])
+
+
+def _leaves(children: Sequence[Processor], prefix: str = "") -> list[tuple[str, Processor]]:
+    """``(configs[i].configs[j]..., processor)`` of every non-container processor in a group."""
+    found: list[tuple[str, Processor]] = []
+    for index, child in enumerate(children):
+        where = f"{prefix}configs[{index}]"
+        if isinstance(child, GroupProcessor):
+            found += _leaves(child.children, f"{where}.")
+        else:
+            found.append((where, child))
+    return found
+
+
+def smoothing_beside_quantizer(children: Sequence[Processor]) -> list[str]:
+    """The refusal of a group (nested groups flattened) holding both a processor that rewrites
+    the layer from its statistics and one that quantizes modules (see the module docstring)."""
+    leaves = _leaves(children)
+    rewriting = [(w, c) for w, c in leaves if c.rewrites_layer and c.requires_calibration]
+    quantizing = [(w, c) for w, c in leaves if isinstance(c, ModulePlanner)]
+    if not rewriting or not quantizing:
+        return []
+    names = ", ".join(f"{w} ({c.type_name})" for w, c in rewriting)
+    others = ", ".join(f"{w} ({c.type_name})" for w, c in quantizing)
+    return [
+        f"group {names} shares the group with {others}: msModelSlim 26.1.0 smooths nothing in "
+        "such a group (linear_quant wraps the layer's linears before the calibration forward, "
+        "so the smoothing gathers no statistics and skips every subgraph with a warning) and "
+        "fails when the smoothing comes after linear_quant; msquant refuses the group instead "
+        "of exporting something msModelSlim does not. Put the smoothing entry before the group "
+        "in spec.process to smooth (as msModelSlim's best practices do), or delete it for "
+        "msModelSlim's export"
+    ]

@@ -29,7 +29,9 @@ INCLUDE = "globs on the producing module of each subgraph (a norm, v_proj, up_pr
 EXCLUDE = "globs on the producing module of each subgraph left unsmoothed"
 SUBGRAPHS = (
     "subgraph types to smooth: norm-linear (a norm -> the linears it feeds), ov (v_proj -> "
-    "o_proj), up-down (up_proj -> down_proj), linear-linear (a linear -> the next one)"
+    "o_proj), up-down (up_proj -> down_proj), linear-linear (a linear -> the next one); with "
+    "--model_type NAME only those msModelSlim's adapter NAME gives this processor (default: "
+    "norm-linear), as msModelSlim reads them"
 )
 
 

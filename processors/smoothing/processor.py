@@ -69,6 +69,7 @@ from msquant.processors.smoothing.config import (
 )
 from msquant.processors.smoothing.folding import MAX_SEARCH_TOKENS, ScaleRule, smooth_subgraph
 from msquant.processors.smoothing.memory import smoothing_memory
+from msquant.processors.smoothing.msmodelslim_adapters import nothing_to_smooth, restricted_types
 from msquant.processors.smoothing.statistics import InputStatistics
 
 __all__ = ["FlexSmoothQuantProcessor", "IterSmoothProcessor", "SmoothQuantProcessor"]
@@ -125,6 +126,8 @@ class SmoothingProcessor(Processor):
         self._adapter: ModelAdapter | None = None
         self._reference: torch.Tensor | None = None
         self._fingerprint: tuple[tuple[int, int, int], ...] | None = None
+        #: the types this entry smooths in the run (``setup``: ``--model_type`` may restrict them)
+        self._types = self.config.subgraph_types
 
     @classmethod
     def check_config(cls, config: ProcessorConfig) -> list[ConfigIssue]:
@@ -140,7 +143,7 @@ class SmoothingProcessor(Processor):
         adapter = self._adapter or adapter_for(model)
         include = self.config.include or ["*"]
         exclude = self.config.exclude or []
-        kinds = self.config.subgraph_types
+        kinds = self._types
         chosen = [
             s
             for s in adapter.smoothing_subgraphs(model, layer)
@@ -179,6 +182,10 @@ class SmoothingProcessor(Processor):
                 "split; run it in one process (spec.runner: layer_wise, no --nproc / device list)"
             )
         self._adapter = adapter_for(ctx.model)
+        name = ctx.msmodelslim_model_type  # --model_type: msModelSlim's adapter decides types
+        self._types = restricted_types(self.type_name, self.config.subgraph_types, name)
+        if name is not None and not any(self.selected_subgraphs(ctx.model, x) for x in ctx.layers):
+            raise QuantizationError(nothing_to_smooth(self.type_name, self.config, name))
 
     def before_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
         """Select the layer's subgraphs, measure their norms and prove their data flow."""

@@ -50,6 +50,11 @@ ARCHS: dict[str, dict[str, Any]] = {
     # the tiny Qwen3 through msModelSlim's own Qwen3 adapter, which names all four smoothing
     # subgraphs (norm-linear, ov, up-down); its default adapter finds norm -> linears only
     "qwen3_adapter": {"arch": "qwen3", "model_type": "Qwen3-8B"},
+    # the same in bfloat16: the smoothing statistics, the alpha/beta search and the folds in bf16
+    "qwen3_bf16_adapter": {"arch": "qwen3", "dtype": "bfloat16", "model_type": "Qwen3-8B"},
+    # the tiny Qwen2 through msModelSlim's QwQ adapter: iter_smooth gets norm-linear and up-down
+    # subgraphs from it, flex_smooth_quant (no interface) finds norm-linear ones itself
+    "qwen2_qwq": {"arch": "qwen2", "model_type": "QwQ-32B"},
 }
 #: Calibration samples taken from the test corpus (blank-line separated paragraphs).
 CALIB_SAMPLES = 12
@@ -80,6 +85,10 @@ class Scheme:
     refused: str | None = None
     #: A smoothing processor entry run before ``linear_quant`` (issue 17), or None.
     smoothing: dict[str, Any] | None = None
+    #: ``spec.process`` written out (then ``qconfig`` and ``smoothing`` are not used), or None.
+    process: tuple[dict[str, Any], ...] | None = None
+    #: ``spec.prior`` stages.
+    prior: tuple[dict[str, Any], ...] = ()
 
 
 SCHEMES: dict[str, Scheme] = {
@@ -127,6 +136,24 @@ for _smoothing, _entry in SMOOTHINGS.items():
         SCHEMES[f"{_smoothing}-{_base}"] = Scheme(
             f"{_smoothing}-{_base}", _scheme.qconfig, _scheme.quant_type, smoothing=_entry
         )
+_DYNAMIC = {"type": "linear_quant", "qconfig": SCHEMES["w8a8_dynamic"].qconfig, "include": ["*"]}
+#: Where one YAML could mean two things (issue 23): ``spec.prior`` stages and ``group``s.
+for _scheme in (
+    # msModelSlim reloads the weights after a prior stage: the export is w8a8_dynamic's
+    Scheme("prior_iter_smooth-w8a8_dynamic", {}, "W8A8_DYNAMIC", process=(_DYNAMIC,),
+           prior=({"process": [SMOOTHINGS["iter_smooth"]]},)),
+    # a group of smoothing processors alone smooths
+    Scheme("group_iter_smooth-w8a8_dynamic", {}, "W8A8_DYNAMIC",
+           process=({"type": "group", "configs": [SMOOTHINGS["iter_smooth"]]}, _DYNAMIC)),
+    Scheme("group_iter_flex-w8a8_dynamic", {}, "W8A8_DYNAMIC", process=(
+        {"type": "group", "configs": [SMOOTHINGS["iter_smooth"], SMOOTHINGS["flex_smooth_fixed"]]},
+        _DYNAMIC,
+    )),
+    # beside linear_quant in a group, msModelSlim skips the smoothing (msquant refuses)
+    Scheme("group_iter_smooth_linear_quant-w8a8_dynamic", {}, "W8A8_DYNAMIC",
+           process=({"type": "group", "configs": [SMOOTHINGS["iter_smooth"], _DYNAMIC]},)),
+):  # fmt: skip
+    SCHEMES[_scheme.name] = _scheme
 
 
 #: The ``ssz`` weight method (tests/oracle/test_ssz_oracle.py): kept apart from :data:`SCHEMES`,
@@ -165,7 +192,10 @@ def config_for(scheme: Scheme, dataset: Path) -> dict[str, Any]:
         "apiversion": "modelslim_v1",
         "metadata": {"config_id": f"oracle-{scheme.name}"},
         "spec": {
-            "process": ([scheme.smoothing] if scheme.smoothing else [])
+            **({"prior": [dict(stage) for stage in scheme.prior]} if scheme.prior else {}),
+            "process": [dict(entry) for entry in scheme.process]
+            if scheme.process is not None
+            else ([scheme.smoothing] if scheme.smoothing else [])
             + [{"type": "linear_quant", "qconfig": scheme.qconfig, "include": ["*"]}],
             "save": [{"type": "ascendv1_saver", "part_file_size": 0}],
             "dataset": str(dataset),
@@ -268,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     exported = [
         name
         for name, scheme in all_schemes().items()
-        if scheme.refused is None and not scheme.smoothing
+        if scheme.refused is None and not scheme.smoothing and scheme.process is None
     ]
     parser.add_argument("--scheme", nargs="*", default=exported, choices=list(all_schemes()))
     parser.add_argument("--arch", nargs="*", default=list(ARCHS), choices=list(ARCHS))

@@ -10,8 +10,10 @@ and ``quant_bias``).
 Which subgraphs are smoothed depends on msModelSlim's model adapter: its Qwen3 adapter
 (``--model_type Qwen3-8B``, arch ``qwen3_adapter``) names all of norm -> q/k/v, norm -> gate/up,
 v -> o and up -> down, as msquant's default adapter does; its default adapter (Llama, Qwen2 here)
-finds the norm -> linears subgraphs only, so those cases restrict msquant to
-``enable_subgraph_type: [norm-linear]`` (the ``*_norm`` smoothings) or use ``smooth_quant``.
+finds the norm -> linears subgraphs only. msquant runs with the same ``model_type``, which
+restricts it the same way; these cases also write ``enable_subgraph_type: [norm-linear]`` (the
+``*_norm`` smoothings) or use ``smooth_quant``, and tests/oracle/test_msmodelslim_semantics.py
+runs YAMLs that enable every type under ``default``.
 """
 
 from __future__ import annotations
@@ -77,7 +79,11 @@ def test_smoothed_export_equals_msmodelslim(arch: str, scheme: str, tmp_path: Pa
     theirs, their_description = _load(oracle.ensure_export(CACHE, _venv(), arch, scheme))
     save = tmp_path / "out"
     msquant.quantize(
-        CACHE / "models" / arch, save, CACHE / "configs" / f"{scheme}.yaml", progress=False
+        CACHE / "models" / arch,
+        save,
+        CACHE / "configs" / f"{scheme}.yaml",
+        progress=False,
+        model_type=str(oracle.ARCHS[arch].get("model_type", "default")),
     )
     ours, our_description = _load(save)
     assert our_description == their_description

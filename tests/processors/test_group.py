@@ -118,6 +118,61 @@ def test_two_children_selecting_one_module_are_refused(tiny_llama: Path) -> None
         msquant.plan(tiny_llama, cfg(group(GPTQ_ATTN, everything)))
 
 
+W8A8_DYNAMIC = {
+    "type": "linear_quant",
+    "qconfig": {
+        "act": {"dtype": "int8", "scope": "per_token", "symmetric": True, "method": "minmax"},
+        "weight": {"dtype": "int8", "scope": "per_channel", "symmetric": True, "method": "minmax"},
+    },
+}
+ITER_SMOOTH = {"type": "iter_smooth", "alpha": 0.9}
+FLEX_SMOOTH = {"type": "flex_smooth_quant", "alpha": 0.6, "beta": 0.4}
+
+
+@pytest.mark.parametrize(
+    ("entries", "names"),
+    [
+        ([group(ITER_SMOOTH, W8A8_DYNAMIC)], "group configs[0] (iter_smooth) shares the group "
+         "with configs[1] (linear_quant)"),
+        ([group(W8A8_DYNAMIC, FLEX_SMOOTH)], "group configs[1] (flex_smooth_quant) shares the "
+         "group with configs[0] (linear_quant)"),
+        ([group(group(ITER_SMOOTH), W8A8_DYNAMIC)], "group configs[0].configs[0] (iter_smooth) "
+         "shares the group with configs[1] (linear_quant)"),
+    ],
+)  # fmt: skip
+def test_smoothing_and_linear_quant_in_one_group_are_refused(
+    tiny_llama: Path, tmp_path: Path, entries: list[dict[str, Any]], names: str
+) -> None:
+    """msModelSlim 26.1.0 skips such a smoothing (or fails when it comes second): refused."""
+    with pytest.raises(msquant.QuantizationError) as info:
+        msquant.quantize(
+            tiny_llama, tmp_path / "out", cfg(*entries), calib_path=CALIB_TXT, progress=False
+        )
+    message = str(info.value)
+    assert names in message
+    assert (
+        "msModelSlim 26.1.0 smooths nothing in such a group (linear_quant wraps the layer's "
+        "linears before the calibration forward" in message
+    )
+    assert "Put the smoothing entry before the group in spec.process to smooth" in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_group_of_smoothing_processors_smooths_as_the_flat_entries(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Without linear_quant beside them, smoothing children smooth (msModelSlim too: its export
+    of this group equals msquant's, tests/oracle), each from the statistics of one forward."""
+    for name, entries in (
+        ("grouped", [group(ITER_SMOOTH), W8A8_DYNAMIC]),
+        ("flat", [ITER_SMOOTH, W8A8_DYNAMIC]),
+    ):
+        msquant.quantize(
+            tiny_llama, tmp_path / name, cfg(*entries), calib_path=CALIB_TXT, progress=False
+        )
+    assert files_of(tmp_path / "grouped") == files_of(tmp_path / "flat")
+
+
 def test_nested_schema_errors_name_the_yaml_path() -> None:
     bad_dtype = copy.deepcopy(MINMAX_MLP)
     bad_dtype["qconfig"]["weight"]["dtype"] = "int3"

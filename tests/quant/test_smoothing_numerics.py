@@ -234,3 +234,41 @@ def test_in_place_row_quantization_equals_quant_int8_sym_rows() -> None:
     torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
     assert torch.isnan(actual[4]).all()
     assert actual[9, 2] == 0.0 and torch.isnan(actual[9, 0])
+
+
+def _bf16_rows_where_the_clamp_acts() -> torch.Tensor:
+    """bfloat16 rows some of whose values divide by ``max / 127`` to 127.5, which rounds to 128
+    (``max / 127`` rounded to 8 significant bits can be that much too small)."""
+    x = _outlier_activations(512, 64, seed=11).to(torch.bfloat16)
+    step = x.abs().amax(dim=-1, keepdim=True) / 127
+    assert bool((torch.round(x / step).abs() > 127).any())  # the case exists in these rows
+    return x
+
+
+def test_in_place_row_quantization_clamps_in_bfloat16() -> None:
+    x = _bf16_rows_where_the_clamp_acts()
+    expected = quant_int8_sym_rows(x.clone())
+    actual = _quant_int8_sym_rows_(x.clone())
+    assert actual.dtype == torch.bfloat16
+    assert torch.equal(actual, expected)
+    step = x.abs().amax(dim=-1, keepdim=True) / 127
+    assert not torch.equal(torch.round(x / step) * step, expected)  # the clamp changed values
+
+
+def test_shared_search_is_bit_identical_in_bfloat16() -> None:
+    """bf16 models search in bf16 (msModelSlim casts the rows to the weight's dtype): every
+    candidate's error and the chosen (alpha, beta) equal the plain definition's."""
+    act = _bf16_rows_where_the_clamp_acts()
+    weight = (torch.randn(48, 64, generator=torch.Generator().manual_seed(12)) * 0.05).to(
+        torch.bfloat16
+    )
+    search = SmoothingSearch(act, weight)
+    reference = act @ weight.T
+    differing = [
+        (alpha, beta)
+        for alpha in _grid()
+        for beta in (0.0, 0.25, 1.0 - alpha, 1.0)
+        if search.error(alpha, beta) != smoothing_error(act, weight, alpha, beta, reference)
+    ]
+    assert differing == []
+    assert search_alpha_beta(act, weight) == _search_one_by_one(act, weight)

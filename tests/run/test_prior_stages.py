@@ -1,5 +1,6 @@
-"""``spec.prior``: stages run over the whole model before ``spec.process``, each on its own
-calibration set (msModelSlim's semantics), streamed or in memory."""
+"""``spec.prior``: msModelSlim 26.1.0 reloads the weights after each prior stage, so a stage
+changes nothing in its export; msquant validates the stages, checks their datasets and
+processors against the model, warns, and does not run them (the same export as without them)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ from safetensors.torch import load_file, save_file
 import msquant
 from msquant import ConfigError
 from msquant.config.spec import validate_config
-from msquant.load.calibration import read_calibration_texts, tokenize_samples
-from msquant.load.model_folder import load_tokenizer
 from msquant.plugin import DecoderLayer, Processor, ProcessorConfig, RunContext
 
 MINMAX = {
@@ -52,6 +51,9 @@ class ScaleWeights(Processor):
     config: _ScaleConfig
     requires_calibration = True
     seen: ClassVar[list[tuple[int, int, int]]] = []
+
+    def setup(self, ctx: RunContext) -> None:
+        ScaleWeights.seen.append((id(self), -1, 0))
 
     def before_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
         def record(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
@@ -98,28 +100,62 @@ def weights_of(export: Path) -> dict[str, torch.Tensor]:
     return found
 
 
+NOTE = (
+    "spec.prior[0] ({kinds}) is not run: msModelSlim 26.1.0 reloads the model's weights after "
+    "each prior stage, so what the stage changes never reaches spec.process or its export"
+)
+
+
 @pytest.mark.parametrize("runner", ["layer_wise", "model_wise"])
-def test_main_stage_quantizes_the_model_the_prior_stage_changed(
-    tiny_llama: Path, tmp_path: Path, runner: str
+def test_a_prior_stage_is_not_run_and_the_export_is_the_one_without_it(
+    tiny_llama: Path, tmp_path: Path, runner: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    prior = [{"process": [{"type": "scale_weights", "factor": 2.0}]}]
-    run = msquant.quantize(
-        tiny_llama, tmp_path / "prior", cfg(prior, MINMAX, W8A8, runner=runner),
-        calib_path=CALIB_TXT, progress=False, registry=registry(),
-    )  # fmt: skip
+    ScaleWeights.seen.clear()
+    own = tmp_path / "prior.jsonl"
+    own.write_text('{"inputs_pretokenized": "a short prior text"}\n' * 3, encoding="utf-8")
+    prior = [
+        {"process": [{"type": "scale_weights", "factor": 2.0}], "dataset": str(own)},
+        {"process": [{"type": "scale_weights", "factor": 3.0}]},
+    ]
+    with caplog.at_level("WARNING", logger="msquant.config.spec"):
+        run = msquant.quantize(
+            tiny_llama, tmp_path / "prior", cfg(prior, MINMAX, W8A8, runner=runner),
+            calib_path=CALIB_TXT, progress=False, registry=registry(),
+        )  # fmt: skip
     assert len(run.quantized_modules) == 14
-    doubled = scaled_copy(tiny_llama, tmp_path / "doubled", "self_attn.q_proj", 2.0)
-    msquant.quantize(
-        doubled, tmp_path / "direct", cfg([], MINMAX, W8A8, runner=runner),
-        calib_path=CALIB_TXT, progress=False,
-    )  # fmt: skip
-    mine, direct = weights_of(tmp_path / "prior"), weights_of(tmp_path / "direct")
+    assert ScaleWeights.seen == []  # neither stage ran: no setup, no layer
+    mine = weights_of(tmp_path / "prior")
     plain = weights_of(_plain_export(tiny_llama, tmp_path, runner))
-    assert mine.keys() == direct.keys()
-    assert [n for n in mine if not torch.equal(mine[n], direct[n])] == []
-    scale = "model.layers.0.self_attn.q_proj.weight_scale"
-    # the prior stage changed what was quantized (the same codes at twice the scale)
-    assert torch.allclose(mine[scale], 2 * plain[scale])
+    assert mine.keys() == plain.keys()
+    assert [n for n in mine if not torch.equal(mine[n], plain[n])] == []
+    notes = [r.getMessage() for r in caplog.records if "is not run" in r.getMessage()]
+    assert len(notes) == 2
+    assert NOTE.format(kinds="scale_weights") in notes[0]
+    assert notes[1].startswith("<mapping>: spec.prior[1] (scale_weights) is not run")
+    assert notes[0].endswith("Move the entries into spec.process to apply them")
+
+
+def test_a_prior_smoothing_stage_changes_nothing(tiny_llama: Path, tmp_path: Path) -> None:
+    """msModelSlim's own case (tests/oracle: bit-identical to its export): ``iter_smooth`` in a
+    prior stage, W8A8_DYNAMIC in spec.process, exports what W8A8_DYNAMIC alone exports."""
+    dynamic = copy.deepcopy(MINMAX)
+    dynamic["qconfig"]["act"] = {
+        "dtype": "int8", "scope": "per_token", "symmetric": True, "method": "minmax"
+    }  # fmt: skip
+    smooth = {"type": "iter_smooth", "alpha": 0.9}
+    for name, prior, process in (
+        ("prior", [{"process": [smooth]}], [dynamic]),
+        ("plain", [], [dynamic]),
+        ("smoothed", [], [smooth, dynamic]),
+    ):
+        msquant.quantize(
+            tiny_llama, tmp_path / name, cfg(prior, *process), calib_path=CALIB_TXT,
+            progress=False,
+        )  # fmt: skip
+    mine, plain = weights_of(tmp_path / "prior"), weights_of(tmp_path / "plain")
+    assert [n for n in mine if not torch.equal(mine[n], plain[n])] == []
+    norm = "model.layers.0.input_layernorm.weight"
+    assert not torch.equal(weights_of(tmp_path / "smoothed")[norm], plain[norm])
 
 
 def _plain_export(model: Path, tmp_path: Path, runner: str) -> Path:
@@ -128,32 +164,6 @@ def _plain_export(model: Path, tmp_path: Path, runner: str) -> Path:
         model, out, cfg([], MINMAX, W8A8, runner=runner), calib_path=CALIB_TXT, progress=False
     )
     return out
-
-
-def test_prior_stage_calibrates_on_its_own_dataset(tiny_llama: Path, tmp_path: Path) -> None:
-    own = tmp_path / "prior.jsonl"
-    own.write_text('{"inputs_pretokenized": "a short prior text"}\n' * 3, encoding="utf-8")
-    ScaleWeights.seen.clear()
-    prior = [
-        {"process": [{"type": "scale_weights", "factor": 1.0}], "dataset": str(own)},
-        {"process": [{"type": "scale_weights", "factor": 1.0}]},  # falls back to the main set
-    ]
-    msquant.quantize(
-        tiny_llama, tmp_path / "out", cfg(prior, MINMAX), calib_path=CALIB_TXT,
-        progress=False, registry=registry(),
-    )  # fmt: skip
-    tokenizer = load_tokenizer(tiny_llama)
-    prior_tokens = sum(s.numel() for s in tokenize_samples(read_calibration_texts(own), tokenizer))
-    main = tokenize_samples(read_calibration_texts(CALIB_TXT), tokenizer)
-    main_tokens = sum(s.numel() for s in main)
-    assert prior_tokens != main_tokens
-    stages = list(dict.fromkeys(owner for owner, _, _ in ScaleWeights.seen))
-    assert len(stages) == 2  # the prior stages ran in order, each over every layer
-    tokens = {(stages.index(o), layer): 0 for o, layer, _ in ScaleWeights.seen}
-    for owner, layer, count in ScaleWeights.seen:
-        tokens[(stages.index(owner), layer)] += count
-    assert tokens == {(0, 0): prior_tokens, (0, 1): prior_tokens, (1, 0): main_tokens,
-                      (1, 1): main_tokens}  # fmt: skip
 
 
 def test_prior_errors_name_the_stage_entry() -> None:
@@ -194,10 +204,26 @@ def test_prior_dataset_missing_is_refused_before_loading(tiny_llama: Path, tmp_p
     assert not (tmp_path / "out").exists()
 
 
-def test_a_run_with_prior_stages_writes_no_checkpoints(tiny_llama: Path, tmp_path: Path) -> None:
-    prior = [{"process": [{"type": "scale_weights", "factor": 1.0}]}]
-    with pytest.raises(msquant.MsquantInputError, match="spec.prior stages"):
+def test_a_prior_processor_that_cannot_apply_is_refused_before_loading(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """msModelSlim would run the stage and fail; msquant refuses before any weight loads."""
+    prior = [{"process": [{"type": "iter_smooth", "include": ["*.no_such_norm"]}]}]
+    with pytest.raises(msquant.QuantizationError) as info:
         msquant.quantize(
             tiny_llama, tmp_path / "out", cfg(prior, MINMAX), calib_path=CALIB_TXT,
-            progress=False, registry=registry(), resume=True,
+            progress=False,
         )  # fmt: skip
+    assert "the spec.prior stages cannot be applied to this model (1 problem)" in str(info.value)
+    assert "spec.prior[0]: iter_smooth: no subgraph to smooth in LlamaForCausalLM" in str(
+        info.value
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_validation_warns_about_each_prior_stage(caplog: pytest.LogCaptureFixture) -> None:
+    data = cfg([{"process": [MINMAX, {"type": "iter_smooth"}]}], MINMAX)
+    with caplog.at_level("WARNING", logger="msquant.config.spec"):
+        validate_config(data, msquant.plugin.default_registry(), "x.yaml")
+    (note,) = [r.getMessage() for r in caplog.records]
+    assert note.startswith("x.yaml: " + NOTE.format(kinds="linear_quant, iter_smooth"))

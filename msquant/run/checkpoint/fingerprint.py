@@ -28,6 +28,7 @@ _FINGERPRINT_LABELS = {
     "device_kind": "device kind",
     "num_layers": "number of decoder layers",
     "world_size": "number of processes (dp_layer_wise)",
+    "model_type": "--model_type (msModelSlim model adapter)",
 }
 
 
@@ -60,9 +61,12 @@ def run_fingerprint(
     model_dir: Path,
     device_kind: str,
     num_layers: int,
+    model_type: str | None = None,
 ) -> dict[str, Any]:
-    """What must not change between a run and its resumption (anything that changes a result)."""
+    """What must not change between a run and its resumption (anything that changes a result;
+    ``model_type``: the ``--model_type`` named, None when none)."""
     return {
+        "model_type": model_type,
         "msquant_version": __version__,
         "torch_version": torch.__version__,
         "transformers_version": _package_version("transformers"),
