@@ -14,6 +14,7 @@ from msquant.model.checkpoint_names import CheckpointNames
 from msquant.model.layers import DecoderLayer
 from msquant.model.moe import MoEInfo
 from msquant.plugin.distributed import SINGLE, Distributed
+from msquant.plugin.transforms import TransformLog
 from msquant.report.run_report import RunReport
 
 if TYPE_CHECKING:
@@ -63,6 +64,10 @@ class RunContext:
     :param optional_tensors: tensors a processor asks savers to ship beside the weights, by scope
         (``{"quarot": {"global_rotation": R}}``); the Ascend savers write each scope to
         ``optional/<scope>.safetensors`` and name it in the description's ``optional``.
+    :param transforms: what processors that transform float weights record of their transforms
+        (parameters, fingerprints of the float tensors they set); the run writes it into
+        ``msquant_export.json`` and ``msquant verify`` checks the export against it
+        (:mod:`msquant.plugin.transforms`).
     """
 
     model: nn.Module
@@ -81,6 +86,7 @@ class RunContext:
     checkpoint_names: CheckpointNames | None = None
     config_updates: dict[str, Any] = field(default_factory=dict)
     optional_tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    transforms: TransformLog = field(default_factory=TransformLog)
 
     def disk_name(self, name: str) -> str:
         """The checkpoint's name for a module or tensor name of the loaded model (see

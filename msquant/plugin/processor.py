@@ -77,6 +77,7 @@ from msquant.errors import ConfigIssue
 if TYPE_CHECKING:
     from msquant.model.layers import DecoderLayer
     from msquant.plugin.context import RunContext
+    from msquant.plugin.transforms import TransformedExport
 
 __all__ = [
     "Stage",
@@ -124,7 +125,9 @@ class Processor(ABC):
     #: Whether the processor changes float weights into others computing the same function (a
     #: rotation, a smoothing): the export then differs from the original model tensor by tensor.
     #: A run records such processors in ``msquant_export.json`` (``weights_transformed_by``), and
-    #: ``msquant verify --model_path`` compares only names, not values, with the original.
+    #: ``msquant verify --model_path`` compares only names, not values, with the original, and
+    #: the logits of both models on a few tokens. Such a processor records its parameters and the
+    #: float tensors it set in ``ctx.transforms`` (:class:`msquant.plugin.TransformLog`).
     transforms_weights: ClassVar[bool] = False
     #: Class default; an instance may set its own value. When any processor of a run sets it,
     #: each decoder layer's inputs are the previous layer's outputs after every ``after_layer``
@@ -163,6 +166,16 @@ class Processor(ABC):
 
     def check_model(self, model: nn.Module, layers: list[DecoderLayer]) -> list[str]:
         """Model-dependent checks on a weightless copy of the model; return one message per problem."""
+        return []
+
+    @classmethod
+    def check_transform(cls, record: dict[str, Any], export: TransformedExport) -> list[str]:
+        """For ``msquant verify``: check what this processor recorded of its transform
+        (``ctx.transforms.describe(type_name, **params)``, here ``record``: ``type`` and the
+        params, as read back from ``msquant_export.json``, so possibly edited) against the
+        export, from the export alone; one message per problem. A malformed record is a problem
+        to report, not an exception. Default: nothing to check (the fingerprints of the float
+        tensors a processor set are checked by verify itself)."""
         return []
 
     def setup(self, ctx: RunContext) -> None:

@@ -27,6 +27,7 @@ quantize better. The matrices are msModelSlim's construction (:mod:`msquant.quan
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,6 +40,7 @@ from msquant.plugin import (
     ProcessorConfig,
     RotationLayout,
     RunContext,
+    TransformedExport,
     adapter_for,
     fuse_norm_into_linear,
     hadamard_core_order,
@@ -52,14 +54,16 @@ from msquant.processors.quarot.config import (
     QuaRotConfig,
     quarot_issues,
 )
+from msquant.processors.quarot.fingerprint import (
+    GLOBAL_ROTATION,
+    OPTIONAL_SCOPE,
+    check_rotation_record,
+    rotation_record,
+)
 
 __all__ = ["OnlineQuaRot", "QuaRot", "check_rms_norm", "size_problems"]
 
 logger = logging.getLogger(__name__)
-
-#: The scope and tensor name of the exported rotation (msModelSlim's ``optional.quarot``).
-OPTIONAL_SCOPE = "quarot"
-GLOBAL_ROTATION = "global_rotation"
 
 
 def size_problems(layout: RotationLayout, block_size: int) -> list[str]:
@@ -171,6 +175,14 @@ class QuaRot(Processor):
         if self.config.export_extra_info:
             rotation = self.rotation.to(torch.float32)
             ctx.optional_tensors[OPTIONAL_SCOPE] = {GLOBAL_ROTATION: rotation}
+        ctx.transforms.describe(
+            self.type_name,
+            **rotation_record(
+                layout.hidden_size, self.config.block_size, self.rotation, self.head_rotations
+            ),
+        )
+        for name in (layout.embedding, layout.final_norm, layout.head):
+            self._fingerprint(ctx, name)
         logger.info(
             "quarot: rotating the residual stream (width %d, block_size %d)%s",
             layout.hidden_size,
@@ -201,6 +213,17 @@ class QuaRot(Processor):
                 head = self.head_rotations[found.head_width]
                 _rotate_output(model.get_submodule(value), _after_rows(head, found.value_skip))
                 _rotate_input(model.get_submodule(output), head)
+        for entry in found.norms:  # set to the constant 1 - offset
+            self._fingerprint(ctx, entry.norm)
+
+    def _fingerprint(self, ctx: RunContext, module: str) -> None:
+        """Record the weight quarot left ``module`` with (``msquant verify`` checks it)."""
+        weight = _weight(ctx.model.get_submodule(module))
+        ctx.transforms.fingerprint(self.type_name, ctx.disk_name(f"{module}.weight"), weight)
+
+    @classmethod
+    def check_transform(cls, record: dict[str, Any], export: TransformedExport) -> list[str]:
+        return check_rotation_record(record, export)
 
     @staticmethod
     def _fold_norm(norm: nn.Module, readers: list[nn.Module], offset: float = 0.0) -> None:

@@ -64,7 +64,8 @@ class SmoothingProcessor(Processor):
     requires_calibration = True
     rewrites_layer = True
     #: folded norms and scaled weights compute what the original computes, tensor by tensor
-    #: different: the export records it, and ``msquant verify --model_path`` compares names only
+    #: different: the export records it (and the smoothed norms' fingerprints), and
+    #: ``msquant verify --model_path`` compares the outputs on a few tokens, not the tensors
     transforms_weights = True
     #: the input rows of each subgraph are kept for the alpha/beta search
     keeps_rows: bool = False
@@ -152,6 +153,8 @@ class SmoothingProcessor(Processor):
             )
             scales = smooth_subgraph(ctx.model, subgraph, rule, act_max, rows)
             self._prepare_source(ctx.model, subgraph)
+            if subgraph.kind == "norm-linear":
+                self._fingerprint(ctx, subgraph.source)
             logger.debug(
                 "%s: %s %s -> %s, scales in [%.3g, %.3g]",
                 self.type_name,
@@ -165,6 +168,15 @@ class SmoothingProcessor(Processor):
 
     def _prepare_source(self, model: nn.Module, subgraph: SmoothingSubgraph) -> None:
         """Hook for a processor that changes a smoothed subgraph's source module."""
+
+    def _fingerprint(self, ctx: RunContext, norm: str) -> None:
+        """Record the weight and bias smoothing left a norm with (the scales folded in;
+        ``msquant verify`` checks the exported norm against them)."""
+        module = ctx.model.get_submodule(norm)
+        for kind in ("weight", "bias"):
+            tensor = getattr(module, kind, None)
+            if isinstance(tensor, torch.Tensor):
+                ctx.transforms.fingerprint(self.type_name, ctx.disk_name(f"{norm}.{kind}"), tensor)
 
     def after_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
         self._statistics.clear()
