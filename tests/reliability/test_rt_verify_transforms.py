@@ -154,7 +154,10 @@ def test_v24_a_norm_with_a_forged_fingerprint_fails_the_forward_check(
     assert replay(run_cli, tmp_path, "verify", out).code == 0
     outcome = replay(run_cli, tmp_path, "verify", out, "--model_path", model)
     assert outcome.code == 2
-    assert FORWARD in outcome.err and "for W8 weights (the original rounded to nearest per channel" in outcome.err, outcome.err
+    assert (
+        FORWARD in outcome.err
+        and "for W8 weights (the original rounded to nearest per channel" in outcome.err
+    ), outcome.err
 
 
 @pytest.mark.parametrize("kind", ["rotated", "smoothed"])
