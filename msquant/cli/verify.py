@@ -33,7 +33,16 @@ def add_verify_parser(sub: argparse._SubParsersAction[Parser], common: Parser) -
     )
     verify.add_argument(
         "--model_path",
-        help="original float model folder: report each layer's relative error against it",
+        help="original float model folder: report each layer's relative error against it, and "
+        "compare both models' logits on a few tokens",
+    )
+    verify.add_argument(
+        "--no_forward",
+        "--no-forward",
+        dest="no_forward",
+        action="store_true",
+        help="with --model_path, skip the logits comparison (which loads the original model "
+        "whole, then the export rebuilt in float)",
     )
     verify.add_argument(
         "--json", action="store_true", help="print the report as JSON instead of a table"
@@ -43,7 +52,7 @@ def add_verify_parser(sub: argparse._SubParsersAction[Parser], common: Parser) -
 def run_verify(args: argparse.Namespace) -> int:
     """Verify every export at the path; the report goes to stdout, failures also to stderr."""
     reports = [
-        verify_export(folder, model_path=args.model_path)
+        verify_export(folder, model_path=args.model_path, forward=not args.no_forward)
         for folder in export_folders(args.save_path)
     ]
     if args.json:

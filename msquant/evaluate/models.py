@@ -1,5 +1,5 @@
 """The model a folder holds, for evaluation: a float Hugging Face model, or an msquant export read
-back (:mod:`msquant.evaluate.exports`).
+back (:mod:`msquant.verify.rebuild`).
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Any
 from torch import nn
 
 from msquant.errors import ModelLoadError
-from msquant.evaluate.exports import load_export
 from msquant.load.model_folder import check_model_dir, load_causal_lm
 from msquant.plugin.format import FormatRegistry, default_formats
 from msquant.verify.detect import detect_format, export_folders
 from msquant.verify.errors import ExportReadError
+from msquant.verify.rebuild import load_export
 
 __all__ = ["FLOAT_KIND", "model_kind", "max_positions", "load_model_for_eval"]
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from msquant.errors import ModelLoadError, OutputPathError
+from msquant.export.links import link_roots, resolves_inside
 
 __all__ = [
     "COPIED_PATTERNS",
@@ -43,31 +44,21 @@ EXPORT_FILE_PATTERNS = (
 )
 
 
-def _allowed_roots(model_path: Path) -> list[Path]:
-    """Where the files of ``model_path`` may really lie: the folder, and for a Hugging Face cache
-    snapshot (``models--org--name/snapshots/<rev>``) the repository's cache folder."""
-    real = Path(os.path.realpath(model_path))
-    roots = [real]
-    if real.parent.name == "snapshots":
-        roots.append(real.parent.parent)
-    return roots
-
-
 def copied_model_files(model_path: Path) -> list[Path]:
     """The files :func:`copy_model_files` copies (config, tokenizer, chat template; not indexes
     nor the export's own files).
 
     :raises ModelLoadError: for one that is a symbolic link to a file outside the model folder.
     """
-    roots = _allowed_roots(model_path)
+    roots = link_roots(model_path)
     files = []
     for pattern in COPIED_PATTERNS:
         for source in sorted(model_path.glob(pattern)):
             if any(source.match(excluded) for excluded in EXPORT_FILE_PATTERNS):
                 continue
             if source.is_symlink():
-                real = Path(os.path.realpath(source))
-                if not any(root == real or root in real.parents for root in roots):
+                if not resolves_inside(source, roots):
+                    real = Path(os.path.realpath(source))
                     raise ModelLoadError(
                         f"{source} is a symbolic link to {real}, outside the model folder; msquant "
                         "copies the model's config and tokenizer files into the export and will "

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from msquant.export.links import member
+
 __all__ = [
     "EXPORT_MARKER",
     "TRANSFORMED_KEY",
@@ -129,24 +131,29 @@ class ExportMarker:
             elif name not in recorded:
                 found.append(name)
 
-    def changed_files(self, subfolder: str = "") -> tuple[list[str], list[str]]:
-        """Recorded files (under ``subfolder``, relative to :attr:`root`) that are missing, and
-        those whose size or sha256 differ from the recorded ones (files recorded without a
-        checksum are only checked to exist)."""
+    def changed_files(self, subfolder: str = "") -> tuple[list[str], list[str], list[str]]:
+        """Recorded files (under ``subfolder``, relative to :attr:`root`) that are missing, those
+        whose size or sha256 differ from the recorded ones (files recorded without a checksum are
+        only checked to exist), and names that are no file inside :attr:`root` (an absolute path,
+        a ``..``, a link out of it: :func:`msquant.export.links.member`), which are never opened.
+        """
         missing: list[str] = []
         changed: list[str] = []
+        outside: list[str] = []
         prefix = f"{subfolder.strip('/')}/" if subfolder.strip("/") else ""
         for name, entry in sorted((self.files or {}).items()):
             if not name.startswith(prefix):
                 continue
-            path = self.root / name
-            if not path.is_file():
+            path = member(self.root, name)
+            if path is None:
+                outside.append(name)
+            elif not path.is_file():
                 missing.append(name)
-            elif "sha256" not in entry:
+            elif not isinstance(entry, dict) or "sha256" not in entry:
                 continue
             elif path.stat().st_size != entry.get("bytes") or sha256_file(path) != entry["sha256"]:
                 changed.append(name)
-        return missing, changed
+        return missing, changed, outside
 
 
 def _ancestors(name: str) -> list[str]:

@@ -177,6 +177,11 @@ from msquant.plugin.saver import (
     SaverConfig,
     SaverState,
 )
+from msquant.plugin.transforms import (
+    TransformedExport,
+    TransformLog,
+    tensor_sha256,
+)
 from msquant.quant.activation import (
     ActivationQuant,
     OnlineMinMax,
@@ -238,6 +243,7 @@ from msquant.quant.quantized_weight import (
     QuantizedWeight,
 )
 from msquant.quant.rotation import (
+    DEFAULT_ROTATION_SEED,
     fuse_norm_into_linear,
     hadamard_core_order,
     is_power_of_two,
@@ -349,6 +355,9 @@ __all__ = [
     "default_method_registry",
     "METHOD_ENTRY_POINT_GROUP",
     "RunContext",
+    "TransformLog",
+    "TransformedExport",
+    "tensor_sha256",
     "DecoderLayer",
     "Distributed",
     "SINGLE",
@@ -516,6 +525,7 @@ __all__ = [
     "rotate_input",
     "rotate_output",
     "rotation_for",
+    "DEFAULT_ROTATION_SEED",
     "abs_column_max",
     "flex_scales",
     "fold_into_linear_columns",

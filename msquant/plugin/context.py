@@ -14,6 +14,7 @@ from msquant.model.checkpoint_names import CheckpointNames
 from msquant.model.layers import DecoderLayer
 from msquant.model.moe import MoEInfo
 from msquant.plugin.distributed import SINGLE, Distributed
+from msquant.plugin.transforms import TransformLog
 from msquant.report.run_report import RunReport
 
 if TYPE_CHECKING:
@@ -73,6 +74,10 @@ class RunContext:
         (``--model_type``, ``quantize(model_type=...)``), None when none was named; processors
         whose msModelSlim counterparts ask the adapter (the smoothing processors: which subgraph
         types they smooth) follow what that adapter answers.
+    :param transforms: what processors that transform float weights record of their transforms
+        (parameters, fingerprints of the float tensors they set); the run writes it into
+        ``msquant_export.json`` and ``msquant verify`` checks the export against it
+        (:mod:`msquant.plugin.transforms`).
     """
 
     model: nn.Module
@@ -93,6 +98,7 @@ class RunContext:
     optional_tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     probe: TransformProbe | None = None
     msmodelslim_model_type: str | None = None
+    transforms: TransformLog = field(default_factory=TransformLog)
 
     def disk_name(self, name: str) -> str:
         """The checkpoint's name for a module or tensor name of the loaded model (see

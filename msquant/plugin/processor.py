@@ -80,6 +80,7 @@ if TYPE_CHECKING:
     from msquant.model.layers import DecoderLayer
     from msquant.plugin.context import RunContext
     from msquant.plugin.memory import CalibrationSize
+    from msquant.plugin.transforms import TransformedExport
 
 __all__ = [
     "Stage",
@@ -127,9 +128,11 @@ class Processor(ABC):
     #: Whether the processor changes float weights into others computing the same function (a
     #: rotation, a smoothing): the export then differs from the original model tensor by tensor.
     #: A run records such processors in ``msquant_export.json`` (``weights_transformed_by``), and
-    #: ``msquant verify --model_path`` compares only names, not values, with the original. Such a
-    #: processor quantizes nothing: a config whose other entries quantize no linear layer is
-    #: refused (unless ``allow_float_export``), as a config without them would be.
+    #: ``msquant verify --model_path`` compares only names, not values, with the original, and
+    #: the logits of both models on a few tokens. Such a processor records its parameters and the
+    #: float tensors it set in ``ctx.transforms`` (:class:`msquant.plugin.TransformLog`). It
+    #: quantizes nothing: a config whose other entries quantize no linear layer is refused
+    #: (unless ``allow_float_export``), as a config without them would be.
     transforms_weights: ClassVar[bool] = False
     #: Class default; an instance may set its own value. When any processor of a run sets it,
     #: each decoder layer's inputs are the previous layer's outputs after every ``after_layer``
@@ -187,6 +190,16 @@ class Processor(ABC):
         (statistics, Hessians, quantized copies, matrices kept for the whole run) and the largest
         working copy a step makes; a close upper bound is the aim. Default: nothing."""
         return {}
+
+    @classmethod
+    def check_transform(cls, record: dict[str, Any], export: TransformedExport) -> list[str]:
+        """For ``msquant verify``: check what this processor recorded of its transform
+        (``ctx.transforms.describe(type_name, **params)``, here ``record``: ``type`` and the
+        params, as read back from ``msquant_export.json``, so possibly edited) against the
+        export, from the export alone; one message per problem. A malformed record is a problem
+        to report, not an exception. Default: nothing to check (the fingerprints of the float
+        tensors a processor set are checked by verify itself)."""
+        return []
 
     def setup(self, ctx: RunContext) -> None:
         """Prepare for a run on the loaded model."""

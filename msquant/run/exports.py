@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -16,6 +17,7 @@ from msquant.export.marker import TRANSFORMED_KEY, write_export_marker
 from msquant.plugin.context import RunContext
 from msquant.plugin.format import FormatRegistry, default_formats
 from msquant.plugin.processor import Processor, flatten_processors
+from msquant.plugin.transforms import TRANSFORMS_KEY
 from msquant.quant.quantized_linear import QuantizedLinear
 from msquant.quant.quantized_weight import QuantizedWeight
 from msquant.quant.spill import MergedWeights
@@ -136,14 +138,15 @@ def mark_export(ctx: RunContext, processors: list[Processor]) -> None:
 
     It marks the folder as an msquant export (so ``--overwrite`` may replace it, whatever its
     format, as long as it holds nothing else) and records where each saver's files are.
-    Deterministic: no timestamps.
+    Deterministic: no timestamps. It also holds what the processors recorded of their weight
+    transforms (``ctx.transforms``), which ``msquant verify`` checks.
     """
     savers = [
         {"type": p.type_name, "path": p.output_subdir or "."}
         for p in processors
         if p.stage == "save"
     ]
-    marker = {
+    marker: dict[str, Any] = {
         "msquant_version": __version__,
         "model_path": str(ctx.model_path),
         "model_type": ctx.model_type,
@@ -152,4 +155,7 @@ def mark_export(ctx: RunContext, processors: list[Processor]) -> None:
     transformed = [p.type_name for p in flatten_processors(processors) if p.transforms_weights]
     if transformed:  # absent otherwise: earlier markers stay byte-identical
         marker[TRANSFORMED_KEY] = transformed
+    recorded = ctx.transforms.to_json()
+    if recorded is not None:
+        marker[TRANSFORMS_KEY] = recorded
     write_export_marker(ctx.output_dir, marker)

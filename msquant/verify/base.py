@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from safetensors import SafetensorError, safe_open
 
+from msquant.export.links import member
 from msquant.model.adapter import ModelAdapter
 from msquant.model.adapter_registry import default_adapter_registry
 from msquant.verify.layer import DecodedLayer
@@ -163,6 +165,34 @@ class ExportReader(ABC):
 
     def finish(self) -> None:
         """Record notes that need every layer seen (default: none)."""
+
+    def optional_tensor(self, scope: str, name: str) -> torch.Tensor | None:
+        """A tensor a processor asked savers to ship beside the weights (``ctx.optional_tensors``
+        ``{scope: {name: tensor}}``, e.g. quarot's rotation), as the export stores it; None when
+        the format stores none (default) or this export lacks it (an error is recorded when the
+        export names a file it cannot read)."""
+        return None
+
+    def file_tensor(self, relative: object, name: str, what: str) -> torch.Tensor | None:
+        """Tensor ``name`` of the safetensors file ``relative`` (a path inside the export that
+        its metadata ``what`` names); None, with an error recorded, when the path is not a file
+        inside the export (never opened then), or the file or tensor cannot be read."""
+        path = member(self.directory, relative)
+        if path is None:
+            self.findings.error(
+                f"{what} names {relative!r}, which is not a file inside the export (an absolute "
+                "path, '..' or a symbolic link out of it); it was not read"
+            )
+            return None
+        if not path.is_file():
+            self.findings.error(f"{what} names {relative}, which is missing from the export")
+            return None
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                return handle.get_tensor(name)
+        except (OSError, SafetensorError) as exc:
+            self.findings.error(f"{relative}: cannot read tensor {name} named by {what} ({exc})")
+            return None
 
     def float_tensors(self) -> list[str]:
         """Stored tensors that are not part of a quantized layer's data (kept as in the model)."""

@@ -48,7 +48,13 @@ def check_checksums(path: Path, findings: Findings) -> bool:
     if found is None or found[0].files is None:
         return False
     marker, subfolder = found
-    missing, changed = marker.changed_files(subfolder)
+    missing, changed, outside = marker.changed_files(subfolder)
+    for name in outside:
+        findings.error(
+            f"{EXPORT_MARKER} lists {name!r}, which is not a file inside the export (an absolute "
+            "path, '..' or a symbolic link out of it); verify reads no file outside the export, "
+            "so this entry was not checked: the marker was edited, rewrite the export"
+        )
     for name in changed:
         findings.error(
             f"{name}: its bytes differ from the sha256 recorded in {EXPORT_MARKER} when the "

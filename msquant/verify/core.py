@@ -16,6 +16,7 @@ from pathlib import Path
 
 from msquant.export.marker import TRANSFORMED_KEY, weights_transformed_by
 from msquant.plugin.format import FormatRegistry
+from msquant.plugin.registry import ProcessorRegistry
 from msquant.quant.quantized_weight import QuantizedWeight
 from msquant.verify.base import ExportReader, export_config, ties_word_embeddings
 from msquant.verify.checksums import check_checksums
@@ -28,6 +29,8 @@ from msquant.verify.compare import (
 )
 from msquant.verify.detect import open_reader
 from msquant.verify.errors import ExportVerificationError
+from msquant.verify.fingerprints import check_transforms
+from msquant.verify.forward import compare_forward
 from msquant.verify.layer import check_values
 from msquant.verify.report import Findings, LayerReport, VerifyReport
 from msquant.verify.tensors import TensorStore
@@ -43,6 +46,8 @@ def verify_export(
     reference: Mapping[str, QuantizedWeight] | None = None,
     model_path: str | Path | None = None,
     formats: FormatRegistry | None = None,
+    processors: ProcessorRegistry | None = None,
+    forward: bool = True,
 ) -> VerifyReport:
     """Read an export folder back and check it; never raises for an inconsistent export.
 
@@ -52,8 +57,14 @@ def verify_export(
         run: codes must match bit for bit, zero points exactly, scales within the rounding of
         their stored dtype, and the module sets must be equal.
     :param model_path: the original float model folder: per-layer relative error against its
-        weights (bound: :func:`msquant.verify.compare.relative_error_bound`), float tensors equal.
+        weights (bound: :func:`msquant.verify.compare.relative_error_bound`), float tensors equal
+        (for an export whose weights a rotation or smoothing transformed: their names only), and
+        the logits of both models on a few tokens (:mod:`msquant.verify.forward`).
     :param formats: the export formats to detect and read with (default: every installed one).
+    :param processors: where the processors that recorded transforms in ``msquant_export.json``
+        are looked up to check their records (default: every installed one).
+    :param forward: with ``model_path``, run the logits comparison (it loads the original model
+        whole, then the export rebuilt in float; False skips it).
     :returns: the report; ``report.ok`` is False when any consistency error was found.
     :raises ExportReadError: when ``save_path`` is missing or holds no known format.
     :raises msquant.ModelLoadError: when ``model_path`` cannot be read.
@@ -64,16 +75,18 @@ def verify_export(
     original = open_original(model_path) if model_path is not None else None
     report = VerifyReport(reader.format_name, path)
     transformed = weights_transformed_by(path) if original is not None else []
-    if transformed:
+    if transformed and not forward:
         findings.warn(
             f"the export's float weights were transformed by {', '.join(transformed)} "
             f"(msquant_export.json {TRANSFORMED_KEY}): they compute what the original model "
             "computes but differ from it tensor by tensor, so only the names of the original's "
-            "tensors are checked, not their values"
+            "tensors were checked, not their values (the forward check, which compares the "
+            "outputs, was skipped)"
         )
     compared = None if transformed else original
     try:
         check_checksums(path, findings)
+        check_transforms(reader, path, findings, processors)
         modules = reader.quantized_modules()
         if not modules and reader.store is not None:
             findings.warn("no quantized layer found: every weight is stored in float")
@@ -91,6 +104,8 @@ def verify_export(
             reader.store.close()
         if original is not None:
             original.close()
+    if model_path is not None and forward and not findings.errors:
+        report.forward = compare_forward(path, Path(model_path), report.layers, findings, formats)
     report.errors = list(findings.errors)
     report.warnings = findings.warnings + findings.grouped_warnings()
     logger.debug(
@@ -161,13 +176,16 @@ def check_export(
     reference: Mapping[str, QuantizedWeight] | None = None,
     model_path: str | Path | None = None,
     formats: FormatRegistry | None = None,
+    forward: bool = True,
 ) -> VerifyReport:
     """:func:`verify_export`, logging its warnings and raising when the export is inconsistent.
 
     :raises ExportVerificationError: listing the errors (``.report`` holds the full report).
     :raises ExportReadError: when ``save_path`` is missing or holds no known format.
     """
-    report = verify_export(save_path, reference=reference, model_path=model_path, formats=formats)
+    report = verify_export(
+        save_path, reference=reference, model_path=model_path, formats=formats, forward=forward
+    )
     for warning in report.warnings:
         logger.warning("%s export: %s", report.format, warning)
     if not report.ok:

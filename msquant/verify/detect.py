@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from msquant.export.links import links_leaving
 from msquant.plugin.format import ExportFormat, FormatRegistry, default_formats
 from msquant.verify.base import ExportReader
 from msquant.verify.errors import ExportReadError
@@ -27,12 +28,25 @@ __all__ = [
     "hf_export_format",
 ]
 
+_SHOWN_LINKS = 3
+
 
 def _check_directory(path: Path) -> None:
+    """The export folder exists and no symbolic link in it leads out of it (readers would follow
+    it: a shard linked to a file elsewhere would be read, hashed and reported on)."""
     if not path.exists():
         raise ExportReadError(f"export folder {path} does not exist")
     if not path.is_dir():
         raise ExportReadError(f"{path} is not a folder; pass the save path of an export")
+    leaving = links_leaving(path)
+    if leaving:
+        shown = "; ".join(f"{name} -> {target}" for name, target in leaving[:_SHOWN_LINKS])
+        more = f" and {len(leaving) - _SHOWN_LINKS} more" if len(leaving) > _SHOWN_LINKS else ""
+        raise ExportReadError(
+            f"{path} holds {len(leaving)} symbolic link(s) to files outside it ({shown}{more}); "
+            "msquant reads only the export's own files: replace each link by a copy of its "
+            "target, or remove it"
+        )
 
 
 def read_model_config(path: Path) -> dict[str, Any] | None:

@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from msquant.verify.forward import ForwardCheck
 
 __all__ = ["LayerReport", "VerifyReport", "Findings", "render_table"]
 
@@ -51,6 +54,8 @@ class VerifyReport:
     layers: list[LayerReport] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    #: the logits comparison with the original model (``--model_path``), when it ran
+    forward: ForwardCheck | None = None
 
     @property
     def ok(self) -> bool:
@@ -73,6 +78,7 @@ class VerifyReport:
             "layers": [asdict(entry) for entry in self.layers],
             "errors": list(self.errors),
             "warnings": list(self.warnings),
+            "forward": asdict(self.forward) if self.forward is not None else None,
         }
 
 
@@ -150,6 +156,14 @@ def render_table(report: VerifyReport) -> str:
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
         for row in rows
     ]
+    if report.forward is not None:
+        check = report.forward
+        lines.append(
+            f"forward check ({check.tokens} tokens, {check.seconds:.1f} s): relative logits error "
+            f"{check.relative_error:.3g} (bound {check.bound:.3g} for {check.scheme}; rounded to "
+            f"nearest: {check.rounded_error:.3g}), top-1 "
+            f"agreement {check.top1_agreement:.0%}"
+        )
     lines += _section("error", report.errors)
     lines += _section("warning", report.warnings)
     status = "OK" if report.ok else "FAILED"

@@ -36,6 +36,7 @@ did not hold, before anything is written.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,6 +53,7 @@ from msquant.plugin import (
     ProcessorConfig,
     RotationLayout,
     RunContext,
+    TransformedExport,
     TransformProbe,
     adapter_for,
     function_tolerance,
@@ -74,6 +76,12 @@ from msquant.processors.quarot.config import (
     QuaRotConfig,
     quarot_issues,
 )
+from msquant.processors.quarot.fingerprint import (
+    GLOBAL_ROTATION,
+    OPTIONAL_SCOPE,
+    check_rotation_record,
+    rotation_record,
+)
 from msquant.processors.quarot.memory import quarot_memory
 
 __all__ = ["OnlineQuaRot", "QuaRot", "check_rms_norm", "size_problems"]
@@ -88,10 +96,6 @@ FIX = (
 )
 #: Rows of the random hidden states the output head's check runs on.
 HEAD_CHECK_ROWS = 8
-
-#: The scope and tensor name of the exported rotation (msModelSlim's ``optional.quarot``).
-OPTIONAL_SCOPE = "quarot"
-GLOBAL_ROTATION = "global_rotation"
 
 
 def size_problems(layout: RotationLayout, block_size: int) -> list[str]:
@@ -219,6 +223,14 @@ class QuaRot(Processor):
         if self.config.export_extra_info:
             rotation = self.rotation.to(torch.float32)
             ctx.optional_tensors[OPTIONAL_SCOPE] = {GLOBAL_ROTATION: rotation}
+        ctx.transforms.describe(
+            self.type_name,
+            **rotation_record(
+                layout.hidden_size, self.config.block_size, self.rotation, self.head_rotations
+            ),
+        )
+        for name in (layout.embedding, layout.final_norm, layout.head):
+            self._fingerprint(ctx, name)
         logger.info(
             "quarot: rotating the residual stream (width %d, block_size %d)%s",
             layout.hidden_size,
@@ -280,6 +292,8 @@ class QuaRot(Processor):
                 _rotate_input(model.get_submodule(output), head)
         if check is not None:
             check.verify("the rotation of its weights")
+        for entry in found.norms:  # set to the constant 1 - offset
+            self._fingerprint(ctx, entry.norm)
 
     def _prove(
         self,
@@ -322,6 +336,15 @@ class QuaRot(Processor):
             from_transformed=unrotate,
             fix=FIX,
         )
+
+    def _fingerprint(self, ctx: RunContext, module: str) -> None:
+        """Record the weight quarot left ``module`` with (``msquant verify`` checks it)."""
+        weight = _weight(ctx.model.get_submodule(module))
+        ctx.transforms.fingerprint(self.type_name, ctx.disk_name(f"{module}.weight"), weight)
+
+    @classmethod
+    def check_transform(cls, record: dict[str, Any], export: TransformedExport) -> list[str]:
+        return check_rotation_record(record, export)
 
     @staticmethod
     def _fold_norm(norm: nn.Module, readers: list[nn.Module], offset: float) -> None:

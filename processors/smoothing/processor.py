@@ -114,7 +114,8 @@ class SmoothingProcessor(Processor):
     requires_calibration = True
     rewrites_layer = True
     #: folded norms and scaled weights compute what the original computes, tensor by tensor
-    #: different: the export records it, and ``msquant verify --model_path`` compares names only
+    #: different: the export records it (and the smoothed norms' fingerprints), and
+    #: ``msquant verify --model_path`` compares the outputs on a few tokens, not the tensors
     transforms_weights = True
     #: the input rows of each subgraph are kept for the alpha/beta search
     keeps_rows: bool = False
@@ -249,6 +250,9 @@ class SmoothingProcessor(Processor):
         folded = [s for s in self._subgraphs if self._fold(ctx.model, layer, s)]
         if check is not None and snapshot is not None and folded:
             self._check_folds(ctx.model, layer, folded, check, snapshot)
+        for subgraph in folded:
+            if subgraph.kind == "norm-linear":
+                self._record_norm(ctx, subgraph.source)
         self._statistics.clear()
         self._reference = None
 
@@ -295,6 +299,15 @@ class SmoothingProcessor(Processor):
 
     def _prepare_source(self, model: nn.Module, subgraph: SmoothingSubgraph) -> None:
         """Hook for a processor that changes a smoothed subgraph's source module."""
+
+    def _record_norm(self, ctx: RunContext, norm: str) -> None:
+        """Record the weight and bias smoothing left a norm with (the scales folded in;
+        ``msquant verify`` checks the exported norm against them)."""
+        module = ctx.model.get_submodule(norm)
+        for kind in ("weight", "bias"):
+            tensor = getattr(module, kind, None)
+            if isinstance(tensor, torch.Tensor):
+                ctx.transforms.fingerprint(self.type_name, ctx.disk_name(f"{norm}.{kind}"), tensor)
 
     def after_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
         self._statistics.clear()

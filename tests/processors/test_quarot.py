@@ -273,12 +273,13 @@ def test_quantized_ascend_export_verifies_and_evaluates(
     assert description["model.layers.0.self_attn.q_proj.weight"] == "W8A8_DYNAMIC"
     assert description["lm_head.weight"] == "FLOAT"
     assert run_cli("verify", out).code == 0
-    # against the original model: the rotated weights differ by design, the marker says why
+    # against the original model: the rotated weights differ by design, the marker says why,
+    # and the logits on a few tokens are compared instead of the tensors
     marker = json.loads((out / "msquant_export.json").read_text(encoding="utf-8"))
     assert marker["weights_transformed_by"] == ["quarot"]
     against_original = run_cli("verify", out, "--model_path", path)
     assert against_original.code == 0, against_original.out + against_original.err
-    assert "transformed by quarot" in against_original.out + against_original.err
+    assert "forward check (32 tokens" in against_original.out
     back = read_back(out)
     with torch.no_grad():
         reference = load(path)(TOKENS).logits

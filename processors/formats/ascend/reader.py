@@ -411,6 +411,18 @@ class AscendReader(ExportReader):
         offset = float(self.store.get(f"{module}.input_offset")[0])
         return ActivationQuant("per_tensor", offset == 0, scale, offset)
 
+    def optional_tensor(self, scope: str, name: str) -> torch.Tensor | None:
+        """``optional.<scope>.rotation_map.<name>`` of the description: the file (relative to
+        the export) holding the tensor, msModelSlim's layout of the tensors processors ship
+        beside the weights (quarot's ``global_rotation`` in ``optional/quarot.safetensors``)."""
+        optional = self.description.get("optional")
+        entry = optional.get(scope) if isinstance(optional, dict) else None
+        rotation_map = entry.get("rotation_map") if isinstance(entry, dict) else None
+        if not isinstance(rotation_map, dict) or name not in rotation_map:
+            return None
+        what = f"{self.description_path.name} optional.{scope}.rotation_map.{name}"
+        return self.file_tensor(rotation_map[name], name, what)
+
     def consumer_notes(self, layer: DecodedLayer) -> None:
         if layer.scheme == "W4A8_DYNAMIC" and parse_expert_linear(layer.name) is None:
             self.findings.note(VLLM_ASCEND_W4A8_LINEAR, layer.name)

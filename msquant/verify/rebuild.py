@@ -5,7 +5,8 @@ independently of its saver), so any verifiable format, a third party's included,
 The float model is built from the export's ``config.json``, its float tensors are loaded as
 stored, and each quantized linear gets its dequantized weight ``(codes - offset) * scale`` cast
 to the model dtype. What is evaluated is thus exactly what a consumer that dequantizes the
-checkpoint computes, not msquant's in-memory result.
+checkpoint computes, not msquant's in-memory result. ``msquant eval`` evaluates it, and
+``msquant verify --model_path`` compares its logits with the original's (:mod:`.forward`).
 
 Activation schemes (W8A8, W8A8_DYNAMIC, ...): a reader that knows them has an
 ``activation_of(module) -> ActivationQuant | None`` method (optional; the Ascend reader's gives
@@ -43,11 +44,17 @@ MAX_LISTED_ERRORS = 5
 
 
 def load_export(
-    path: Path, trust_remote_code: bool, formats: FormatRegistry | None = None
+    path: Path,
+    trust_remote_code: bool,
+    formats: FormatRegistry | None = None,
+    simulate_activations: bool = True,
 ) -> nn.Module:
     """The float model of the export in ``path``, every quantized linear dequantized.
 
     :param formats: the export formats to detect and read with (default: every installed one).
+    :param simulate_activations: give each layer whose format stores an activation scheme a
+        hook that fake-quantizes its input (what ``msquant eval`` scores); False keeps the
+        activations in float (what the weights alone compute: ``verify``'s forward check).
 
     :raises ExportReadError: when the export cannot be read back consistently.
     :raises ModelLoadError: when its ``config.json`` does not build a model.
@@ -82,7 +89,8 @@ def load_export(
             with torch.no_grad():
                 weight.copy_(layer.dequantize().to(dtype))
             covered.add(f"{module_name}.weight")
-            _simulate_activations(model, module_name, reader, stored_name)
+            if simulate_activations:
+                _simulate_activations(model, module_name, reader, stored_name)
     finally:
         if reader.store is not None:
             reader.store.close()
