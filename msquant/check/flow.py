@@ -32,6 +32,7 @@ from torch import nn
 
 from msquant.check.base import LayerRunner
 from msquant.check.compare import FLOW_TOLERANCE, max_relative_error
+from msquant.check.hooks import check_hook
 from msquant.errors import TransformCheckError
 
 __all__ = ["FlowPair", "ov_channel_map", "prove_flow"]
@@ -116,6 +117,7 @@ class _FlowRecorder:
         self.inputs.setdefault(name, [])
         self.outputs.setdefault(name, [])
 
+        @check_hook
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
             x = _first_tensor(args)
             if x is not None:
@@ -132,6 +134,7 @@ class _FlowRecorder:
     def scale(self, name: str, factors: torch.Tensor) -> None:
         """Multiply ``name``'s output channels (last dimension) by ``factors``."""
 
+        @check_hook
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
             if not isinstance(output, torch.Tensor) or output.shape[-1] != factors.shape[0]:
                 return None

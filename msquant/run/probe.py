@@ -22,6 +22,7 @@ from torch import nn
 
 from msquant.backends.base import Backend
 from msquant.check.compare import FLOW_TOLERANCE
+from msquant.check.hooks import without_foreign_hooks
 from msquant.check.upcast import float32_copy, in_float32
 from msquant.model.layers import DecoderLayer
 from msquant.report.run_report import RunReport, TransformCheck
@@ -162,7 +163,7 @@ class TransformProbe:
         started = time.perf_counter()
         call = self._activations.calls[0][layer.index]
         inputs = self.hidden() if hidden is None else hidden
-        with in_float32(layer.module) as upcast:
+        with in_float32(layer.module) as upcast, without_foreign_hooks(layer.module):
             args, kwargs = (
                 float32_copy((call.args, call.kwargs)) if upcast else (call.args, call.kwargs)
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from toy_layer import HEADS, KV_HEADS, Holder, ToyProbe, Wiring
 
 from msquant import TransformCheckError
@@ -150,3 +151,24 @@ def test_the_function_check_maps_a_rotated_basis() -> None:
     plain = FunctionCheck(probe, "quarot", reference=check.previous)
     with pytest.raises(TransformCheckError):
         plain.verify("the rotation, unmapped")
+
+
+def test_probe_forwards_leave_other_hooks_out_and_in_place() -> None:
+    """A probe forward does not call hooks another processor has on the layer (in a group, a
+    smoothing processor's statistics hooks are attached while another checks its folds), and the
+    hooks are back, in their order, afterwards."""
+    from msquant.check.hooks import check_hook, without_foreign_hooks
+
+    layer = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    calls: list[str] = []
+    layer[0].register_forward_hook(lambda *_: calls.append("first"))
+    layer[0].register_forward_pre_hook(lambda *_: calls.append("pre"))
+    layer[0].register_forward_hook(check_hook(lambda *_: calls.append("check")))
+    layer[2].register_forward_hook(lambda *_: calls.append("last"))
+    x = torch.randn(2, 4)
+    with without_foreign_hooks(layer):
+        layer(x)
+    assert calls == ["check"]
+    calls.clear()
+    layer(x)
+    assert calls == ["pre", "first", "check", "last"]
