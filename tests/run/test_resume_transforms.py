@@ -12,6 +12,7 @@ uninterrupted run's export, byte for byte (``msquant_export.json`` included), an
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 import torch
 from conftest import CALIB_TXT, CliResult
 from rotation_helpers import randomize_norms
+from run.test_dp_resume import _args, _run_group
 from safetensors.torch import load_file
 from tiny_models import build_tiny_model
 from transformers import AutoModelForCausalLM
@@ -197,3 +199,26 @@ def test_resume_refuses_a_setup_that_derives_another_transform(model: Path, tmp_
     with pytest.raises(msquant.ResumeError, match=r"did not derive again .*\(model\.embed_tokens"):
         _quantize(model, save, config, resume=True)
     assert path.is_file()  # refused: the work is kept
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_rotated_group_of_two_processes_resumes(model: Path, tmp_path: Path) -> None:
+    """quarot in a ``dp_layer_wise`` group (``--nproc 2``, here forked as torchrun starts it):
+    both processes killed after layer 0's checkpoint, the group resumes to the uninterrupted
+    group's export; every process takes up its own probe (each runs the rotation's checks)."""
+    config = _config("quarot-W8A8_DYNAMIC", "dp_layer_wise")
+    config_path = tmp_path / "config.json"  # JSON is valid YAML
+    config_path.write_text(json.dumps(config))
+    uninterrupted, save = tmp_path / "uninterrupted" / "out", tmp_path / "resumed" / "out"
+    assert _run_group(_args(model, uninterrupted, config_path)) == [0, 0]
+    assert _run_group(_args(model, save, config_path), die_after={0: 0, 1: 0}) == [9, 9]
+    progress = json.loads((partial_path(save) / PROGRESS_FILE).read_text())
+    assert [entry["hidden"]["probe"] for entry in progress["ranks"]] == [True, True]
+
+    assert _run_group(_args(model, save, config_path, "--resume")) == [0, 0]
+
+    expected, got = _export(uninterrupted), _export(save)
+    assert sorted(got) == sorted(expected)
+    for file, data in expected.items():
+        assert got[file] == data, f"{file} differs from the uninterrupted group's"
+    assert not partial_path(save).exists()
