@@ -106,7 +106,7 @@ def take_up_transforms(ctx: RunContext, progress: Mapping[str, Any]) -> None:
     """Replace what the resumed run's ``setup`` recorded of its transforms (``ctx.transforms``)
     by the checkpoint's records (those of the finished layers too), once ``setup`` is shown to
     have derived again what the interrupted run's did: the same parameters, and the same values
-    of every tensor it set (which ``setup`` is not run again to set, the checkpoint would hold).
+    of every tensor it set (the checkpoint does not hold those tensors, only their fingerprints).
 
     :raises ResumeError: when ``setup`` derived something else.
     """
