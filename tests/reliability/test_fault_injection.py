@@ -19,14 +19,15 @@ never enters is skipped for that scenario (a kill there cannot happen).
 The new export is one of :data:`CONFIGS`: int4 weight-only (``minmax``), and the calibrated
 configs whose checkpoints hold more (static activation ranges; smoothing and rotation, whose
 checkpoints keep the probe's hidden states and the transforms' records, and whose resumed runs
-derive quarot's rotation again): for these the marker's ``transforms`` must be the new export's too.
+derive quarot's rotation again; quarot once more with the model in memory, whose checkpoints keep
+the rotated float tensors): the marker's ``transforms`` must be the new export's too.
 
 The default suite kills at the commit steps (:data:`COMMIT_STEPS`: the swap, its recovery and
 the steps that write or remove the checkpoint folder) of checkpointed and unchecked runs of the
 ``minmax`` config, and at the checkpoint steps of its resumed runs; the rest of the sweep (the
 layer store, fingerprints, marker helpers, and the swap again in resumed runs: about 120 more
 kill points, 3 to 4 minutes on two cores) and every kill point of the other configs (about 150
-each) run with ``pytest -m faults``.
+each) run with ``pytest -m faults`` (``-k quarot`` and the like for one config).
 """
 
 from __future__ import annotations
@@ -108,6 +109,10 @@ CONFIGS = {
     "iter_smooth": _HEADER + "    - type: iter_smooth\n" + _DYNAMIC,
     "flex_smooth": _HEADER + "    - type: flex_smooth_quant\n" + _STATIC,
     "quarot": _HEADER + "    - type: quarot\n" + _DYNAMIC,
+    # the model in memory: the checkpoint also keeps the rotated float tensors
+    "quarot_model_wise": _HEADER.replace("spec:\n", "spec:\n  runner: model_wise\n")
+    + "    - type: quarot\n"
+    + _DYNAMIC,
 }
 #: The calibration every config but ``minmax`` takes (the command line's and the reference's).
 CALIBRATION = ("--calib_path", CALIB_TXT, "--max_calib_tokens", "32")
