@@ -23,13 +23,13 @@ import torch
 from conftest import CALIB_TXT, CliResult
 from rotation_helpers import randomize_norms
 from run.test_dp_resume import _args, _run_group
+from run.test_resume import _export
 from safetensors.torch import load_file
 from tiny_models import build_tiny_model
 from transformers import AutoModelForCausalLM
 
 import msquant
 from msquant.plugin import RunContext
-from msquant.report.document import strip_timings
 from msquant.run.checkpoint.folder import RunCheckpoints
 from msquant.run.checkpoint.layout import PROGRESS_FILE, partial_path
 
@@ -72,19 +72,6 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _quantize(model: Path, save: Path, config: Any, **kwargs: Any) -> msquant.QuantizeResult:
     options = {"calib_path": CALIB_TXT, "max_calib_tokens": 64, "progress": False, **kwargs}
     return msquant.quantize(model, save, config, **options)
-
-
-def _export(root: Path) -> dict[str, Any]:
-    """Every file of an export by relative path: bytes, the report without its timings."""
-    files: dict[str, Any] = {}
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            name = str(path.relative_to(root))
-            if path.name == "quant_report.json":
-                files[name] = strip_timings(json.loads(path.read_text()))
-            else:
-                files[name] = path.read_bytes()
-    return files
 
 
 @contextmanager
