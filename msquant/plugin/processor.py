@@ -51,9 +51,10 @@ authors, GPTQModel and llm-compressor do).
 Checkpoints (:mod:`msquant.run.checkpoint`): a run whose processors are all ``resumable`` records, after
 every decoder layer, each processor's :meth:`Processor.resume_state` (JSON) beside the layers'
 quantized linears and the hidden states entering the next layer. ``msquant quant --resume`` then
-calls ``setup``, rebuilds the finished layers' :class:`msquant.plugin.QuantizedLinear` modules, calls
-:meth:`Processor.restore` with the recorded state and continues with the next layer; the export
-must come out identical to an uninterrupted run's.
+calls ``setup``, rebuilds the finished layers' :class:`msquant.plugin.QuantizedLinear` modules (and,
+in a run that transforms weights, their other tensors, the probe's hidden states and
+``ctx.transforms``), calls :meth:`Processor.restore` with the recorded state and continues with
+the next layer; the export must come out identical to an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -121,9 +122,13 @@ class Processor(ABC):
     requires_calibration: bool = False
     #: Whether a run with this processor may be checkpointed and resumed after a kill. Set it when
     #: everything the processor carries from one layer to the next is in :meth:`resume_state`
-    #: (nothing, for a stateless processor) and the only change it makes to a finished layer is
-    #: replacing ``nn.Linear`` modules with :class:`msquant.plugin.QuantizedLinear` (a resumed run rebuilds
-    #: finished layers from those alone). One processor without it turns checkpoints off.
+    #: (nothing, for a stateless processor) and a finished layer is rebuilt from what the
+    #: checkpoint keeps of it: its :class:`msquant.plugin.QuantizedLinear` modules, and in a run
+    #: whose processors set ``transforms_weights`` (the model kept in memory) its other tensors
+    #: too. What :meth:`setup` changes outside the layers is not kept: the resumed run's ``setup``
+    #: derives it again, so it must be deterministic (a ``transforms_weights`` processor's
+    #: fingerprints from ``setup`` are compared with the checkpoint's). One processor without it
+    #: turns checkpoints off.
     resumable: ClassVar[bool] = False
     #: Whether the processor changes float weights into others computing the same function (a
     #: rotation, a smoothing): the export then differs from the original model tensor by tensor.

@@ -66,6 +66,16 @@ class TransformLog:
             "sha256": tensor_sha256(tensor),
         }
 
+    def state(self) -> dict[str, Any]:
+        """Everything recorded, as JSON-able data (a checkpoint of the run; :meth:`restore`)."""
+        return {"processors": list(self.processors), "tensors": dict(self.tensors)}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Replace everything recorded by a :meth:`state` (a resumed run takes up its
+        checkpoint's records)."""
+        self.processors = [dict(entry) for entry in state["processors"]]
+        self.tensors = {name: dict(entry) for name, entry in state["tensors"].items()}
+
     def to_json(self) -> dict[str, Any] | None:
         """The marker's ``"transforms"`` value; None when nothing was recorded."""
         if not self.processors and not self.tensors:

@@ -5,7 +5,9 @@ A run whose processors transform weights (``Processor.transforms_weights``: smoo
 gets a :class:`TransformProbe` in ``ctx.probe``. It holds the first :data:`PROBE_TOKENS` tokens of
 the first calibration sample (or, for a run without calibration data, as many seeded random token
 ids), captures the hidden states they bring to the first decoder layer once the processors are set
-up, and after each layer pushes them through the processed layer to the next one. The checks of
+up, and after each layer pushes them through the processed layer to the next one. A checkpointed
+run records them after each layer (:meth:`TransformProbe.entering`); a resumed run takes them up
+(:meth:`TransformProbe.resume_at`). The checks of
 :mod:`msquant.check` run the current layer on them (:meth:`TransformProbe.run`, in float32 for
 16-bit layers) and record what they found (:meth:`TransformProbe.record`); the runner puts the
 records and the probe's time into the run report.
@@ -92,6 +94,29 @@ class TransformProbe:
             self.model, self.layers, [self.input_ids], max_batch_tokens=self.input_ids.numel()
         )
         self.seconds += time.perf_counter() - started
+
+    def entering(self) -> torch.Tensor:
+        """The probe's hidden states entering the next layer, as they are (for a checkpoint)."""
+        if self._activations is None:
+            raise RuntimeError("the probe's inputs are captured after the processors' setup")
+        return self._activations.hidden[0]
+
+    def resume_at(self, index: int, hidden: torch.Tensor) -> None:
+        """Take up the hidden states a checkpoint recorded as entering layer ``index`` (after
+        :meth:`capture`, in place of the first layer's inputs).
+
+        :raises ValueError: when their shape or dtype are not those of the captured inputs.
+        """
+        if self._activations is None:
+            raise RuntimeError("the probe's inputs are captured after the processors' setup")
+        captured = self._activations.hidden[0]
+        if hidden.shape != captured.shape or hidden.dtype != captured.dtype:
+            raise ValueError(
+                f"the probe's hidden states {tuple(hidden.shape)} {hidden.dtype} are not those of "
+                f"this run's probe {tuple(captured.shape)} {captured.dtype}"
+            )
+        self._activations.hidden = [hidden.to(captured.device)]
+        self._activations.next_layer = index
 
     def enter(self, layer: DecoderLayer) -> None:
         """``layer`` is the next one processed (its inputs are the probe's current hidden)."""

@@ -16,7 +16,10 @@ quantized weights go to ``ctx.spill`` first, for the read-back check of the expo
 memory too holds one layer at a time.
 
 With ``checkpoints`` (:mod:`msquant.run.checkpoint`) each finished layer's quantized linears and a
-checkpoint are written after it, and a resumed run starts after the checkpoint's last layer.
+checkpoint are written after it, and a resumed run starts after the checkpoint's last layer. In a
+run whose processors transform weights, the checkpoint also holds the probe's hidden states and
+(for a model kept in memory) the finished layers' float tensors; the processors' ``setup`` derives
+the rest again (quarot's rotated embedding and head).
 """
 
 from __future__ import annotations
@@ -87,9 +90,9 @@ def run_layer_wise(
         return
     probe = None
     if needs_probe(processors):
-        if checkpoints is not None and checkpoints.resuming:
-            raise RuntimeError("a run whose processors transform weights cannot be resumed yet")
         probe = TransformProbe(ctx.model, ctx.layers, ctx.backend, samples)
+        if checkpoints is not None:  # the in-memory model's transformed floats are restored
+            checkpoints.keeps_floats = ctx.streamed is None
     ctx.probe = probe
     try:
         _run_layers(ctx, processors, samples, progress, checkpoints, probe)

@@ -167,9 +167,10 @@ class QuaRot(Processor):
     type_name = "quarot"
     config_class = QuaRotConfig
     stage = "process"
-    # Not resumable: a resumed run rebuilds finished layers from their quantized linears alone,
-    # which would leave those layers' norms and float linears unrotated in memory.
-    resumable = False
+    # Resumable: nothing carries from one layer to the next but what setup derives again from
+    # the model and the seed (the matrices, the rotated embedding and head); the checkpoint
+    # holds the finished layers' rotated float tensors and the probe's hidden states.
+    resumable = True
     transforms_weights = True
     once_per_config = ONCE_PER_CONFIG
     config: QuaRotConfig

@@ -119,6 +119,9 @@ class SmoothingProcessor(Processor):
     transforms_weights = True
     #: the input rows of each subgraph are kept for the alpha/beta search
     keeps_rows: bool = False
+    #: nothing carries from one layer to the next (statistics are a layer's own); the
+    #: checkpoint holds the finished layers' smoothed float tensors
+    resumable = True
 
     def __init__(self, config: ProcessorConfig) -> None:
         super().__init__(config)

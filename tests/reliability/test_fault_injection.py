@@ -16,16 +16,24 @@ killed after its first layer. Then:
 A traced run of each scenario first records which of these functions it enters; a function it
 never enters is skipped for that scenario (a kill there cannot happen).
 
+The new export is one of :data:`CONFIGS`: int4 weight-only (``minmax``), and the calibrated
+configs whose checkpoints hold more (static activation ranges; smoothing and rotation, whose
+checkpoints keep the probe's hidden states and the transforms' records, and whose resumed runs
+derive quarot's rotation again; quarot once more with the model in memory, whose checkpoints keep
+the rotated float tensors): the marker's ``transforms`` must be the new export's too.
+
 The default suite kills at the commit steps (:data:`COMMIT_STEPS`: the swap, its recovery and
-the steps that write or remove the checkpoint folder) of checkpointed and unchecked runs, and at
-the checkpoint steps of resumed runs; the rest of the sweep (the layer store, fingerprints,
-marker helpers, and the swap again in resumed runs: about 120 more kill points, 3 to 4 minutes
-on two cores) runs with ``pytest -m faults``.
+the steps that write or remove the checkpoint folder) of checkpointed and unchecked runs of the
+``minmax`` config, and at the checkpoint steps of its resumed runs; the rest of the sweep (the
+layer store, fingerprints, marker helpers, and the swap again in resumed runs: about 120 more
+kill points, 3 to 4 minutes on two cores) and every kill point of the other configs (about 150
+each) run with ``pytest -m faults`` (``-k quarot`` and the like for one config).
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import shutil
 import sys
 from collections.abc import Callable, Iterator
@@ -35,6 +43,7 @@ from typing import Any
 
 import pytest
 from replay import (
+    CALIB_TXT,
     KILLED,
     MINMAX_YAML,
     Cli,
@@ -84,6 +93,29 @@ CHECKPOINT_MODULES = ("agree.", "layout.", "fingerprint.", "durable.", "store.",
 NEW_YAML = MINMAX_YAML.replace(
     "dtype: int8, scope: per_channel", "dtype: int4, scope: per_group, ext: {group_size: 32}"
 )
+_QUANT = """\
+    - type: linear_quant
+      qconfig:
+        act: {{dtype: int8, scope: {act}, symmetric: {symmetric}, method: minmax}}
+        weight: {{dtype: int8, scope: per_channel, symmetric: true, method: minmax}}
+"""
+_DYNAMIC = _QUANT.format(act="per_token", symmetric="true")
+_STATIC = _QUANT.format(act="per_tensor", symmetric="false")
+_HEADER = "apiversion: modelslim_v1\nspec:\n  process:\n"
+#: The new export's config of each sweep (the default suite kills ``minmax`` runs only).
+CONFIGS = {
+    "minmax": NEW_YAML,
+    "w8a8_static": _HEADER + _STATIC,
+    "iter_smooth": _HEADER + "    - type: iter_smooth\n" + _DYNAMIC,
+    "flex_smooth": _HEADER + "    - type: flex_smooth_quant\n" + _STATIC,
+    "quarot": _HEADER + "    - type: quarot\n" + _DYNAMIC,
+    # the model in memory: the checkpoint also keeps the rotated float tensors
+    "quarot_model_wise": _HEADER.replace("spec:\n", "spec:\n  runner: model_wise\n")
+    + "    - type: quarot\n"
+    + _DYNAMIC,
+}
+#: The calibration every config but ``minmax`` takes (the command line's and the reference's).
+CALIBRATION = ("--calib_path", CALIB_TXT, "--max_calib_tokens", "32")
 
 
 def _functions() -> Iterator[tuple[str, Callable[..., Any]]]:
@@ -141,18 +173,23 @@ COMMIT_STEPS = frozenset(
 
 
 def _kill_points() -> list[Any]:
-    """(point, scenario) pairs; those outside the default suite marked ``faults``. The default
-    kills at the commit steps in checkpointed and unchecked runs, and at the checkpoint
-    folder's steps (those of :data:`CHECKPOINT_MODULES`, which restore) in resumed runs too."""
-    pairs = []
-    for name in sorted(FUNCTIONS):
-        for scenario in SCENARIOS:
-            default = name in COMMIT_STEPS and (
-                scenario != "resumed" or name.startswith(CHECKPOINT_MODULES)
-            )
-            marks = () if default else (pytest.mark.faults,)
-            pairs.append(pytest.param(name, scenario, marks=marks, id=f"{name}-{scenario}"))
-    return pairs
+    """(point, scenario, config) triples; those outside the default suite marked ``faults``.
+    The default kills ``minmax`` runs at the commit steps in checkpointed and unchecked runs,
+    and at the checkpoint folder's steps (those of :data:`CHECKPOINT_MODULES`, which restore)
+    in resumed runs too."""
+    triples = []
+    for config in CONFIGS:
+        for name in sorted(FUNCTIONS):
+            for scenario in SCENARIOS:
+                default = (
+                    config == "minmax"
+                    and name in COMMIT_STEPS
+                    and (scenario != "resumed" or name.startswith(CHECKPOINT_MODULES))
+                )
+                marks = () if default else (pytest.mark.faults,)
+                case_id = f"{name}-{scenario}" + ("" if config == "minmax" else f"-{config}")
+                triples.append(pytest.param(name, scenario, config, marks=marks, id=case_id))
+    return triples
 
 
 def test_the_kill_points_cover_the_commit_steps() -> None:
@@ -167,30 +204,42 @@ def test_the_kill_points_cover_the_commit_steps() -> None:
 
 
 @pytest.fixture(scope="module")
-def exports(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The previous export (int8) and the new one (int4) an uninterrupted run writes."""
+def exports(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The export an uninterrupted run writes: ``old`` (int8, the previous export of every
+    case) or the new one of a :data:`CONFIGS` entry (built once, when first asked for)."""
     import msquant
 
     root = tmp_path_factory.mktemp("exports")
-    built = {}
-    for name, text in (("old", MINMAX_YAML), ("new", NEW_YAML)):
-        config = root / f"{name}.yaml"
-        config.write_text(text)
-        msquant.quantize(tiny_llama, root / name, config, progress=False)
-        built[name] = root / name
-    return built
+    built: dict[str, Path] = {}
+
+    def build(name: str) -> Path:
+        if name not in built:
+            config = root / f"{name}.yaml"
+            config.write_text(MINMAX_YAML if name == "old" else CONFIGS[name])
+            calibration = {} if name in ("old", "minmax") else {"calib_path": CALIB_TXT}
+            if calibration:
+                calibration["max_calib_tokens"] = 32
+            msquant.quantize(tiny_llama, root / name, config, progress=False, **calibration)
+            built[name] = root / name
+        return built[name]
+
+    return build
 
 
 def _beside(case: Path) -> list[str]:
     return sorted(p.name for p in case.iterdir() if p.name.startswith(".out"))
 
 
-def _prepare(case: Path, exports: dict[str, Path], scenario: str) -> list[object]:
-    """The case's previous export and command line; for ``resumed``, a run killed after its
-    first layer first (the command then resumes it)."""
-    shutil.copytree(exports["old"], case / "out")
-    (case / "new.yaml").write_text(NEW_YAML)
+def _prepare(
+    case: Path, exports: Callable[[str], Path], scenario: str, config: str
+) -> list[object]:
+    """The case's previous export and command line (the new export of ``config``); for
+    ``resumed``, a run killed after its first layer first (the command then resumes it)."""
+    shutil.copytree(exports("old"), case / "out")
+    (case / "new.yaml").write_text(CONFIGS[config])
     flags = ["--overwrite"] + (["--no_checkpoints"] if scenario == "no_checkpoints" else [])
+    if config != "minmax":
+        flags += CALIBRATION
     args = quant_args(case, *flags, config="new.yaml")
     if scenario == "resumed":
         first = run_forked(
@@ -218,47 +267,66 @@ def _record_entries(log: Path) -> None:
 
 @pytest.fixture(scope="module")
 def entered(
-    exports: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path
-) -> dict[str, set[str]]:
-    """The functions each scenario's run enters (one traced run per scenario)."""
-    result = {}
-    for scenario in SCENARIOS:
-        root = tmp_path_factory.mktemp(f"trace_{scenario}")
-        case = root / "case"
-        case.mkdir()
-        shutil.copytree(tiny_llama, case / "model")
-        (case / "w8.yaml").write_text(MINMAX_YAML)
-        args = _prepare(case, exports, scenario)
-        names = root / "entered.txt"
-        record = lambda names=names: _record_entries(names)  # noqa: E731
-        assert run_forked(args, root / "run.log", record) == 0
-        result[scenario] = set(names.read_text().split())
-    return result
+    exports: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path
+) -> Callable[[str], dict[str, set[str]]]:
+    """The functions each scenario's run of a config enters (one traced run per scenario and
+    config, when first asked for)."""
+    traced: dict[str, dict[str, set[str]]] = {}
+
+    def trace(config: str) -> dict[str, set[str]]:
+        if config in traced:
+            return traced[config]
+        result = {}
+        for scenario in SCENARIOS:
+            root = tmp_path_factory.mktemp(f"trace_{config}_{scenario}")
+            case = root / "case"
+            case.mkdir()
+            shutil.copytree(tiny_llama, case / "model")
+            (case / "w8.yaml").write_text(MINMAX_YAML)
+            args = _prepare(case, exports, scenario, config)
+            names = root / "entered.txt"
+            record = lambda names=names: _record_entries(names)  # noqa: E731
+            assert run_forked(args, root / "run.log", record) == 0
+            result[scenario] = set(names.read_text().split())
+        traced[config] = result
+        return result
+
+    return trace
 
 
-def test_the_scenarios_enter_the_commit_steps(entered: dict[str, set[str]]) -> None:
+def test_the_scenarios_enter_the_commit_steps(
+    entered: Callable[[str], dict[str, set[str]]],
+) -> None:
+    traced = entered("minmax")
     for scenario in SCENARIOS:
         for step in ("_commit", "_move_aside", "_move_into_place", "_clean_up"):
-            assert f"staging.StagedOutputDir.{step}" in entered[scenario], scenario
-        assert "recovery.recover_save_path" in entered[scenario]
-    assert "folder.RunCheckpoints.commit_layer" in entered["checkpointed"]
-    assert "folder.RunCheckpoints.restore" in entered["resumed"]
-    assert "folder.RunCheckpoints.commit_layer" not in entered["no_checkpoints"]
+            assert f"staging.StagedOutputDir.{step}" in traced[scenario], scenario
+        assert "recovery.recover_save_path" in traced[scenario]
+    assert "folder.RunCheckpoints.commit_layer" in traced["checkpointed"]
+    assert "folder.RunCheckpoints.restore" in traced["resumed"]
+    assert "folder.RunCheckpoints.commit_layer" not in traced["no_checkpoints"]
 
 
-@pytest.mark.parametrize(("point", "scenario"), _kill_points())
+def _transforms(export: Path) -> Any:
+    """What the marker records of the export's weight transforms (None: nothing)."""
+    return json.loads((export / "msquant_export.json").read_text()).get("transforms")
+
+
+@pytest.mark.parametrize(("point", "scenario", "config"), _kill_points())
 def test_kill_on_entry(
     point: str,
     scenario: str,
+    config: str,
     case: Path,
     run_cli: Cli,
-    exports: dict[str, Path],
-    entered: dict[str, set[str]],
+    exports: Callable[[str], Path],
+    entered: Callable[[str], dict[str, set[str]]],
 ) -> None:
-    if point not in entered[scenario]:
+    if point not in entered(config)[scenario]:
         pytest.skip(f"a {scenario} run does not enter {point}")
-    old, new = export_files(exports["old"]), export_files(exports["new"])
-    args = _prepare(case, exports, scenario)
+    new_export = exports(config)
+    old, new = export_files(exports("old")), export_files(new_export)
+    args = _prepare(case, exports, scenario, config)
     log = case.parent / "run.log"
 
     code = run_forked(args, log, lambda: kill_on_entry(FUNCTIONS[point]))
@@ -273,4 +341,5 @@ def test_kill_on_entry(
     outcome = replay(run_cli, case, *rerun)
     assert outcome.code == 0, outcome.err
     assert export_files(case / "out") == new
+    assert _transforms(case / "out") == _transforms(new_export)
     assert _beside(case) == []

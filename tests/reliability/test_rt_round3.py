@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from msquant.errors import QuantizationError
 from msquant.load.streaming import StreamedWeights
 from msquant.processors.linear_quant_act import StaticActCalibration
+from msquant.run.checkpoint.folder import RunCheckpoints
 from msquant.run.checkpoint.layout import PROGRESS_FILE, partial_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,20 +164,22 @@ def test_sigterm_of_a_run_without_checkpoints_says_the_work_is_lost(case: Path) 
 @needs_fork
 def test_sigterm_of_a_smoothing_run_tells_the_truth(case: Path) -> None:
     """``iter_smooth`` runs could not be resumed and SIGTERM did not say the work was lost. The
-    message follows what the run kept: if smoothing becomes resumable, the hint to resume."""
+    message follows what the run kept: smoothing is resumable now, so the hint to resume, which
+    then finishes the run."""
     config = _config(case, "smooth.yaml", HEADER + "  process:\n    - type: iter_smooth\n" + STATIC)
     log = case.parent / "run.log"
-    code = run_forked(_calibrated(case, config), log, _terminated_at_layer_1)
+    terminate = lambda: on_entry(  # noqa: E731  (in layer 1: layer 0's checkpoint is taken)
+        RunCheckpoints.commit_layer, lambda: signal.raise_signal(signal.SIGTERM), call=2
+    )
+    code = run_forked(_calibrated(case, config), log, terminate)
     assert code == 143
     text = log.read_text()
     line = text[text.index("msquant: terminated (SIGTERM)") :]
-    if (partial_path(case / "out") / PROGRESS_FILE).is_file():
-        assert "is kept in" in line and "run the same command with --resume" in line
-    else:
-        assert (
-            "the work done is lost (this run writes no checkpoints: processor iter_smooth " in line
-        )
-        assert "run the same command again to start over" in line and "--resume" not in line
+    assert (partial_path(case / "out") / PROGRESS_FILE).is_file()
+    assert "(1 of 2 decoder layers done) is kept in" in line
+    assert "run the same command with --resume" in line
+    assert run_forked([*_calibrated(case, config), "--resume"], log, lambda: None) == 0
+    assert (case / "out" / "msquant_export.json").is_file()
 
 
 @needs_fork

@@ -5,16 +5,20 @@ A checkpointed run keeps its work in a folder named after the save path,
 
     .msquant-owner            says msquant created the folder (one without it is never used)
     export/                   the staging folder: moved to the save path once the run is complete
-    layers/00000.safetensors  the quantized linears of each finished decoder layer
+    layers/00000.safetensors  the quantized linears of each finished decoder layer (and its
+                              other tensors in a run that transforms weights in memory)
     layers/outside.safetensors  quantized linears outside the layers (the head), at the end
-    hidden-00004-rank0.safetensors  the hidden states entering the next layer (calibrated runs),
-                              one file per process of a ``dp_layer_wise`` group (its share)
+                              (and the other tensors outside the layers, as above)
+    hidden-00004-rank0.safetensors  the hidden states entering the next layer (calibrated runs;
+                              the transform probe's too), one file per process of a
+                              ``dp_layer_wise`` group (its share)
     progress.json             the latest checkpoint, replaced atomically after every layer
     .msquant-scratch-*/       a streamed run's scratch folders (offload index), one per process
 
 ``progress.json`` holds the run's fingerprint (versions, config and calibration hashes, model
 files, device kind, number of processes), how many layers are finished, the run report's
-per-layer records and, per process, its hidden-state file and every processor's
+per-layer records, what the processors recorded of their weight transforms (``ctx.transforms``)
+and, per process, its hidden-state file and every processor's
 :meth:`~msquant.plugin.Processor.resume_state` (the savers' writer states, in process 0's entry). It is
 written to a temporary file, flushed to the disk and renamed over the previous one, after the
 files it names (the layer's quantized linears, every process's new hidden states); so whenever a
@@ -25,9 +29,13 @@ the new run's (a difference is a :class:`ResumeError` naming it), captures the c
 again (cheap and deterministic: embeddings and masks), rebuilds the finished layers'
 :class:`~msquant.plugin.QuantizedLinear` modules from ``layers/`` (weightless in a streamed run, as its
 released layers are), restores the hidden states, the report and the processors, and runs the
-remaining layers. The export is byte-identical to an uninterrupted run's, the report too apart
-from its ``*seconds`` fields. A checkpoint of stage ``finished`` (every saver has finalised)
-resumes straight at the read-back check, the evaluation and the report.
+remaining layers. A run whose processors transform weights (smoothing, rotation) also takes up the
+probe's hidden states, ``ctx.transforms`` and, with the model in memory, the finished layers'
+float tensors; what ``setup`` changed outside the layers (quarot's rotated embedding and head) is
+derived again by the resumed run's ``setup``, whose fingerprints must be the checkpoint's.
+The export is byte-identical to an uninterrupted run's, the report too apart from its
+``*seconds`` fields. A checkpoint of stage ``finished`` (every saver has finalised) resumes
+straight at the read-back check, the evaluation and the report.
 
 ``dp_layer_wise`` groups (:mod:`msquant.plugin.distributed`): process 0 owns the folder. It alone takes
 the lock, decides how the run uses the folder (fresh, resumed, refused: every process gets its

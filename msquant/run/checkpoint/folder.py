@@ -35,6 +35,7 @@ from msquant.run.checkpoint.layout import (
     HIDDEN_PREFIX,
     LAYERS_DIR,
     OUTSIDE_KEY,
+    PROBE_KEY,
     PROGRESS_FILE,
     PROGRESS_FORMAT,
     SCRATCH_PREFIX,
@@ -78,6 +79,11 @@ class RunCheckpoints:
         self.progress = progress
         self.dist = dist
         self.store = LayerStore(directory / LAYERS_DIR)
+        #: Whether each finished layer's float tensors are kept with its quantized linears (and
+        #: at the end those outside the layers): the runner sets it for a run whose processors
+        #: transform float weights and keep the model in memory (a streamed run releases its
+        #: finished layers, whose tensors are in the export files already).
+        self.keeps_floats = False
 
     @property
     def export_dir(self) -> Path:
@@ -181,10 +187,12 @@ class RunCheckpoints:
     # -- after each layer ---------------------------------------------------------------------
 
     def keep_layer(self, layer: DecoderLayer) -> None:
-        """Store the finished layer's quantized linears (before a streamed run releases it;
-        process 0 alone: every process holds the same results)."""
+        """Store the finished layer's quantized linears, and its float tensors when
+        :attr:`keeps_floats` (before a streamed run releases it; process 0 alone: every process
+        holds the same results)."""
         if self.dist.is_main:
-            self.store.save(layer_key(layer.index), layer.module, layer.name)
+            key = layer_key(layer.index)
+            self.store.save(key, layer.module, layer.name, floats=self.keeps_floats)
 
     def commit_layer(
         self,
@@ -193,10 +201,15 @@ class RunCheckpoints:
         layer: DecoderLayer,
         activations: CalibrationActivations | None,
     ) -> None:
-        """Write the checkpoint after ``layer``: every process's hidden states, then (process 0,
-        once all are on disk) the progress file; then each process drops its older ones."""
+        """Write the checkpoint after ``layer``: every process's hidden states (the calibration
+        batches' and the transform probe's, ``ctx.probe``), then (process 0, once all are on
+        disk) the progress file; then each process drops its older ones."""
         done = layer.index + 1
-        hidden = None if activations is None else self._save_hidden(done, activations.hidden)
+        batches = [] if activations is None else activations.hidden
+        probe = None if ctx.probe is None else ctx.probe.entering()
+        hidden = None
+        if activations is not None or probe is not None:
+            hidden = self._save_hidden(done, batches, probe)
         states = [{"type": p.type_name, "state": p.resume_state(ctx)} for p in processors]
         ranks = self.dist.all_gather_object({"hidden": hidden, "processors": states})
         if self.dist.is_main:
@@ -213,7 +226,7 @@ class RunCheckpoints:
         remove the folder once it is done)."""
         if self.dist.is_main:
             layers = [layer.name for layer in ctx.layers]
-            self.store.save(OUTSIDE_KEY, ctx.model, "", exclude=layers)
+            self.store.save(OUTSIDE_KEY, ctx.model, "", exclude=layers, floats=self.keeps_floats)
             self._write_progress(ctx, stage=STAGE_FINISHED, layers_done=len(ctx.layers), ranks=[])
         self.dist.barrier()
         self._remove_hidden(keep=None)
@@ -225,25 +238,33 @@ class RunCheckpoints:
         self, ctx: RunContext, *, stage: str, layers_done: int, ranks: list[dict[str, Any]]
     ) -> None:
         """``progress.json``: ``ranks`` holds each process's hidden-state file and processor
-        states, by rank."""
+        states, by rank; ``transforms`` what the processors recorded of their weight transforms
+        (``ctx.transforms``), ``probe_tokens`` the report's."""
         progress = {
             "format": PROGRESS_FORMAT,
             "stage": stage,
             "fingerprint": self.fingerprint,
             "layers_done": layers_done,
             "report": ctx.report.layer_records(),
+            "probe_tokens": ctx.report.probe_tokens,
+            "transforms": ctx.transforms.state(),
             "ranks": ranks,
         }
         write_json_atomically(self.directory / PROGRESS_FILE, progress)
 
-    def _save_hidden(self, done: int, hidden: Sequence[torch.Tensor]) -> dict[str, Any]:
+    def _save_hidden(
+        self, done: int, hidden: Sequence[torch.Tensor], probe: torch.Tensor | None
+    ) -> dict[str, Any]:
         name = hidden_name(done, self.dist.rank)
         tensors = {layer_key(i): h.detach().to("cpu").contiguous() for i, h in enumerate(hidden)}
+        if probe is not None:
+            tensors[PROBE_KEY] = probe.detach().to("cpu").contiguous()
         path = self.directory / name
         save_tensors_atomically(tensors, path)
         return {
             "file": name,
-            "batches": len(tensors),
+            "batches": len(hidden),
+            "probe": probe is not None,
             "bytes": path.stat().st_size,
             "sha256": sha256_file(path),
         }

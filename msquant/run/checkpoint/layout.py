@@ -16,6 +16,7 @@ __all__ = [
     "LAYERS_DIR",
     "HIDDEN_PREFIX",
     "OUTSIDE_KEY",
+    "PROBE_KEY",
     "SCRATCH_PREFIX",
     "STAGE_LAYERS",
     "STAGE_FINISHED",
@@ -32,6 +33,7 @@ EXPORT_DIR = "export"
 LAYERS_DIR = "layers"
 HIDDEN_PREFIX = "hidden-"
 OUTSIDE_KEY = "outside"  # quantized modules outside the decoder layers (the output head)
+PROBE_KEY = "probe"  # the transform probe's hidden states, in a hidden-state file
 #: How :func:`msquant.run.placement.load_for_run` names a streamed run's scratch folder.
 SCRATCH_PREFIX = ".msquant-scratch-"
 STAGE_LAYERS = "layers"

@@ -1,6 +1,12 @@
 """Taking up a checkpoint when a killed run resumes: the finished layers rebuilt from the layer
-store, the hidden states entering the next layer, the report's layer records and the processors'
-states (:meth:`RunCheckpoints.restore`, :meth:`RunCheckpoints.restore_finished`).
+store (their float tensors too, in a run that transforms weights), the hidden states entering the
+next layer (the transform probe's too), the report's layer records, the transforms recorded and
+the processors' states (:meth:`RunCheckpoints.restore`, :meth:`RunCheckpoints.restore_finished`).
+
+What a transform changes outside the decoder layers (quarot's rotated embedding and head, its
+matrices) is not in the checkpoint: the resumed run's ``setup`` derives it again, from the same
+model and seed. That it did is checked here: every fingerprint ``setup`` recorded must be the one
+the interrupted run recorded (:func:`take_up_transforms`).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from safetensors import safe_open
 from msquant.export.marker import sha256_file
 from msquant.export.shards import WriterStateError, remove_temporaries
 from msquant.plugin.context import RunContext
-from msquant.run.checkpoint.layout import OUTSIDE_KEY, WORLD_SIZE_HINT, ResumeError
+from msquant.run.checkpoint.layout import OUTSIDE_KEY, PROBE_KEY, WORLD_SIZE_HINT, ResumeError
 from msquant.run.checkpoint.progress import layer_key
 
 if TYPE_CHECKING:
@@ -22,7 +28,7 @@ if TYPE_CHECKING:
     from msquant.run.capture import CalibrationActivations
     from msquant.run.checkpoint.folder import RunCheckpoints
 
-__all__ = ["take_up_finished", "take_up_layers"]
+__all__ = ["take_up_finished", "take_up_layers", "take_up_transforms"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +62,10 @@ def take_up_layers(
             f"{[p.type_name for p in processors]}"
         )
     done = int(progress["layers_done"])
+    take_up_transforms(ctx, progress)
     _rebuild(checkpoints, ctx, done)
-    if activations is not None:
-        _load_hidden(checkpoints, activations, mine["hidden"], done)
+    if activations is not None or ctx.probe is not None:
+        _load_hidden(checkpoints, ctx, activations, mine["hidden"], done)
     ctx.report.restore_layer_records(progress["report"])
     for processor, entry in zip(processors, mine["processors"], strict=True):
         try:
@@ -91,6 +98,36 @@ def take_up_finished(
     _rebuild(checkpoints, ctx, len(ctx.layers))
     checkpoints.store.rebuild(ctx.model, OUTSIDE_KEY, weightless=False)
     ctx.report.restore_layer_records(progress["report"])
+    ctx.report.probe_tokens = progress.get("probe_tokens")
+    ctx.transforms.restore(progress.get("transforms") or {"processors": [], "tensors": {}})
+
+
+def take_up_transforms(ctx: RunContext, progress: Mapping[str, Any]) -> None:
+    """Replace what the resumed run's ``setup`` recorded of its transforms (``ctx.transforms``)
+    by the checkpoint's records (those of the finished layers too), once ``setup`` is shown to
+    have derived again what the interrupted run's did: the same parameters, and the same values
+    of every tensor it set (the checkpoint does not hold those tensors, only their fingerprints).
+
+    :raises ResumeError: when ``setup`` derived something else.
+    """
+    recorded = progress.get("transforms") or {"processors": [], "tensors": {}}
+    fresh = ctx.transforms.state()
+    problems = []
+    if recorded["processors"][: len(fresh["processors"])] != fresh["processors"]:
+        problems.append(
+            f"parameters {fresh['processors']}, the interrupted run's {recorded['processors']}"
+        )
+    for name, entry in fresh["tensors"].items():
+        then = recorded["tensors"].get(name)
+        if then is None or (then["by"] == entry["by"] and then != entry):
+            problems.append(f"{name} set to sha256 {entry['sha256'][:12]}... by {entry['by']}")
+    if problems:
+        raise ResumeError(
+            "--resume: the processors' setup did not derive again what the interrupted run's did "
+            f"({'; '.join(problems)}): the transform is not deterministic, or the model changed; "
+            "start over with --overwrite (without --resume)"
+        )
+    ctx.transforms.restore(recorded)
 
 
 def _rebuild(checkpoints: RunCheckpoints, ctx: RunContext, count: int) -> None:
@@ -109,12 +146,13 @@ def _rebuild(checkpoints: RunCheckpoints, ctx: RunContext, count: int) -> None:
 
 def _load_hidden(
     checkpoints: RunCheckpoints,
-    activations: CalibrationActivations,
+    ctx: RunContext,
+    activations: CalibrationActivations | None,
     info: Mapping[str, Any] | None,
     done: int,
 ) -> None:
     """The hidden states entering layer ``done`` (this process's share, recorded as
-    ``info``), in place of the captured ones."""
+    ``info``; the transform probe's too), in place of the captured ones."""
     path = None if info is None else checkpoints.directory / info["file"]
     whose = f" of process {checkpoints.dist.rank}" if checkpoints.dist.active else ""
     if (
@@ -123,6 +161,7 @@ def _load_hidden(
         or not path.is_file()
         or path.stat().st_size != info["bytes"]
         or sha256_file(path) != info.get("sha256")
+        or (ctx.probe is not None and not info.get("probe"))
     ):
         raise ResumeError(
             f"--resume: the hidden states{whose} of the checkpoint in {checkpoints.directory} are "
@@ -130,6 +169,14 @@ def _load_hidden(
         )
     with safe_open(str(path), framework="pt") as handle:
         hidden = [handle.get_tensor(layer_key(i)) for i in range(int(info["batches"]))]
+        probe = handle.get_tensor(PROBE_KEY) if ctx.probe is not None else None
+    if probe is not None and ctx.probe is not None:
+        try:
+            ctx.probe.resume_at(done, probe)
+        except ValueError as error:
+            raise ResumeError(f"--resume: {error}{whose}") from error
+    if activations is None:
+        return
     captured = activations.hidden
     shapes = [(tuple(h.shape), h.dtype) for h in hidden]
     if shapes != [(tuple(h.shape), h.dtype) for h in captured]:

@@ -1,5 +1,7 @@
 """The quantized linears of finished layers, kept on disk: a checkpointed run's layer store, or a
-streamed run's reference of its released layers for the read-back check.
+streamed run's reference of its released layers for the read-back check. In a run whose processors
+transform float weights, a layer's file also holds the layer's other tensors (norms, biases, float
+linears) as the processors left them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ __all__ = ["LayerStore"]
 
 
 _PARTS = ("codes", "scale", "offset")
+#: The metadata key of a file's float tensors (``save(..., floats=True)``).
+_FLOATS = "floats"
 
 
 class LayerStore(Mapping[str, QuantizedWeight]):
@@ -38,25 +42,35 @@ class LayerStore(Mapping[str, QuantizedWeight]):
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._modules: dict[str, tuple[Path, dict[str, Any]]] = {}
+        self._floats: dict[str, list[str]] = {}  # key -> its float tensors' names
 
     def path(self, key: str) -> Path:
         """The file of ``key`` (a layer index as ``00003``, or ``outside``)."""
         return self.directory / f"{key}.safetensors"
 
     def save(
-        self, key: str, root: nn.Module, prefix: str, exclude: Sequence[str] = ()
+        self,
+        key: str,
+        root: nn.Module,
+        prefix: str,
+        exclude: Sequence[str] = (),
+        floats: bool = False,
     ) -> list[str]:
         """Write every :class:`QuantizedLinear` with data under ``root`` (full names under
         ``prefix``; those under an ``exclude`` prefix skipped) as ``key``'s file.
 
-        :returns: the names written.
+        :param floats: also write every other tensor of ``root``'s state (norms, biases, float
+            linears, buffers; those with data, outside the quantized linears and ``exclude``),
+            as they are: what a processor that transforms float weights changed in them is
+            restored with them (:meth:`rebuild`).
+        :returns: the names of the quantized linears written.
         """
         tensors: dict[str, torch.Tensor] = {}
         entries: dict[str, dict[str, Any]] = {}
         for name, module in root.named_modules(prefix=prefix):
             if not isinstance(module, QuantizedLinear) or module.weight.is_meta:
                 continue
-            if any(name == p or name.startswith(p + ".") for p in exclude):
+            if _under(name, exclude):
                 continue
             qweight = module.qweight
             for part in _PARTS:
@@ -74,9 +88,14 @@ class LayerStore(Mapping[str, QuantizedWeight]):
                 "shape": list(qweight.shape),
                 "bias": None if bias is None else str(bias.dtype).removeprefix("torch."),
             }
+        metadata = {"modules": json.dumps(entries)}
+        if floats:
+            kept = _float_state(root, prefix, [*exclude, *_quantized_names(root, prefix)])
+            tensors.update(kept)
+            metadata[_FLOATS] = json.dumps(list(kept))
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.path(key)
-        save_tensors_atomically(tensors, path, {"modules": json.dumps(entries)})
+        save_tensors_atomically(tensors, path, metadata)
         self._modules.update({name: (path, entry) for name, entry in entries.items()})
         return list(entries)
 
@@ -90,6 +109,7 @@ class LayerStore(Mapping[str, QuantizedWeight]):
             with safe_open(str(path), framework="pt") as handle:
                 metadata = handle.metadata() or {}
             entries: dict[str, dict[str, Any]] = json.loads(metadata["modules"])
+            self._floats[key] = json.loads(metadata.get(_FLOATS, "[]"))
         except (OSError, SafetensorError, KeyError, json.JSONDecodeError) as error:
             raise ResumeError(
                 f"the checkpoint file {path} is missing or damaged ({error}); the interrupted run "
@@ -99,10 +119,12 @@ class LayerStore(Mapping[str, QuantizedWeight]):
         return entries
 
     def rebuild(self, model: nn.Module, key: str, weightless: bool) -> None:
-        """Put ``key``'s quantized linears back into ``model`` in place of its float ones.
+        """Put ``key``'s quantized linears back into ``model`` in place of its float ones, and
+        the float tensors stored with them (``save(..., floats=True)``) in place of the loaded
+        ones.
 
         :param weightless: build them on the meta device (a streamed run's released layers),
-            without reading their tensors.
+            without reading their tensors (nor setting the float ones).
         """
         for name, entry in self.load(key).items():
             try:
@@ -133,6 +155,18 @@ class LayerStore(Mapping[str, QuantizedWeight]):
                     None if entry.get("act") is None else ActivationQuant.from_json(entry["act"]),
                 ),
             )
+        if not weightless:
+            self._restore_floats(model, key)
+
+    def _restore_floats(self, model: nn.Module, key: str) -> None:
+        """Set the float tensors of ``key``'s file into ``model`` (each a parameter or buffer
+        of its own: a head a processor untied from the embedding stays untied)."""
+        names = self._floats.get(key, [])
+        if not names:
+            return
+        with safe_open(str(self.path(key)), framework="pt") as handle:
+            for name in names:
+                _set_tensor(model, name, handle.get_tensor(name))
 
     @staticmethod
     def _weightless(entry: Mapping[str, Any]) -> tuple[QuantizedWeight, torch.Tensor | None]:
@@ -173,3 +207,44 @@ class LayerStore(Mapping[str, QuantizedWeight]):
 
     def __len__(self) -> int:
         return len(self._modules)
+
+
+def _under(name: str, prefixes: Sequence[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _quantized_names(root: nn.Module, prefix: str) -> list[str]:
+    return [n for n, m in root.named_modules(prefix=prefix) if isinstance(m, QuantizedLinear)]
+
+
+def _float_state(root: nn.Module, prefix: str, skip: Sequence[str]) -> dict[str, torch.Tensor]:
+    """``root``'s state with data, by full name, but what lies under a ``skip`` module."""
+    state = root.state_dict(prefix=f"{prefix}." if prefix else "")
+    return {
+        name: tensor.detach().to("cpu").contiguous()
+        for name, tensor in state.items()
+        if not tensor.is_meta and not _under(name.rpartition(".")[0], skip)
+    }
+
+
+def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Make ``tensor`` the parameter or buffer ``name`` of ``model`` (a parameter the model does
+    not have yet, such as a norm bias a processor added, is created)."""
+    owner, _, attribute = name.rpartition(".")
+    try:
+        module = model.get_submodule(owner)
+    except AttributeError:
+        raise ResumeError(
+            f"{name}: the checkpoint holds a tensor the model does not have: the model changed "
+            "since the run started"
+        ) from None
+    current = getattr(module, attribute, None)
+    if isinstance(current, torch.Tensor) and not current.is_meta:
+        tensor = tensor.to(current.device)
+    if attribute in module._buffers:
+        module._buffers[attribute] = tensor
+        return
+    grad = isinstance(current, nn.Parameter) and current.requires_grad
+    setattr(
+        module, attribute, nn.Parameter(tensor, requires_grad=grad and tensor.is_floating_point())
+    )
