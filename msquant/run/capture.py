@@ -148,12 +148,30 @@ class _Recorder(nn.Module):
         if self.index == 0:
             session.first_hidden = hidden_states
             if session.tuple_output is None:  # learn the layer's return convention once
-                session.tuple_output = isinstance(
-                    self.real[0](hidden_states, *args, **kwargs), tuple
-                )
+                output = self.real[0](hidden_states, *args, **kwargs)
+                session.tuple_output = isinstance(output, tuple)
+                if session.tuple_output:
+                    session.extra_outputs = _extra_outputs(self.real[0], output)
         session.calls.append(LayerCall(args, dict(kwargs)))
         session.order.append(self.index)
-        return (hidden_states,) if session.tuple_output else hidden_states
+        if not session.tuple_output:
+            return hidden_states
+        return (hidden_states, *([None] * session.extra_outputs))
+
+
+def _extra_outputs(layer: nn.Module, output: tuple[Any, ...]) -> int:
+    """How many outputs a decoder layer returns beside its hidden states (all None: attention
+    weights not asked for); a layer handing something else to the next one is refused."""
+    extra = output[1:]
+    if any(value is not None for value in extra):
+        kinds = ", ".join(type(value).__name__ for value in extra)
+        raise ModelLoadError(
+            f"{type(layer).__name__} returns more than its hidden states ({kinds} beside them), "
+            "which the model passes on to the next layers: msquant runs the decoder layers one "
+            "at a time from the hidden states and the arguments each received, so an "
+            "architecture whose layers hand other state to each other is not supported"
+        )
+    return len(extra)
 
 
 @dataclass
@@ -162,6 +180,8 @@ class _CaptureSession:
     order: list[int] = field(default_factory=list)
     first_hidden: torch.Tensor | None = None
     tuple_output: bool | None = None
+    #: the None outputs a tuple-returning layer gives beside its hidden states
+    extra_outputs: int = 0
 
 
 def batch_samples(
