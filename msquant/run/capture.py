@@ -123,14 +123,12 @@ def tree_to_device(obj: Any, backend: Backend) -> Any:
     return obj
 
 
-class _Recorder(nn.Module):
-    """Stands in for a decoder layer during capture: records its inputs, returns them unchanged."""
+class _LayerStandIn(nn.Module):
+    """Stands in for a decoder layer in the model's layer list while the model body runs."""
 
-    def __init__(self, index: int, real: nn.Module, session: _CaptureSession) -> None:
+    def __init__(self, real: nn.Module) -> None:
         super().__init__()
-        self.index = index
         self.real = [real]  # a list keeps the real layer out of this module's children
-        self.session = session
 
     def __getattr__(self, name: str) -> Any:
         """Attributes the model's forward reads off its layers (transformers 4's Qwen3 reads
@@ -142,6 +140,15 @@ class _Recorder(nn.Module):
             if not real:
                 raise
             return getattr(real[0], name)
+
+
+class _Recorder(_LayerStandIn):
+    """Stands in for a decoder layer during capture: records its inputs, returns them unchanged."""
+
+    def __init__(self, index: int, real: nn.Module, session: _CaptureSession) -> None:
+        super().__init__(real)
+        self.index = index
+        self.session = session
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         session = self.session
@@ -296,22 +303,9 @@ class _FirstLayerReached(Exception):
         self.hidden = hidden
 
 
-class _StopAtFirstLayer(nn.Module):
+class _StopAtFirstLayer(_LayerStandIn):
     """Stands in for the first decoder layer: raises with its input (the layer never runs, so
     its weights need not be loaded)."""
-
-    def __init__(self, real: nn.Module) -> None:
-        super().__init__()
-        self.real = [real]
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            real = self.__dict__.get("real")
-            if not real:
-                raise
-            return getattr(real[0], name)
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         raise _FirstLayerReached(hidden_states.detach())
