@@ -20,6 +20,7 @@ from torch import nn
 import msquant
 from msquant import ConfigError
 from msquant.backends import get_backend
+from msquant.check.hooks import check_hook
 from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
 from msquant.model.layers import find_decoder_layers
@@ -171,8 +172,9 @@ def test_processors_that_gather_nothing_cost_no_forward(
     probe_calls: list[int] = []
     in_probe = [False]
     for layer in find_decoder_layers(model):
+        # marked as a check's own hook: probe forwards detach every other (msquant.check.hooks)
         layer.module.register_forward_hook(
-            lambda *_, i=layer.index: (probe_calls if in_probe[0] else calls).append(i)
+            check_hook(lambda *_, i=layer.index: (probe_calls if in_probe[0] else calls).append(i))
         )
     for method in ("run", "capture", "leave"):
         original = getattr(TransformProbe, method)
