@@ -265,6 +265,27 @@ def run_msmodelslim(
     return time.monotonic() - start
 
 
+def require_venv(venv: Path) -> Path:
+    """``venv`` when it holds msModelSlim; otherwise the test fails saying how to build it."""
+    import pytest
+
+    if not (venv / "bin" / "msmodelslim").is_file():
+        pytest.fail(
+            f"no msModelSlim environment at {venv}: run scripts/msmodelslim_env.sh (or set "
+            "MSQUANT_MSMODELSLIM_VENV)"
+        )
+    return venv
+
+
+def load_ascend_export(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The tensors of the single weight shard of an Ascend export and its description."""
+    from safetensors.torch import load_file
+
+    (weights,) = folder.glob("quant_model_weights*.safetensors")
+    description = json.loads((folder / "quant_model_description.json").read_text())
+    return load_file(str(weights)), description
+
+
 def export_dir(cache: Path, arch: str, scheme: str) -> Path:
     """Where the oracle export of (``arch``, ``scheme``) lives."""
     return cache / "exports" / f"{arch}-{scheme}"

@@ -93,12 +93,7 @@ CASES = [
 
 
 def _venv() -> Path:
-    if not (VENV / "bin" / "msmodelslim").is_file():
-        pytest.fail(
-            f"no msModelSlim environment at {VENV}: run scripts/msmodelslim_env.sh (or set "
-            "MSQUANT_MSMODELSLIM_VENV)"
-        )
-    return VENV
+    return oracle.require_venv(VENV)
 
 
 def _export(arch: str, scheme: str) -> Path:

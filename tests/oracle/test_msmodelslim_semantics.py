@@ -18,7 +18,6 @@ model's arch); msquant runs the same file with ``model_type`` set to the same na
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -26,7 +25,6 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -50,18 +48,11 @@ IDENTICAL = [
 
 
 def _venv() -> Path:
-    if not (VENV / "bin" / "msmodelslim").is_file():
-        pytest.fail(
-            f"no msModelSlim environment at {VENV}: run scripts/msmodelslim_env.sh (or set "
-            "MSQUANT_MSMODELSLIM_VENV)"
-        )
-    return VENV
+    return oracle.require_venv(VENV)
 
 
 def _load(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    (weights,) = folder.glob("quant_model_weights*.safetensors")
-    description = json.loads((folder / "quant_model_description.json").read_text())
-    return load_file(str(weights)), description
+    return oracle.load_ascend_export(folder)
 
 
 def _model_type(arch: str) -> str:

@@ -18,7 +18,6 @@ runs YAMLs that enable every type under ``default``.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -58,18 +57,11 @@ CASES = [
 
 
 def _venv() -> Path:
-    if not (VENV / "bin" / "msmodelslim").is_file():
-        pytest.fail(
-            f"no msModelSlim environment at {VENV}: run scripts/msmodelslim_env.sh (or set "
-            "MSQUANT_MSMODELSLIM_VENV)"
-        )
-    return VENV
+    return oracle.require_venv(VENV)
 
 
 def _load(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    (weights,) = folder.glob("quant_model_weights*.safetensors")
-    description = json.loads((folder / "quant_model_description.json").read_text())
-    return load_file(str(weights)), description
+    return oracle.load_ascend_export(folder)
 
 
 @pytest.mark.parametrize(("arch", "scheme"), CASES)

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +22,12 @@ import torch
 from conftest import CALIB_TXT, CliResult
 from rotation_helpers import randomize_norms
 from run.test_dp_resume import _args, _run_group
-from run.test_resume import _export
+from run.test_resume import _export, _killed_after
 from safetensors.torch import load_file
 from tiny_models import build_tiny_model
 from transformers import AutoModelForCausalLM
 
 import msquant
-from msquant.plugin import RunContext
-from msquant.run.checkpoint.folder import RunCheckpoints
 from msquant.run.checkpoint.layout import PROGRESS_FILE, partial_path
 
 DYNAMIC = {"dtype": "int8", "scope": "per_token", "symmetric": True, "method": "minmax"}
@@ -72,28 +69,6 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _quantize(model: Path, save: Path, config: Any, **kwargs: Any) -> msquant.QuantizeResult:
     options = {"calib_path": CALIB_TXT, "max_calib_tokens": 64, "progress": False, **kwargs}
     return msquant.quantize(model, save, config, **options)
-
-
-@contextmanager
-def _killed_after(layer_index: int | None) -> Iterator[None]:
-    """Interrupt the run right after the checkpoint of ``layer_index`` (None: after the one
-    taken once every saver finalised)."""
-    commit_layer, commit_finished = RunCheckpoints.commit_layer, RunCheckpoints.commit_finished
-
-    def after_layer(self: RunCheckpoints, ctx: RunContext, *args: Any) -> None:
-        commit_layer(self, ctx, *args)
-        if layer_index is not None and args[1].index == layer_index:
-            raise KeyboardInterrupt
-
-    def after_finalize(self: RunCheckpoints, ctx: RunContext) -> None:
-        commit_finished(self, ctx)
-        raise KeyboardInterrupt
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(RunCheckpoints, "commit_layer", after_layer)
-        patch.setattr(RunCheckpoints, "commit_finished", after_finalize)
-        with pytest.raises(KeyboardInterrupt):
-            yield
 
 
 @pytest.mark.parametrize(
