@@ -5,7 +5,8 @@
 the name of a subgraph's producing module (a norm, ``v_proj``, ``up_proj``), as msModelSlim
 matches them. ``symmetric: false`` (msModelSlim's shift of the norm's output by each channel's
 midpoint, which adds biases to the norm and the linears) is refused: no shipped best practice
-uses it.
+uses it. ``flex_awq_ssz`` takes a ``qconfig`` (``linear_quant``'s schema: the quantization its
+search measures), required as in msModelSlim.
 """
 
 from __future__ import annotations
@@ -15,9 +16,19 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from msquant import ConfigIssue
-from msquant.plugin import SUBGRAPH_TYPES, ProcessorConfig, SubgraphType, pattern_problem
+from msquant.plugin import (
+    SUBGRAPH_TYPES,
+    ProcessorConfig,
+    QDType,
+    QScope,
+    SubgraphType,
+    pattern_problem,
+)
+from msquant.processors.linear_quant_config import MethodQConfig
 
 __all__ = [
+    "AWQ_METHODS",
+    "FlexAwqSszConfig",
     "FlexSmoothQuantConfig",
     "IterSmoothConfig",
     "SmoothQuantConfig",
@@ -107,6 +118,82 @@ class FlexSmoothQuantConfig(SmoothingConfig):
     @property
     def subgraph_types(self) -> tuple[SubgraphType, ...]:
         return tuple(t for t in SUBGRAPH_TYPES if t in self.enable_subgraph_type)
+
+
+#: The weight methods ``flex_awq_ssz``'s search can quantize with: msModelSlim's data-free ones.
+AWQ_METHODS = ("minmax", "ssz")
+AWQ_QCONFIG = (
+    "the quantization the alpha search measures its error under (linear_quant's qconfig): act "
+    "per_token int8 symmetric minmax; weight int4 / int8 per_channel symmetric, method ssz or "
+    "minmax (required)"
+)
+
+
+class FlexAwqSszConfig(SmoothingConfig):
+    """``flex_awq_ssz``: ``s = mean|a|^alpha``, ``alpha`` searched per subgraph on a 0.05 grid by
+    the error of the product quantized with ``qconfig`` when not given; ``beta`` is fixed at 0
+    (a ``beta`` given is accepted and ignored, as in msModelSlim)."""
+
+    type: Literal["flex_awq_ssz"] = "flex_awq_ssz"
+    qconfig: MethodQConfig = Field(description=AWQ_QCONFIG)
+    alpha: float | None = Field(default=None, description="in (0, 1); searched when unset")
+    beta: float | None = Field(
+        default=None, description="in (0, 1); accepted and ignored (flex_awq_ssz's beta is 0)"
+    )
+    enable_subgraph_type: list[str] = Field(
+        default_factory=lambda: ["norm-linear", "linear-linear", "ov", "up-down"],
+        description=SUBGRAPHS,
+    )
+
+    _unit = field_validator("alpha", "beta")(_open_unit)
+
+    @property
+    def subgraph_types(self) -> tuple[SubgraphType, ...]:
+        return tuple(t for t in SUBGRAPH_TYPES if t in self.enable_subgraph_type)
+
+
+def awq_qconfig_issues(config: FlexAwqSszConfig) -> list[ConfigIssue]:
+    """The quantization ``flex_awq_ssz``'s search implements: msModelSlim's dynamic W8A8 / W4A8
+    (per-token int8 activations, symmetric per-channel int8 / int4 weights) with a data-free
+    weight method."""
+    issues = []
+    act, weight = config.qconfig.act, config.qconfig.weight
+    if (act.dtype, act.scope, act.symmetric, act.method) != (
+        QDType.INT8,
+        QScope.PER_TOKEN,
+        True,
+        "minmax",
+    ):
+        issues.append(
+            ConfigIssue(
+                "qconfig.act",
+                f"flex_awq_ssz searches under per_token int8 symmetric minmax activations "
+                f"(msModelSlim's W8A8 / W4A8 dynamic), got {act.scope.value} "
+                f"{act.dtype.value} {'symmetric' if act.symmetric else 'asymmetric'} "
+                f"{act.method}; write act: {{scope: per_token, dtype: int8, symmetric: true, "
+                "method: minmax}",
+            )
+        )
+    if weight.method not in AWQ_METHODS:
+        issues.append(
+            ConfigIssue(
+                "qconfig.weight.method",
+                f"flex_awq_ssz quantizes its candidates with method {', '.join(AWQ_METHODS)} "
+                f"(data-free, as msModelSlim's search needs), not {weight.method}",
+            )
+        )
+    integer = weight.dtype in (QDType.INT4, QDType.INT8)
+    if not integer or weight.scope is not QScope.PER_CHANNEL or not weight.symmetric:
+        issues.append(
+            ConfigIssue(
+                "qconfig.weight",
+                f"flex_awq_ssz searches under symmetric per_channel int4 / int8 weights "
+                f"(msModelSlim's dynamic fake-quantized layers), got {weight.scope.value} "
+                f"{weight.dtype.value} {'symmetric' if weight.symmetric else 'asymmetric'}; "
+                "write dtype: int4 or int8, scope: per_channel, symmetric: true",
+            )
+        )
+    return issues
 
 
 def smoothing_issues(config: SmoothingConfig) -> list[ConfigIssue]:

@@ -3,8 +3,9 @@ numerics of :mod:`msquant.quant.smoothing`).
 
 A :class:`ScaleRule` says how a processor turns statistics into scales (``iter_smooth`` and
 ``smooth_quant``: fixed ``alpha``; ``flex_smooth_quant``: ``alpha`` / ``beta``, searched when not
-given); :func:`smooth_subgraph` computes the subgraph's weight statistic, asks the rule for the
-scales and folds them, in msModelSlim's order of operations.
+given; ``flex_awq_ssz``: ``alpha`` given or searched under the entry's quantization, ``beta`` 0);
+:func:`smooth_subgraph` computes the subgraph's weight statistic, asks the rule for the scales and
+folds them, in msModelSlim's order of operations.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from msquant.plugin import (
     ov_scales_mean,
     search_alpha_beta,
 )
+from msquant.processors.smoothing.awq_search import WeightFakeQuant, search_alpha
 
 __all__ = ["MAX_SEARCH_TOKENS", "ScaleRule", "smooth_subgraph"]
 
@@ -44,18 +46,28 @@ class ScaleRule:
 
     :param kind: ``"iter"`` (``a^alpha / w^(1-alpha)`` floored at ``scale_min``; o/v scales
         averaged over the query heads of a key/value head; signed weight maxima for linear ->
-        linear pairs) or ``"flex"`` (``a^alpha / w^beta`` floored at 1e-5; o/v statistics
-        reduced by their maximum; ``alpha`` / ``beta`` searched when either is None).
+        linear pairs), ``"flex"`` (``a^alpha / w^beta`` floored at 1e-5; o/v statistics
+        reduced by their maximum; ``alpha`` / ``beta`` searched when either is None) or
+        ``"awq"`` (the flex formulas with ``beta`` 0, the activation statistic a mean; ``alpha``
+        searched by :func:`~msquant.processors.smoothing.awq_search.search_alpha` under
+        ``fake_quant`` when None).
+    :param fake_quant: the awq rule's weight quantization (its entry's ``qconfig.weight``).
     """
 
     kind: str
     alpha: float | None
     beta: float | None = None
     scale_min: float = 1e-5
+    fake_quant: WeightFakeQuant | None = None
 
-    def alpha_beta(self, rows: torch.Tensor | None, weight: torch.Tensor) -> tuple[float, float]:
-        """The flex rule's ``(alpha, beta)``: as given, or searched on ``rows`` (the smoothing
-        processor passes at most :data:`MAX_SEARCH_TOKENS` of them, evenly spaced)."""
+    def alpha_beta(
+        self, rows: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> tuple[float, float]:
+        """The flex and awq rules' ``(alpha, beta)``: as given, or searched on ``rows`` (the
+        smoothing processor passes at most :data:`MAX_SEARCH_TOKENS` of them, evenly spaced);
+        ``bias`` is the consumer's, which the awq objective adds to the quantized product."""
+        if self.kind == "awq":
+            return self._awq_alpha(rows, weight, bias), 0.0
         if self.alpha is not None and self.beta is not None:
             return self.alpha, self.beta
         if rows is None:
@@ -63,6 +75,17 @@ class ScaleRule:
         alpha, beta, error = search_alpha_beta(rows.to(weight.dtype), weight)
         logger.debug("alpha %.2f beta %.2f (relative error %.5f)", alpha, beta, error)
         return alpha, beta
+
+    def _awq_alpha(
+        self, rows: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> float:
+        if self.alpha is not None:
+            return self.alpha
+        if rows is None or self.fake_quant is None:
+            raise ValueError("flex_awq_ssz: no calibration rows or quantizer to search alpha with")
+        alpha, error = search_alpha(rows.to(weight.dtype), weight, bias, self.fake_quant)
+        logger.debug("alpha %.2f (relative error %.5f)", alpha, error)
+        return alpha
 
 
 def _weight(module: nn.Module) -> torch.Tensor:
@@ -84,8 +107,9 @@ def smooth_subgraph(
     act_max: torch.Tensor,
     rows: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Compute ``subgraph``'s scales from ``act_max`` (the per-channel absolute maximum of its
-    first target's input) and fold them into its modules in place; returns the scales.
+    """Compute ``subgraph``'s scales from ``act_max`` (the per-channel statistic of its first
+    target's input: the absolute maximum, or for the awq rule the mean absolute value) and fold
+    them into its modules in place; returns the scales.
 
     :param rows: the first target's input rows, for the flex rule's search (else unused).
     """
@@ -98,7 +122,10 @@ def smooth_subgraph(
             assert rule.alpha is not None
             scales = iter_scales(act_max, abs_column_max(weights), rule.alpha, rule.scale_min)
         else:
-            alpha, beta = rule.alpha_beta(rows, torch.cat(weights, dim=0))
+            # flex_awq_ssz measures its search on the first two linears of a norm feeding more
+            # than three (all of them otherwise), as msModelSlim does
+            searched = weights[:2] if rule.kind == "awq" and len(weights) > 3 else weights
+            alpha, beta = rule.alpha_beta(rows, torch.cat(searched, dim=0))
             scales = flex_scales(act_max, abs_column_max(weights), alpha, beta)
         for weight in weights:
             fold_into_linear_columns(weight, scales)
@@ -115,7 +142,7 @@ def smooth_subgraph(
             )
             o_scales, v_scales = ov_scales_mean(scales, heads, kv_heads)
         else:
-            alpha, beta = rule.alpha_beta(rows, weight)
+            alpha, beta = rule.alpha_beta(rows, weight, _bias(targets[0]))
             o_scales, v_scales = ov_scales_max(
                 act_max, abs_column_max([weight]), alpha, beta, heads, kv_heads
             )
@@ -129,7 +156,7 @@ def smooth_subgraph(
             act_max, iter_weight_stat([weight], signed=True), rule.alpha, rule.scale_min
         )
     else:
-        alpha, beta = rule.alpha_beta(rows, weight)
+        alpha, beta = rule.alpha_beta(rows, weight, _bias(targets[0]))
         scales = flex_scales(act_max, abs_column_max([weight]), alpha, beta)
     fold_into_linear_columns(weight, scales)
     fold_into_linear_rows(_weight(source), _bias(source), scales)

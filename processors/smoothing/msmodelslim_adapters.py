@@ -13,7 +13,9 @@ The table below was read from msModelSlim 26.1.0's installed adapters (each clas
 and the ``subgraph_type`` values its ``get_adapter_config_for_subgraph`` writes; the
 language-model adapters plus the multimodal ones whose text decoder is a causal LM) and checked
 against its exports for ``default``, ``Qwen3-8B`` and ``QwQ-32B`` (``tests/oracle``).
-``smooth_quant`` smooths norm-linear subgraphs under every adapter, so it is not in the table.
+``smooth_quant`` smooths norm-linear subgraphs under every adapter, so it is not in the table;
+``flex_awq_ssz`` asks the adapter through ``FlexSmoothQuantInterface`` (its processor is
+``flex_smooth_quant``'s sibling), so it smooths what ``flex_smooth_quant`` smooths.
 """
 
 from __future__ import annotations
@@ -115,6 +117,8 @@ _ADAPTERS: dict[MsModelSlimAdapter, tuple[str, ...]] = {
 }  # fmt: skip
 
 _BY_NAME = {name: adapter for adapter, names in _ADAPTERS.items() for name in names}
+#: Processors asking an adapter through another's interface: name -> the processor it stands for.
+_SAME_INTERFACE = {"flex_awq_ssz": "flex_smooth_quant"}
 
 
 def msmodelslim_adapter(model_type: str) -> MsModelSlimAdapter | None:
@@ -124,10 +128,12 @@ def msmodelslim_adapter(model_type: str) -> MsModelSlimAdapter | None:
 
 
 def msmodelslim_types(processor: str, model_type: str) -> tuple[SubgraphType, ...]:
-    """The subgraph types ``processor`` (``iter_smooth``, ``flex_smooth_quant``) can smooth
+    """The subgraph types ``processor`` (``iter_smooth``, ``flex_smooth_quant``,
+    ``flex_awq_ssz``) can smooth
     under msModelSlim's ``--model_type model_type`` (before ``enable_subgraph_type``)."""
     adapter = msmodelslim_adapter(model_type)
-    if adapter is None or processor not in adapter.processors:
+    asking = _SAME_INTERFACE.get(processor, processor)
+    if adapter is None or asking not in adapter.processors:
         return DEFAULT_TYPES
     return adapter.types
 

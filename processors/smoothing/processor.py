@@ -1,4 +1,5 @@
-"""The smoothing processors ``smooth_quant``, ``iter_smooth`` and ``flex_smooth_quant``.
+"""The smoothing processors ``smooth_quant``, ``iter_smooth`` and ``flex_smooth_quant`` (and the
+base of ``flex_awq_ssz``, :mod:`.awq_processor`).
 
 Sample yaml (msModelSlim's W8A8_DYNAMIC practice)::
 
@@ -262,7 +263,7 @@ class SmoothingProcessor(Processor):
     def _fold(self, model: nn.Module, layer: DecoderLayer, subgraph: SmoothingSubgraph) -> bool:
         """Compute and fold one subgraph's scales; False when it saw no calibration token."""
         first = subgraph.targets[0]
-        act_max = self._statistics.channel_max.get(first)
+        act_max = self._act_statistic(first)
         if act_max is None:
             logger.warning(
                 "%s: %s saw no calibration token, left unsmoothed", self.type_name, first
@@ -279,6 +280,11 @@ class SmoothingProcessor(Processor):
             float(scales.max()),
         )
         return True
+
+    def _act_statistic(self, name: str) -> torch.Tensor | None:
+        """The per-channel activation statistic of the scales: the absolute maximum of the
+        input of ``name`` over the calibration tokens (None when it saw none)."""
+        return self._statistics.channel_max.get(name)
 
     def _check_folds(
         self,

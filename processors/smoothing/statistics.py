@@ -1,6 +1,6 @@
 """What a smoothing processor gathers from the calibration forward: per subgraph, the per-channel
-absolute maximum of the input of its first linear layer, and for the alpha/beta search the input
-rows themselves."""
+absolute maximum of the input of its first linear layer, and for the alpha/beta search (and
+``flex_awq_ssz``'s mean absolute activation) the input rows themselves."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from msquant.plugin import update_channel_max
+from msquant.processors.smoothing.awq_search import mean_abs
 
 __all__ = ["InputStatistics", "evenly_spaced"]
 
@@ -71,6 +72,12 @@ class InputStatistics:
                 picked.append(batch[inside - start])
             start = end
         return torch.cat(picked, dim=0)
+
+    def mean_abs(self, name: str) -> torch.Tensor | None:
+        """The per-channel mean of ``|x|`` over every recorded input row of ``name`` (None when
+        it saw none; needs ``keep_rows``)."""
+        batches = self.rows.get(name)
+        return mean_abs(batches) if batches else None
 
     def clear(self) -> None:
         """Forget everything recorded (the next layer starts afresh)."""

@@ -181,6 +181,33 @@ SSZ_SCHEMES: dict[str, Scheme] = {
 }
 
 
+#: ``flex_awq_ssz`` (issue 25) before W4A8_DYNAMIC ssz weights, as msModelSlim's W4A8 best
+#: practices (DeepSeek-V3.2, GLM-5) write it: its ``qconfig`` is the one its search measures.
+_AWQ_QCONFIG = SSZ_SCHEMES["w4a8_dynamic_ssz"].qconfig
+AWQ_SMOOTHINGS: dict[str, dict[str, Any]] = {
+    "flex_awq_ssz": {"type": "flex_awq_ssz", "qconfig": _AWQ_QCONFIG},
+    "flex_awq_ssz_fixed": {"type": "flex_awq_ssz", "qconfig": _AWQ_QCONFIG, "alpha": 0.4},
+    # the shipped practices' entry: up-down only, the first layer left out
+    "flex_awq_ssz_updown": {
+        "type": "flex_awq_ssz",
+        "qconfig": _AWQ_QCONFIG,
+        "enable_subgraph_type": ["up-down"],
+        "include": ["*"],
+        "exclude": ["model.layers.0.*"],
+    },
+    # int8 minmax weights in the search (W8A8_DYNAMIC), every type
+    "flex_awq_minmax": {
+        "type": "flex_awq_ssz",
+        "qconfig": {"act": _act("per_token", True), "weight": _weight("int8")},
+    },
+}
+for _smoothing, _entry in AWQ_SMOOTHINGS.items():
+    for _base in (SSZ_SCHEMES["w4a8_dynamic_ssz"], SCHEMES["w8a8_dynamic"]):
+        SSZ_SCHEMES[f"{_smoothing}-{_base.name}"] = Scheme(
+            f"{_smoothing}-{_base.name}", _base.qconfig, _base.quant_type, smoothing=_entry
+        )
+
+
 def all_schemes() -> dict[str, Scheme]:
     """Every scheme the oracle can run."""
     return {**SCHEMES, **SSZ_SCHEMES}
