@@ -68,7 +68,8 @@ def _linear(model: nn.Module, name: str) -> nn.Linear:
 
 
 class FlexAwqSszProcessor(SmoothingProcessor):
-    """``flex_awq_ssz`` (msModelSlim's defaults: every subgraph type, ``alpha`` searched)."""
+    """``flex_awq_ssz``: AWQ-style smoothing, ``alpha`` searched under the entry's ``qconfig``
+    (msModelSlim's defaults: every subgraph type, ``alpha`` searched)."""
 
     type_name = "flex_awq_ssz"
     config_class = FlexAwqSszConfig

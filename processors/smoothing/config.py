@@ -11,13 +11,14 @@ search measures), required as in msModelSlim.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from msquant import ConfigIssue
 from msquant.plugin import (
     SUBGRAPH_TYPES,
+    ActQConfig,
     ProcessorConfig,
     QDType,
     QScope,
@@ -147,9 +148,28 @@ class FlexAwqSszConfig(SmoothingConfig):
 
     _unit = field_validator("alpha", "beta")(_open_unit)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _qconfig_given(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("qconfig") is None:
+            raise ValueError(
+                "flex_awq_ssz needs qconfig: the quantization its alpha search measures (as "
+                "msModelSlim requires), e.g. qconfig: {act: {scope: per_token, dtype: int8, "
+                "symmetric: true, method: minmax}, weight: {scope: per_channel, dtype: int4, "
+                "symmetric: true, method: ssz}}"
+            )
+        return data
+
     @property
     def subgraph_types(self) -> tuple[SubgraphType, ...]:
         return tuple(t for t in SUBGRAPH_TYPES if t in self.enable_subgraph_type)
+
+
+def _act_text(act: ActQConfig) -> str:
+    if act.dtype is QDType.FLOAT:
+        return "float activations (act unset)"
+    symmetry = "symmetric" if act.symmetric else "asymmetric"
+    return f"{act.scope.value} {act.dtype.value} {symmetry} {act.method}"
 
 
 def awq_qconfig_issues(config: FlexAwqSszConfig) -> list[ConfigIssue]:
@@ -168,10 +188,8 @@ def awq_qconfig_issues(config: FlexAwqSszConfig) -> list[ConfigIssue]:
             ConfigIssue(
                 "qconfig.act",
                 f"flex_awq_ssz searches under per_token int8 symmetric minmax activations "
-                f"(msModelSlim's W8A8 / W4A8 dynamic), got {act.scope.value} "
-                f"{act.dtype.value} {'symmetric' if act.symmetric else 'asymmetric'} "
-                f"{act.method}; write act: {{scope: per_token, dtype: int8, symmetric: true, "
-                "method: minmax}",
+                f"(msModelSlim's W8A8 / W4A8 dynamic), got {_act_text(act)}; write act: "
+                "{scope: per_token, dtype: int8, symmetric: true, method: minmax}",
             )
         )
     if weight.method not in AWQ_METHODS:
