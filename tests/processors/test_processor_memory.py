@@ -194,3 +194,27 @@ def test_flex_search_rows_estimated_are_those_a_run_keeps(
     given = _processors(config)[0].memory_bytes(meta, layers[0], calibration)
     assert "search rows (every calibration token)" not in given
     assert given["channel maxima"] == (64 + 64 + 64 + 128) * 4
+
+
+def test_flex_awq_ssz_estimate_counts_every_row_and_the_mean(tiny_llama: Path) -> None:
+    """``flex_awq_ssz`` keeps every input row even with ``alpha`` given (the scales use the mean
+    of ``|x|`` over all of them), and its largest working set is at least the join of the widest
+    subgraph's rows and their ``|x|``."""
+    act = {"scope": "per_token", "dtype": "int8", "symmetric": True, "method": "minmax"}
+    weight = {"scope": "per_channel", "dtype": "int4", "symmetric": True, "method": "ssz"}
+    entry = {"type": "flex_awq_ssz", "alpha": 0.5, "qconfig": {"act": act, "weight": weight}}
+    config = {
+        "apiversion": "modelslim_v1",
+        "spec": {
+            "process": [entry, {"type": "linear_quant", "qconfig": {"act": act, "weight": weight}}]
+        },
+    }
+    meta = build_meta_model(load_model_config(tiny_llama))
+    layers = adapter_for(meta).decoder_layers(meta)
+    calibration = _calibration(tiny_llama)
+    items = _processors(config)[0].memory_bytes(meta, layers[0], calibration)
+    assert (
+        items["search rows (every calibration token)"]
+        == calibration.tokens * (64 + 64 + 64 + 128) * 4
+    )
+    assert items["awq mean and search (largest subgraph)"] >= 2 * calibration.tokens * 128 * 4

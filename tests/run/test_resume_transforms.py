@@ -38,6 +38,10 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "iter_smooth-W8A8_DYNAMIC": ({"type": "iter_smooth"}, DYNAMIC),
     "flex_smooth_quant-W8A8": ({"type": "flex_smooth_quant"}, STATIC),
     "smooth_quant-W8A8": ({"type": "smooth_quant"}, STATIC),
+    "flex_awq_ssz-W8A8_DYNAMIC": (
+        {"type": "flex_awq_ssz", "qconfig": {"act": DYNAMIC, "weight": WEIGHT}},
+        DYNAMIC,
+    ),
     "quarot-W8A8_DYNAMIC": ({"type": "quarot"}, DYNAMIC),
 }
 EVALUATION = {"eval_data": CALIB_TXT, "eval_seqlen": 16, "eval_max_samples": 2}
@@ -79,6 +83,7 @@ def _quantize(model: Path, save: Path, config: Any, **kwargs: Any) -> msquant.Qu
         ("flex_smooth_quant-W8A8", "model_wise", 0),
         ("flex_smooth_quant-W8A8", "layer_wise", 1),
         ("smooth_quant-W8A8", "model_wise", 0),
+        ("flex_awq_ssz-W8A8_DYNAMIC", "layer_wise", 1),
         ("quarot-W8A8_DYNAMIC", "layer_wise", 1),
         ("quarot-W8A8_DYNAMIC", "model_wise", 0),
         ("quarot-W8A8_DYNAMIC", "model_wise", None),
