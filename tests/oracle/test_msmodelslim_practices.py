@@ -46,9 +46,16 @@ PASSING = {
     "qwq/qwq-32b-w8a8.yaml",
 }
 
-#: The configs that validate on 2026-12-02: the run covers all of them.
+#: The configs that validate on 2026-12-02: the run covers all of them. The four W4A8 practices
+#: with ``flex_awq_ssz`` validate since 2026-12-03: those excluding the dense layers are refused
+#: on the tiny models (``flex_awq_ssz: no subgraph to smooth``: msquant does not smooth routed
+#: experts), ``deepseek_v4_pro_w4a8`` exported there (its verify step not yet measured).
 VALID = {
     "deepseek_v3/deepseek_w4a8_per_channel.yaml",
+    "deepseek_v3_2/deepseek_w4a8.yaml",
+    "deepseek_v4/deepseek_v4_pro_w4a8.yaml",
+    "glm_5/glm_5_1_w4a8.yaml",
+    "glm_5/glm_5_w4a8.yaml",
     "deepseek_v3_2/deepseek_w8a8.yaml",
     "deepseek_v3_2/deepseek_w8a8_quarot.yaml",
     "deepseek_v4/deepseek_v4_flash_w8a8.yaml",
