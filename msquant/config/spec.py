@@ -14,7 +14,7 @@ Two ``apiversion`` s are read: ``modelslim_v1`` and msModelSlim's vision-languag
 ``multimodal_vlm_modelslim_v1``, whose ``spec`` has one more key, ``default_text`` (the prompt
 msModelSlim pairs with a calibration image that has no text; msquant calibrates on text only,
 so it is validated and otherwise unused). The processors and their meaning are the same; a
-vision-language model's text decoder is what the layer loop walks (:doc:`docs/vision-language`).
+vision-language model's text decoder is what the layer loop walks (docs/msmodelslim-compat.md).
 
 Keys beside ``apiversion``/``metadata``/``spec`` at the top of a file are ignored, as msModelSlim
 ignores them: its configs define YAML anchors there (``default_w8a8_dynamic: &w8a8 {...}``) that
