@@ -9,6 +9,7 @@ Usage::
     python bench/msmodelslim_configs.py --dir site-packages/msmodelslim   # an installed copy
     python bench/msmodelslim_configs.py --markdown > table.md
     python bench/msmodelslim_configs.py --apiversion modelslim_v1 --run   # also run the valid ones
+    python bench/msmodelslim_configs.py --apiversion modelslim_v1 --apiversion multimodal_vlm_modelslim_v1 --run
 
 The downloaded wheel is kept in ``--cache`` (default ``~/.cache/msquant/msmodelslim``) and used
 from there next time; nothing is installed and none of its code is run. Every file is validated
@@ -221,11 +222,16 @@ PARSER = """
 import json, sys, yaml
 from msmodelslim.core.quant_service.interface import BaseQuantConfig
 from msmodelslim.core.quant_service.modelslim_v1.quant_config import ModelslimV1QuantConfig
+from msmodelslim.core.quant_service.multimodal_vlm_v1.quant_config import (
+    MultimodalVLMModelslimV1QuantConfig,
+)
+PARSERS = {"modelslim_v1": ModelslimV1QuantConfig,
+           "multimodal_vlm_modelslim_v1": MultimodalVLMModelslimV1QuantConfig}
 for name, text in json.load(sys.stdin):
     try:
         base = BaseQuantConfig.model_validate(yaml.safe_load(text))
-        if base.apiversion == "modelslim_v1":
-            ModelslimV1QuantConfig.from_base(base)
+        if base.apiversion in PARSERS:
+            PARSERS[base.apiversion].from_base(base)
             print("parses")
         else:
             print("(other service)")
@@ -269,7 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--dir", type=Path, help="an unpacked or installed msmodelslim package")
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--version", default=VERSION)
-    parser.add_argument("--apiversion", help="only files of this apiversion (e.g. modelslim_v1)")
+    parser.add_argument(
+        "--apiversion",
+        action="append",
+        help="only files of this apiversion (repeatable: modelslim_v1, multimodal_vlm_modelslim_v1)",
+    )
     parser.add_argument("--markdown", action="store_true", help="a Markdown table")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     parser.add_argument(
@@ -295,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         (row, name, text)
         for name, text in yaml_files(wheel, args.dir)
         if (row := check(name, text, registry)) is not None
-        and (args.apiversion is None or row.apiversion == args.apiversion)
+        and (args.apiversion is None or row.apiversion in args.apiversion)
     ]
     rows = [row for row, _, _ in checked]
     if args.msmodelslim_python is not None:
@@ -308,23 +318,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
     if args.run:
-        run_valid(
-            [(n, t) for r, (_, n, t) in zip(rows, checked, strict=True) if r.verdict == "valid"],
-            args,
-        )
+        valid = [
+            (r, n, t) for r, (_, n, t) in zip(rows, checked, strict=True) if r.verdict == "valid"
+        ]
+        run_valid([(n, t) for _, n, t in valid], [r.apiversion for r, _, _ in valid], args)
     return 0
 
 
-def run_valid(files: list[tuple[str, str]], args: argparse.Namespace) -> None:
-    """``--run``: quantize and verify each valid file on its family's tiny model; print the table."""
+def run_valid(
+    files: list[tuple[str, str]], apiversions: list[str], args: argparse.Namespace
+) -> None:
+    """``--run``: quantize and verify each valid file on its family's tiny model; print the table
+    and the verdicts' counts per apiversion."""
     from practice_runs import render_runs, run_configs
 
     runs = [dataclasses.replace(r, file=short(r.file)) for r in run_configs(files, args.run_dir)]
     print()
     print(render_runs(runs, args.markdown))
     print()
-    verdicts = Counter(r.verdict for r in runs)
-    print(f"run: {len(runs)} valid files: " + ", ".join(f"{v} {k}" for k, v in verdicts.items()))
+    for apiversion in sorted(set(apiversions)):
+        mine = [r for r, a in zip(runs, apiversions, strict=True) if a == apiversion]
+        verdicts = Counter(r.verdict for r in mine)
+        counts = ", ".join(f"{v} {k}" for k, v in verdicts.items())
+        print(f"run, {apiversion}: {len(mine)} valid files: {counts}")
     if args.run_json is not None:
         args.run_json.write_text(json.dumps([asdict(r) for r in runs], indent=1) + "\n")
 

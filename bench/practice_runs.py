@@ -25,7 +25,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
-from tiny_models import CORPUS, build_tiny_model  # noqa: E402
+from tiny_models import CORPUS, build_tiny_model, build_tiny_vlm  # noqa: E402
 
 #: Exit status of ``msquant`` for bad input (a clear refusal, not a crash).
 EXIT_INPUT = 2
@@ -53,6 +53,22 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 FAMILIES["glm_5"] = ("GLM-4-MoE (for GLM-5)", FAMILIES["glm4_moe"][1])
 
+#: lab_practice folder of ``multimodal_vlm_modelslim_v1`` configs -> (tiny model name,
+#: :data:`tiny_models.VLM_ARCHS` key): transformers' image-text-to-text classes.
+VLM_FAMILIES: dict[str, tuple[str, str]] = {
+    "qwen3_vl": ("Qwen3-VL", "qwen3_vl"),
+    "qwen3_vl_moe": ("Qwen3-VL-MoE", "qwen3_vl_moe"),
+    "qwen3_5_moe": ("Qwen3.5-MoE", "qwen3_5_moe"),
+    "internvl3_5": ("InternVL (transformers' class, Qwen3 text)", "internvl"),
+    "internvl3_5_moe": ("InternVL (transformers' class, Qwen3 text)", "internvl"),
+    "kimi_k2_5": ("Kimi-K2.5", "kimi_k25"),
+}
+#: The dense files of the ``qwen3_5_moe`` folder (Qwen3.5 / 3.6 dense models).
+VLM_FILES: dict[str, tuple[str, str]] = {
+    name: ("Qwen3.5 (dense)", "qwen3_5")
+    for name in ("qwen3_5_dense_w8a8.yaml", "qwen3_6_27B_w8a8.yaml", "qwen3_6_dense_w8a8.yaml")
+}
+
 
 @dataclass(frozen=True)
 class RunRow:
@@ -72,8 +88,18 @@ def family_of(name: str) -> str:
     return Path(name).parent.name
 
 
-def build_family_model(family: str, directory: Path) -> str:
-    """Write the tiny model of ``family`` into ``directory``; returns the model's name."""
+def vlm_family(name: str) -> tuple[str, str] | None:
+    """(tiny model name, VLM arch) of a vision-language config file, None for the others."""
+    return VLM_FILES.get(Path(name).name) or VLM_FAMILIES.get(family_of(name))
+
+
+def build_family_model(family: str, directory: Path, name: str = "") -> str:
+    """Write the tiny model of ``family`` (of the file ``name``: the vision-language ones by
+    file) into ``directory``; returns the model's name."""
+    vlm = vlm_family(name) if name else None
+    if vlm is not None:
+        build_tiny_vlm(directory, vlm[1])
+        return vlm[0]
     label, params = FAMILIES[family]
     build_tiny_model(directory, **params)
     return label
@@ -112,7 +138,7 @@ def run_config(
     """Quantize the family's tiny model with the config ``text`` unchanged, then verify."""
     start = time.monotonic()
     family = family_of(name)
-    if family not in FAMILIES:
+    if family not in FAMILIES and vlm_family(name) is None:
         return RunRow(name, "-", "not run", f"no tiny model for family {family!r}", 0.0)
     case = workdir / Path(name).stem
     shutil.rmtree(case, ignore_errors=True)  # a previous run's model and export
@@ -120,7 +146,7 @@ def run_config(
     config = case / Path(name).name
     config.write_text(text, encoding="utf-8")
     try:
-        label = build_family_model(family, case / "model")
+        label = build_family_model(family, case / "model", name)
     except Exception as exc:  # a tiny model transformers cannot build: say so, run the rest
         return RunRow(name, family, "not run", f"model build: {exc!r}"[:300], 0.0)
     save = case / "export"

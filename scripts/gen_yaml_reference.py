@@ -49,7 +49,7 @@ FALLBACK_DESCRIPTIONS: dict[tuple[str, str], str] = {
     (
         "QuantConfigFile",
         "apiversion",
-    ): "Config format version; only msModelSlim's v1 format exists.",
+    ): "Config format version: msModelSlim's v1 format, or its vision-language one (spec.default_text added).",
     ("QuantConfigFile", "metadata"): "Descriptive information about the config.",
     ("QuantConfigFile", "spec"): "What to run, how to save it, and on which calibration data.",
     ("Metadata", "config_id"): "Identifier of the config (informational).",

@@ -118,7 +118,7 @@ def test_msmodelslim_configs_run_quantizes_verifies_and_reports(tmp_path: Path) 
     assert runs["default/nothing.yaml"]["detail"].startswith("msquant: error:")
     assert runs["unheard_of/x.yaml"]["verdict"] == "not run"
     assert "no tiny model for family 'unheard_of'" in runs["unheard_of/x.yaml"]["detail"]
-    assert "run: 3 valid files: " in out and "1 exported+verified" in out
+    assert "run, modelslim_v1: 3 valid files: " in out and "1 exported+verified" in out
 
 
 def test_activation_practices_bench_finds_every_shipped_activation_config() -> None:

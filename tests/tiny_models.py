@@ -166,3 +166,84 @@ MOE_ARCHS: dict[str, dict[str, Any]] = {
     ),
 }
 ARCHS.update(MOE_ARCHS)
+
+
+#: Tiny vision-language models (transformers' image-text-to-text classes): a text decoder as in
+#: :func:`build_tiny_model` (hidden 64, 2 layers) beside a 2-block vision tower of width 32.
+_TEXT = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    head_dim=16,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+_QWEN_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+_MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+_DELTANET = dict(
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
+_MOE = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+VLM_ARCHS: dict[str, dict[str, Any]] = {
+    "qwen3_vl": dict(
+        text_config=dict(_TEXT, rope_parameters=_MROPE),
+        vision_config=dict(_QWEN_VISION, deepstack_visual_indexes=[0]),
+    ),
+    "qwen3_vl_moe": dict(
+        text_config=dict(_TEXT, rope_parameters=_MROPE, **_MOE),
+        vision_config=dict(_QWEN_VISION, deepstack_visual_indexes=[0]),
+    ),
+    "qwen3_5": dict(text_config=dict(_TEXT, **_DELTANET), vision_config=_QWEN_VISION),
+    "qwen3_5_moe": dict(
+        text_config=dict(_TEXT, **_DELTANET, **_MOE, shared_expert_intermediate_size=32),
+        vision_config=_QWEN_VISION,
+    ),
+    "internvl": dict(
+        text_config=dict(_TEXT, model_type="qwen3"),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=2,
+            num_hidden_layers=2,
+            image_size=[28, 28],
+            patch_size=[14, 14],
+        ),
+    ),
+    # Kimi-K2.5: DeepSeek-V3's text model (MLA, MoE) beside MoonViT
+    "kimi_k25": dict(
+        text_config=dict(
+            _TEXT,
+            model_type="deepseek_v3",
+            num_key_value_heads=4,
+            **{k: v for k, v in MOE_ARCHS["deepseek_v3"].items() if k != "model_type"},
+        ),
+        vision_config=dict(
+            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2
+        ),
+        projection_hidden_size=64,
+    ),
+}
+
+
+def build_tiny_vlm(directory: Path, arch: str, seed: int = 0) -> Path:
+    """Write a random-weight vision-language model of ``arch`` (:data:`VLM_ARCHS`) with a trained
+    tokenizer into ``directory``."""
+    from transformers import AutoModelForImageTextToText
+
+    directory.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(directory)
+    config = AutoConfig.for_model(arch, **VLM_ARCHS[arch])
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    model.save_pretrained(str(directory))
+    return directory

@@ -10,6 +10,12 @@ values, unknown processor types), then each processor's ``check_config`` (semant
 unimplemented ``(dtype, scope, method)`` combinations). Both layers run in one pass: an entry that
 fails the schema (an unknown processor, say) does not hide the semantic problems of the others.
 
+Two ``apiversion`` s are read: ``modelslim_v1`` and msModelSlim's vision-language one,
+``multimodal_vlm_modelslim_v1``, whose ``spec`` has one more key, ``default_text`` (the prompt
+msModelSlim pairs with a calibration image that has no text; msquant calibrates on text only,
+so it is validated and otherwise unused). The processors and their meaning are the same; a
+vision-language model's text decoder is what the layer loop walks (docs/msmodelslim-compat.md).
+
 Keys beside ``apiversion``/``metadata``/``spec`` at the top of a file are ignored, as msModelSlim
 ignores them: its configs define YAML anchors there (``default_w8a8_dynamic: &w8a8 {...}``) that
 ``spec`` refers to. A key that looks like a misspelt ``spec`` (or another known key) is warned about.
@@ -23,7 +29,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from msquant.config.yaml_loader import load_yaml_file, load_yaml_text
 from msquant.errors import ConfigError, ConfigIssue, validation_message
@@ -35,6 +41,9 @@ __all__ = [
     "RunnerType",
     "Metadata",
     "SpecBody",
+    "VlmSpecBody",
+    "API_VERSIONS",
+    "VLM_API_VERSION",
     "QuantConfig",
     "build_config_model",
     "validate_config",
@@ -45,6 +54,10 @@ __all__ = [
 ]
 
 API_VERSION: Literal["modelslim_v1"] = "modelslim_v1"
+#: msModelSlim's apiversion for vision-language models (its ``multimodal_vlm_v1`` service).
+VLM_API_VERSION: Literal["multimodal_vlm_modelslim_v1"] = "multimodal_vlm_modelslim_v1"
+#: Every apiversion msquant reads.
+API_VERSIONS = (API_VERSION, VLM_API_VERSION)
 #: The most ``spec.prior`` stages a config may have (msModelSlim's practices use one).
 MAX_PRIOR_STAGES = 8
 _STAGES: tuple[Stage, ...] = ("process", "save")
@@ -115,12 +128,31 @@ class SpecBody(BaseModel):
     )
 
 
+class VlmSpecBody(SpecBody):
+    """``spec`` of ``apiversion: multimodal_vlm_modelslim_v1``: ``SpecBody`` and ``default_text``."""
+
+    default_text: str = Field(
+        "Describe this image in detail.",
+        description=(
+            "msModelSlim's prompt for a calibration image without text (non-empty). msquant "
+            "calibrates vision-language models on text only, so it is checked and not used."
+        ),
+    )
+
+    @field_validator("default_text")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("default_text must not be empty (msModelSlim refuses a blank one)")
+        return value
+
+
 class QuantConfig(BaseModel):
     """A whole quantization config file; other top-level keys (YAML anchors) are ignored."""
 
     model_config = ConfigDict(extra="ignore")
 
-    apiversion: Literal["modelslim_v1"] = API_VERSION
+    apiversion: Literal["modelslim_v1", "multimodal_vlm_modelslim_v1"] = API_VERSION
     metadata: Metadata = Field(default_factory=Metadata)
     spec: SpecBody = Field(default_factory=SpecBody)
 
@@ -170,8 +202,12 @@ def _with_children(cls: type[ProcessorConfig], union: Any) -> type[ProcessorConf
     return built
 
 
-def build_config_model(registry: ProcessorRegistry) -> type[QuantConfig]:
-    """The :class:`QuantConfig` subclass whose process/save entries are the registry's configs."""
+def build_config_model(
+    registry: ProcessorRegistry, apiversion: str = API_VERSION
+) -> type[QuantConfig]:
+    """The :class:`QuantConfig` subclass whose process/save entries are the registry's configs;
+    its ``spec`` is :class:`VlmSpecBody` for ``apiversion`` :data:`VLM_API_VERSION`."""
+    spec_base = VlmSpecBody if apiversion == VLM_API_VERSION else SpecBody
     process_list: Any = list[_entry_type(registry, "process")]  # type: ignore[misc]
     save_list: Any = list[_entry_type(registry, "save")]  # type: ignore[misc]
     prior = create_model(
@@ -179,7 +215,7 @@ def build_config_model(registry: ProcessorRegistry) -> type[QuantConfig]:
     )
     body = create_model(
         "Spec",
-        __base__=SpecBody,
+        __base__=spec_base,
         prior=(list[prior], SpecBody.model_fields["prior"]),
         process=(process_list, Field(default_factory=list)),
         save=(save_list, Field(default_factory=list)),
@@ -210,7 +246,10 @@ def validate_config(
             [ConfigIssue("", f"a config must be a mapping with a 'spec' key, got {kind}")], source
         )
     _note_extra_top_level_keys(data, source)
-    model_cls = build_config_model(registry)
+    apiversion = data.get("apiversion", API_VERSION)
+    model_cls = build_config_model(
+        registry, apiversion if apiversion in API_VERSIONS else API_VERSION
+    )
     try:
         config = model_cls.model_validate(data)
     except ValidationError as exc:

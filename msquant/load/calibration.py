@@ -107,6 +107,8 @@ def resolve_dataset_path(name: str, config_dir: Path | None) -> Path:
         return beside_config
     if name not in MSMODELSLIM_TEXT_SETS | MSMODELSLIM_MEDIA_SETS:
         return path
+    if name in MSMODELSLIM_MEDIA_SETS:  # image folders, even where msModelSlim provides them
+        refuse_msmodelslim_dataset(name)
     lab_calib = msmodelslim_lab_calib()
     if lab_calib is not None and (lab_calib / name).exists():
         logger.info("dataset %s: read from msModelSlim's %s", name, lab_calib)
@@ -207,9 +209,20 @@ def _parse_json(content: str, file: Path) -> list[str]:
     ]
 
 
+#: Keys of msModelSlim's multimodal calibration samples (``{"image": "a.jpg", "text": ...}``).
+MEDIA_KEYS = ("image", "images", "video", "videos", "audio")
+
+
 def _text_of(item: Any, where: str) -> str:
     if isinstance(item, str):
         return item
+    media = [key for key in MEDIA_KEYS if isinstance(item, dict) and item.get(key)]
+    if media:
+        raise CalibrationDataError(
+            f"{where}: a multimodal sample (its {media[0]!r} key); msquant calibrates on text "
+            "only (of a vision-language model, the text decoder), so give text samples: drop "
+            f"the {media[0]!r} key or use a text calibration file"
+        )
     if isinstance(item, dict):
         for key in TEXT_KEYS:
             if isinstance(item.get(key), str):

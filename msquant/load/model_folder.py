@@ -22,6 +22,7 @@ from torch import nn
 from msquant.errors import ModelLoadError
 from msquant.load.integrity import check_loading_info
 from msquant.model.adapter_registry import adapter_for
+from msquant.model.vision import is_vision_language
 
 __all__ = [
     "check_model_dir",
@@ -29,6 +30,7 @@ __all__ = [
     "build_meta_model",
     "load_causal_lm",
     "load_tokenizer",
+    "model_class_for",
 ]
 
 logger = logging.getLogger(__name__)
@@ -186,15 +188,24 @@ def _check_dtype(path: Path) -> None:
                 )
 
 
+def model_class_for(config: Any) -> Any:
+    """The transformers auto class that builds ``config``'s whole model with its checkpoint's
+    names: ``AutoModelForImageTextToText`` for a vision-language model (Qwen3-VL, Qwen3.5,
+    InternVL, ...: ``model.language_model.*`` beside ``model.visual.*``; some, Qwen3.5, also
+    have a text-only causal-LM class that would drop the vision tower), else
+    ``AutoModelForCausalLM``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
 def build_meta_model(config: Any, trust_remote_code: bool = False) -> nn.Module:
     """A weightless (meta-device) instance of the model, for planning before weights are loaded
     (fused MoE experts split into per-expert linear layers by the model's adapter,
     :mod:`msquant.model.moe`)."""
-    from transformers import AutoModelForCausalLM
-
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            model = model_class_for(config).from_config(config, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, ImportError) as exc:
         raise ModelLoadError(
             f"model type {getattr(config, 'model_type', '?')!r} is not a causal LM transformers can "
@@ -210,11 +221,10 @@ def load_causal_lm(path: Path, trust_remote_code: bool = False, **placement: Any
     :param placement: ``device_map`` / ``offload_folder`` for ``from_pretrained`` (a streamed
         run leaves the decoder layers on disk, :mod:`msquant.load.streaming`).
     """
-    from transformers import AutoModelForCausalLM
-
+    auto_class = model_class_for(load_model_config(path, trust_remote_code))
     with _captured_load_report() as report:
         try:
-            loaded: Any = AutoModelForCausalLM.from_pretrained(
+            loaded: Any = auto_class.from_pretrained(
                 str(path),
                 dtype="auto",
                 use_safetensors=True,

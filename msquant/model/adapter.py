@@ -39,6 +39,7 @@ from msquant.model.moe import MoEInfo, moe_routers, unfuse_experts
 from msquant.model.norms import NormLayout
 from msquant.model.rotation_layout import RotationLayout, default_rotation_layout
 from msquant.model.subgraphs import SmoothingSubgraph, default_subgraphs
+from msquant.model.vision import vision_parts
 
 __all__ = ["ModelAdapter"]
 
@@ -101,6 +102,17 @@ class ModelAdapter:
         of :mod:`msquant.model.rotation_blocks`, norms scaling by
         ``norm_scale_offset + weight``
         (:func:`~msquant.model.rotation_layout.default_rotation_layout`)."""
+        head = self.output_head(model)
+        parts = vision_parts(model, head[0] if head else None)
+        if parts:
+            names = ", ".join(name for name, _ in parts)
+            return None, [
+                f"the model is a vision-language model: its {names} output joins the text "
+                "decoder's residual stream (image features replace image tokens' embeddings), "
+                "so a rotation of that stream must rotate their output too, which msquant does "
+                "not do; remove the rotation from the config (smoothing and quantization of the "
+                "text decoder do not need it)"
+            ]
         return default_rotation_layout(model, layers, self.norm_scale_offset, self.norm_layout)
 
     # -- fused matrices ---------------------------------------------------------------------

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from msquant.errors import ModelLoadError
+from msquant.model.vision import text_decoder_name
 
 __all__ = ["DecoderLayer", "find_decoder_layers", "layer_list_name", "parent_module"]
 
@@ -45,11 +46,17 @@ def _numel(module: nn.Module) -> int:
 def find_decoder_layers(model: nn.Module) -> list[DecoderLayer]:
     """The model's decoder layers in execution order.
 
+    A vision-language model's layers are searched in its text decoder only
+    (:func:`~msquant.model.vision.text_decoder_name`): its vision tower has layer lists too.
+
     :raises ModelLoadError: when the model has no homogeneous ``nn.ModuleList`` of layers.
     """
+    decoder = text_decoder_name(model)
     best: tuple[int, int, str, nn.ModuleList] | None = None
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if decoder is not None and not name.startswith(f"{decoder}."):
             continue
         if len({type(child) for child in module}) != 1:
             continue

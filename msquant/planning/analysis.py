@@ -31,6 +31,7 @@ from msquant.planning.problems import (
     rule_warnings,
     tied_head_errors,
 )
+from msquant.planning.vision_scopes import vision_scope_errors
 
 if TYPE_CHECKING:
     from msquant.plugin.processor import Processor
@@ -144,6 +145,8 @@ def analyse_plan(
     errors = overlap_errors(selected_by)
     errors += fused_errors([*groups, *adapter.expert_groups(names)], selected_by, by_name, adapter)
     errors += tied_head_errors(model, selected_by, adapter)
+    head = adapter.output_head(model)
+    errors += vision_scope_errors(planners, model, head[0] if head else None)
     process = [p for p in processors if p.stage == "process"]
     planning = {id(planner) for _, planner in planners}
     others = [p for p in process if id(p) not in planning]
@@ -151,7 +154,6 @@ def analyse_plan(
     # a processor that neither plans nor only transforms weights may quantize on its own
     if len(transforms) == len(others) and not allow_float_export:
         errors += nothing_quantized_errors(rows, len(planners), transforms)
-    head = adapter.output_head(model)
     warnings: list[str] = []
     for (index, planner), found in zip(planners, decisions, strict=True):
         warnings += [f"{entry_path(index)}: {note}" for note in planner.plan_notes(model, layers)]

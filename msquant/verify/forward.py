@@ -30,6 +30,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -199,7 +200,9 @@ def compare_forward(
             "tensors were compared"
         )
         return None
-    vocab = int(getattr(original.config, "vocab_size", 0) or 0)
+    config: Any = original.config  # a vision-language model's vocabulary is in its text_config
+    text_config = getattr(config, "text_config", None)
+    vocab = int(getattr(config, "vocab_size", 0) or getattr(text_config, "vocab_size", 0) or 0)
     ids = forward_tokens(model_path, vocab)
     reference = _logits(original, ids)
     rounded = rounded_logits_error(original, ids, reference, min(weight_bits or 8, 8))

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from msquant.errors import ModelLoadError
-from msquant.load.model_folder import load_model_config
+from msquant.load.model_folder import load_model_config, model_class_for
 from msquant.model.adapter_registry import adapter_for
 from msquant.plugin.format import FormatRegistry
 from msquant.quant.activation import ActivationQuant
@@ -130,14 +130,12 @@ def _raise_on_errors(path: Path, reader: ExportReader, findings: Findings) -> No
 
 def _empty_model(path: Path, trust_remote_code: bool) -> nn.Module:
     """The model class of the export's config with freshly initialized weights (overwritten next)."""
-    from transformers import AutoModelForCausalLM
-
     config = load_model_config(path, trust_remote_code)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # weights are dequantized here: build the float model
     dtype = getattr(config, "dtype", None) or torch.float32
     try:
-        model = AutoModelForCausalLM.from_config(
+        model = model_class_for(config).from_config(
             config, dtype=dtype, trust_remote_code=trust_remote_code
         )
     except (ValueError, KeyError, ImportError, TypeError) as exc:
