@@ -333,7 +333,7 @@ def test_streamed_modules_free_without_a_garbage_collection(
 ) -> None:
     """No module of a streamed model is in a reference cycle (accelerate's hook removal leaves
     each module's ``forward`` bound to it): a linear layer ``linear_quant`` replaces is freed
-    as soon as it is dropped, with no ``gc.collect`` (the runner no longer runs one per layer)."""
+    as soon as it is dropped, with no ``gc.collect``."""
     import gc
     import weakref
 

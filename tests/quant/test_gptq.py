@@ -499,8 +499,7 @@ def test_blocked_symmetric_accumulation_equals_full_product(width: int) -> None:
 @pytest.mark.parametrize("group", [None, 16])
 def test_solve_leaves_no_reference_cycle(group: int | None) -> None:
     """The solve's working copies are freed on return, not at the next garbage collection
-    (its sweep is a recursive closure, a cycle unless broken): the streamed runner no longer
-    collects garbage after each layer."""
+    (its sweep is a recursive closure, a cycle unless broken)."""
     import gc
 
     weight, x = make_layer(24, 64, 256)
