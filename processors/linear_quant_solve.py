@@ -134,7 +134,7 @@ def _solve_module(
     quantizer = collector.quantizers[name]
     qweight, stats = method.solve(quantizer, module.weight, ctx.backend)
     hessian, _ = quantizer.accumulator.raw_sum()
-    rtn = method.quantize_rtn(module.weight, scheme, name)
+    rtn = method.rtn_baseline(module.weight, scheme, name, qweight, stats)
     errors = relative_output_errors(
         module.weight, [qweight.dequantize(), rtn.dequantize()], hessian
     )

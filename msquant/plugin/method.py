@@ -167,6 +167,24 @@ class QuantMethod(ABC):
     ) -> QuantizedWeight:
         """Round-to-nearest weight of one module under its resolved scheme."""
 
+    def rtn_baseline(
+        self,
+        weight: torch.Tensor,
+        scheme: ResolvedScheme,
+        name: str,
+        solved: QuantizedWeight,
+        stats: Mapping[str, Any],
+    ) -> QuantizedWeight:
+        """The round-to-nearest weight a solved module's report compares the solve with (its
+        ``rtn_output_error``), given the solve's result and report fields (``stats``).
+
+        The default is :meth:`quantize_rtn`. A method whose solve already derived
+        round-to-nearest's grid parameters from the same weight (GPTQ per-channel, or with static
+        groups) overrides it to round with those instead of deriving them again (with the MSE
+        scale search, that search is most of the rounding's cost).
+        """
+        return self.quantize_rtn(weight, scheme, name)
+
     # -- calibrated methods (``calibrated = True``) ---------------------------------------------
 
     @property

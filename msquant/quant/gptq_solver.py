@@ -421,12 +421,18 @@ def _sweep(
                     work, orig, rfac, start, end, group_size, bits, symmetric, scale_t, offset_t,
                     backend, mse, full_range,
                 )  # fmt: skip
-            process(start, end, level + 1)
+            process(start, end, level + 1)  # noqa: F821 (the cell is cleared after the sweep)
             # 6. The errors of this range update the rest of the enclosing one.
             if end < last:
                 work[end:last].addmm_(rfac[start:end, end:last].t(), orig[start:end])
 
-    process(0, in_features, 0)
+    try:
+        process(0, in_features, 0)
+    finally:
+        # ``process`` calls itself, so its closure cell refers back to it: a reference cycle
+        # that would keep the working copies (``work``, ``orig``, ``rfac``) alive until the next
+        # garbage collection. Clearing the cell breaks it; they are freed on return.
+        del process
     return codes_t, loss
 
 

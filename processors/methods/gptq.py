@@ -34,6 +34,7 @@ from msquant.plugin import (
     QuantizedWeight,
     QuantMethod,
     ResolvedScheme,
+    quantize_codes,
 )
 from msquant.processors.methods.options import (
     EXPERT_MIN_TOKENS,
@@ -299,6 +300,37 @@ class GPTQMethod(QuantMethod):
         full_range = options.resolved_full_range(scheme.bits)
         return round_to_nearest(
             weight, scheme, name, options.mse_grid, options.mse_maxshrink, full_range
+        )
+
+    def rtn_baseline(
+        self,
+        weight: torch.Tensor,
+        scheme: ResolvedScheme,
+        name: str,
+        solved: QuantizedWeight,
+        stats: Mapping[str, Any],
+    ) -> QuantizedWeight:
+        """Round-to-nearest with the solve's own grid parameters where they are the ones
+        :meth:`quantize_rtn` would derive: per-channel (taken from the original rows before
+        dead columns are zeroed) and static groups without dead columns (taken from the whole
+        original weight before the sweep), plain min/max or MSE-searched alike. Dynamic groups
+        (parameters of the running weight) and static groups over zeroed dead columns are
+        rounded afresh.
+
+        With the MSE search the parameters are the same search over the same values; its
+        per-slice error sums are taken over the solver's layout, so a near-tie between two
+        shrink factors (equal to float rounding) may pick the other one than a separate
+        search would have (only the report's ``rtn_output_error`` can move, in its last digits).
+        """
+        options = self.solve_options(scheme)
+        same_grid = options.group_size is None or (
+            options.static and stats.get("dead_columns") == 0
+        )
+        if not same_grid:
+            return self.quantize_rtn(weight, scheme, name)
+        codes = quantize_codes(weight, solved.scale, solved.offset, solved.bits, solved.group_size)
+        return QuantizedWeight(
+            codes, solved.scale, solved.offset, solved.bits, solved.symmetric, solved.group_size
         )
 
     @property

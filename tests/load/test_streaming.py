@@ -326,3 +326,29 @@ def test_spill_returns_what_was_written(tmp_path: Path) -> None:
     assert torch.equal(merged["other"].codes, qweights["block.0"].codes)
     with pytest.raises(KeyError):
         merged["missing"]
+
+
+def test_streamed_modules_free_without_a_garbage_collection(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """No module of a streamed model is in a reference cycle (accelerate's hook removal leaves
+    each module's ``forward`` bound to it): a linear layer ``linear_quant`` replaces is freed
+    as soon as it is dropped, with no ``gc.collect``."""
+    import gc
+    import weakref
+
+    from msquant.load.streaming import load_causal_lm_streaming
+
+    meta = build_meta_model(load_model_config(tiny_llama))
+    names = [layer.name for layer in find_decoder_layers(meta)]
+    model, _ = load_causal_lm_streaming(tiny_llama, meta, names, tmp_path / "offload")
+    assert not any("forward" in vars(module) for module in model.modules())
+    parent = find_decoder_layers(model)[0].module.self_attn
+    gc.disable()
+    try:
+        gc.collect()
+        dropped = weakref.ref(parent.q_proj)
+        parent.q_proj = nn.Identity()
+        assert dropped() is None
+    finally:
+        gc.enable()

@@ -494,3 +494,24 @@ def test_blocked_symmetric_accumulation_equals_full_product(width: int) -> None:
     both = torch.cat([first, second])
     assert count == 557 and torch.equal(raw, raw.T)
     torch.testing.assert_close(raw, both.T @ both, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("group", [None, 16])
+def test_solve_leaves_no_reference_cycle(group: int | None) -> None:
+    """The solve's working copies are freed on return, not at the next garbage collection
+    (its sweep is a recursive closure, a cycle unless broken)."""
+    import gc
+
+    weight, x = make_layer(24, 64, 256)
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gptq_quantize(weight, hessian_of(x), bits=4, group_size=group, symmetric=True)
+        gc.collect()
+        cyclic = [o for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert cyclic == []
