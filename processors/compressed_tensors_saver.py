@@ -42,8 +42,10 @@ format ``int-quantized``, the layout llm-compressor 0.14 writes for the same sch
   dynamic: true}`` or ``{..., strategy: tensor, dynamic: false}``.
 
 vLLM loads one input scale (and zero point) per fused layer (q/k/v, gate/up): the shards must
-hold equal ones, which they do when they read the same input (checked; refused otherwise). int4
-weights with int8 activations (W4A8_DYNAMIC) are refused at plan time: export them with
+hold equal ones, which they do when they read the same input (checked; refused otherwise).
+SGLang 0.5.23 loads these layers but quantizes activations per token whatever is stored, and
+refuses int8 W8A8 MoE experts on GPUs (warned at plan time: :mod:`msquant.processors.sglang_limits`).
+int4 weights with int8 activations (W4A8_DYNAMIC) are refused at plan time: export them with
 ``ascendv1_saver``.
 
 ``quantization_config``: one ``config_groups`` entry per distinct scheme (bits, symmetry,

@@ -1,18 +1,30 @@
-"""What SGLang 0.5.23 cannot serve although the export is right: its model classes' own limits.
+"""What SGLang 0.5.23 cannot serve, or serves otherwise, although the export is right: its model
+classes' and quantization schemes' own limits.
 
 The GPTQ and compressed-tensors savers call these checks on the plan (before weights load) and
-warn; vLLM 0.33 loads every case below. Each was established by running SGLang's own loading code
-from its wheel on msquant's exports (``tests/consumers/test_sglang.py``):
+warn; vLLM 0.33 loads every case below (and uses static activation scales). Each was established
+by running SGLang's own code from its wheel on msquant's exports (``tests/consumers/
+test_sglang.py``, ``test_sglang_w8a8.py``):
 
 * Mixtral: ``MixtralForCausalLM`` builds ``lm_head`` without the quantization config, so a
   quantized head is never read;
-* DeepSeek-V2/V3: the loader concatenates each layer's ``q_a_proj`` and ``kv_a_proj_with_mqa``
-  along dimension 0 (``fused_qkv_a_proj_with_mqa``), which packed quantized tensors do not allow;
+* DeepSeek-V2/V3: the loader (``deepseek_common/deepseek_weight_loader.py``) concatenates each
+  layer's ``q_a_proj`` and ``kv_a_proj_with_mqa`` tensors along dimension 0 into
+  ``fused_qkv_a_proj_with_mqa``, whose ``ReplicatedLinear.weight_loader`` asserts equal shapes:
+  GPTQ's packed tensors, compressed-tensors' weight-only ``weight_shape`` (``[4]`` against
+  ``[2]``) and static W8A8's per-tensor ``input_scale`` (``[2]`` against ``[1]``) do not fit;
+  int8 W8A8 with per-token activations (``weight`` ``[out, in]``, ``weight_scale`` ``[out, 1]``
+  only) does, and loads;
 * compressed-tensors only: Llama, Qwen2/3, Mistral, Mixtral and Qwen2-MoE declare no
   ``packed_modules_mapping``, so fused layers (``qkv_proj``, ``gate_up_proj``) are matched by
   their fused name and get the ``Linear`` group's scheme whatever their shards' group or
   ``ignore`` says; and Mixtral experts are looked up as ``experts.N.gate_proj``, not by the
-  checkpoint's ``experts.N.w1``, so experts left float are built quantized.
+  checkpoint's ``experts.N.w1``, so experts left float are built quantized;
+* compressed-tensors int8 W8A8 (``qconfig.act``): static per-tensor activations load, but
+  ``CompressedTensorsW8A8Int8.apply_weights`` quantizes every token itself
+  (``per_token_quant_int8``) and never reads the stored ``input_scale`` / ``input_zero_point``;
+  and int8 W8A8 MoE experts are refused on a GPU (``CompressedTensorsConfig.get_moe_scheme``
+  raises ``NotImplementedError``: "implemented only for NPU").
 """
 
 from __future__ import annotations
@@ -31,6 +43,8 @@ ENGINE = "SGLang 0.5.23"
 UNMAPPED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe"})
 DEEPSEEK_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3"})
 DEEPSEEK_JOINED = ("q_a_proj", "kv_a_proj_with_mqa")
+#: ``PlanRow.act`` of compressed-tensors int8 W8A8 (static per-tensor, dynamic per-token).
+INT8_W8A8 = ("W8A8", "W8A8_DYNAMIC")
 #: Modules a message lists before "and N more".
 LISTED = 4
 
@@ -59,21 +73,44 @@ def _mixtral_head(rows: dict[str, PlanRow], model: nn.Module, adapter: ModelAdap
     ]
 
 
-def _deepseek_joined(rows: dict[str, PlanRow]) -> list[str]:
-    layers = sorted(
-        {
-            name.rpartition(".")[0]
-            for name, row in rows.items()
-            if name.rpartition(".")[2] in DEEPSEEK_JOINED and _quantized(row)
-        }
-    )
-    if not layers:
-        return []
+#: Why SGLang's joined a-projection cannot take these tensors, by how the layers are stored.
+DEEPSEEK_REASONS = {
+    "gptq": "GPTQ's packed qweight / qzeros / scales / g_idx cannot be joined that way",
+    "weight_only": "compressed-tensors' two weight_shape vectors give [4] against the [2] it builds",
+    "static": "the two per-tensor input_scale tensors give [2] against the [1] it builds",
+}
+
+
+def _deepseek_kind(rows: list[PlanRow], compressed_tensors: bool) -> str | None:
+    """Which :data:`DEEPSEEK_REASONS` applies to one layer's quantized a-projections (None: the
+    joined layer loads: compressed-tensors int8 W8A8 with per-token activations, whose
+    ``weight [out, in]`` and ``weight_scale [out, 1]`` concatenate along dimension 0)."""
+    if not compressed_tensors:
+        return "gptq"
+    if all(row.act == "W8A8_DYNAMIC" for row in rows):
+        return None
+    return "static" if any(row.act == "W8A8" for row in rows) else "weight_only"
+
+
+def _deepseek_joined(rows: dict[str, PlanRow], compressed_tensors: bool) -> list[str]:
+    layers: dict[str, list[PlanRow]] = {}
+    for name, row in rows.items():
+        parent, _, leaf = name.rpartition(".")
+        if leaf in DEEPSEEK_JOINED and _quantized(row):
+            layers.setdefault(parent, []).append(row)
+    by_kind: dict[str, list[str]] = {}
+    for layer in sorted(layers):
+        kind = _deepseek_kind(layers[layer], compressed_tensors)
+        if kind is not None:
+            by_kind.setdefault(kind, []).append(layer)
     return [
-        f"{ENGINE} concatenates each layer's q_a_proj and kv_a_proj_with_mqa along dimension 0 "
-        "(fused_qkv_a_proj_with_mqa), which quantized GPTQ / compressed-tensors tensors do not "
-        f"allow, so it cannot load this checkpoint ({_listing(layers)}; vLLM can); for SGLang keep "
-        "them float: exclude ['*q_a_proj', '*kv_a_proj_with_mqa']"
+        f"{ENGINE} concatenates each layer's q_a_proj and kv_a_proj_with_mqa tensors along "
+        "dimension 0 into one fused_qkv_a_proj_with_mqa (its DeepSeek weight loader), whose "
+        f"weight loader needs the joined shapes to match: {DEEPSEEK_REASONS[kind]}, so it cannot "
+        f"load this checkpoint ({_listing(layers_of_kind)}; vLLM can); for SGLang keep them "
+        "float: exclude ['*q_a_proj', '*kv_a_proj_with_mqa']"
+        + ("" if kind == "gptq" else ", or quantize them int8 W8A8 with per-token activations")
+        for kind, layers_of_kind in by_kind.items()
     ]
 
 
@@ -119,11 +156,45 @@ def _mixtral_float_experts(rows: dict[str, PlanRow]) -> list[str]:
     ]
 
 
+def _w8a8_experts(rows: dict[str, PlanRow]) -> list[str]:
+    """compressed-tensors int8 W8A8 MoE experts: SGLang builds them only on NPU."""
+    experts = sorted(
+        {
+            name.rpartition(".experts.")[0] + ".experts"
+            for name, row in rows.items()
+            if ".experts." in name and _quantized(row) and row.act in INT8_W8A8
+        }
+    )
+    if not experts:
+        return []
+    return [
+        f"{ENGINE} cannot load int8 W8A8 MoE experts on a GPU: its compressed-tensors MoE scheme "
+        "for them is implemented only for NPU (CompressedTensorsConfig.get_moe_scheme raises "
+        f"NotImplementedError), so it cannot load this checkpoint ({_listing(experts)}; vLLM "
+        "can); for SGLang on a GPU keep the experts float: exclude ['*mlp.experts.*']"
+    ]
+
+
+def _static_activations(rows: dict[str, PlanRow]) -> list[str]:
+    """compressed-tensors int8 W8A8 with static activations: loaded, scales unused."""
+    static = [name for name, row in rows.items() if _quantized(row) and row.act == "W8A8"]
+    if not static:
+        return []
+    return [
+        f"{ENGINE} loads these static int8 W8A8 layers but does not use their activation scales: "
+        "CompressedTensorsW8A8Int8.apply_weights quantizes each token's activations itself "
+        "(per_token_quant_int8, symmetric) and never reads the stored input_scale / "
+        "input_zero_point, so SGLang serves them as per-token W8A8, not the calibrated static "
+        f"scheme msquant evaluated ({_listing(static)}); vLLM uses the stored scales"
+    ]
+
+
 def sglang_plan_warnings(plan: ModelPlan, model: nn.Module, compressed_tensors: bool) -> list[str]:
-    """The warnings for what SGLang cannot serve in an export of ``plan`` (see the module doc).
+    """The warnings for what SGLang cannot serve, or serves otherwise, in an export of ``plan``
+    (see the module doc).
 
     :param compressed_tensors: the export is compressed-tensors (else GPTQ), which adds the
-        ``packed_modules_mapping`` and Mixtral ``ignore`` limits.
+        ``packed_modules_mapping``, Mixtral ``ignore`` and int8 W8A8 limits.
     """
     rows = {row.module: row for row in plan.rows}
     model_type = plan.model_type
@@ -132,9 +203,11 @@ def sglang_plan_warnings(plan: ModelPlan, model: nn.Module, compressed_tensors: 
     if model_type == "mixtral":
         warnings += _mixtral_head(rows, model, adapter)
     if model_type in DEEPSEEK_MODEL_TYPES:
-        warnings += _deepseek_joined(rows)
+        warnings += _deepseek_joined(rows, compressed_tensors)
     if compressed_tensors and model_type in UNMAPPED_MODEL_TYPES:
         warnings += _fused_outside_linear_group(rows, model_type, adapter)
     if compressed_tensors and model_type == "mixtral":
         warnings += _mixtral_float_experts(rows)
+    if compressed_tensors:
+        warnings += _w8a8_experts(rows) + _static_activations(rows)
     return warnings

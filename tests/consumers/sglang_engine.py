@@ -9,7 +9,10 @@ which names exist on a CUDA machine, ``get_quantization_config``), ``base_config
 checks (``marlin_utils.py``) and the Marlin linear kernel's weight preparation
 (``hardware_backend/gpu/quantization/gptq_kernels.py``), the compressed-tensors config, target
 matching and WNA16 schemes (``compressed_tensors/compressed_tensors.py``, ``utils.py``,
-``schemes/compressed_tensors_wNa16.py``, ``compressed_tensors_wNa16_moe.py``), ``parameter.py``,
+``schemes/compressed_tensors_wNa16.py``, ``compressed_tensors_wNa16_moe.py``) and the int8 W8A8
+linear scheme (``schemes/compressed_tensors_w8a8_int8.py``: its weight processing and
+``apply_weights``, their two kernels ``per_token_quant_int8`` / ``sgl_kernel.int8_scaled_mm``
+being reference computations in :mod:`sglang_int8_ops`), ``parameter.py``,
 ``vocab_parallel_embedding.py`` (the real ``ParallelLMHead``: its vocabulary padding, the
 quantization method it asks for and its weight loader), ``environ.py``.
 
@@ -44,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import sglang_int8_ops
 import torch
 import vllm_engine
 from architectures import EngineModule, sglang_packed_modules
@@ -96,6 +100,7 @@ REAL = (
     f"{CT}.schemes.compressed_tensors_scheme",
     f"{CT}.schemes.compressed_tensors_wNa16",
     f"{CT}.schemes.compressed_tensors_wNa16_moe",
+    f"{CT}.schemes.compressed_tensors_w8a8_int8",
     "sglang.srt.hardware_backend.gpu.quantization.gptq_kernels",
 )
 
@@ -388,13 +393,18 @@ def _ct_schemes(module: types.ModuleType) -> None:
     module.NPUCompressedTensorsW4A16Int4DynamicMoE = (
         compressed_tensors_wNa16_moe.NPUCompressedTensorsW4A16Int4DynamicMoE
     )
+    from sglang.srt.layers.quantization.compressed_tensors.schemes import (  # int8 W8A8
+        compressed_tensors_w8a8_int8,
+    )
+
+    module.CompressedTensorsW8A8Int8 = compressed_tensors_w8a8_int8.CompressedTensorsW8A8Int8
+    module.NPUCompressedTensorsW8A8Int8 = compressed_tensors_w8a8_int8.NPUCompressedTensorsW8A8Int8
     for name in (
         "CompressedTensorsMxInt4MoE", "CompressedTensorsW4A16Fp4",
         "CompressedTensorsW4A16Nvfp4MoE", "CompressedTensorsW4A4Fp4",
         "CompressedTensorsW4A4Nvfp4MoE", "CompressedTensorsW4AFP8MoE",
         "CompressedTensorsW8A16Fp8", "CompressedTensorsW8A8Fp8", "CompressedTensorsW8A8Fp8MoE",
-        "CompressedTensorsW8A8Int8", "NPUCompressedTensorsW4A8Int8DynamicMoE",
-        "NPUCompressedTensorsW4A8mxfp4MoE", "NPUCompressedTensorsW8A8Int8",
+        "NPUCompressedTensorsW4A8Int8DynamicMoE", "NPUCompressedTensorsW4A8mxfp4MoE",
         "NPUCompressedTensorsW8A8Int8DynamicMoE",
     ):  # fmt: skip
         setattr(module, name, placeholder_class(name))
@@ -445,7 +455,7 @@ OTHER_CONFIGS = {
 
 
 STUBS: dict[str, Any] = {
-    "sgl_kernel": stub(),
+    "sgl_kernel": stub(int8_scaled_mm=sglang_int8_ops.int8_scaled_mm),
     "sgl_kernel.scalar_type": _scalar_types,
     "sglang.srt.utils": _fill_utils,
     "sglang.srt.utils.patch_torch": stub(register_fake_if_exists=_identity_decorator),
@@ -494,6 +504,12 @@ STUBS: dict[str, Any] = {
         get_tc_piecewise_forward_context=noop
     ),
     "sglang.kernels.ops.quantization.fp8_kernel": stub(scaled_fp8_quant=noop),
+    "sglang.kernels.ops.quantization.int8_kernel": stub(
+        per_token_quant_int8=sglang_int8_ops.per_token_quant_int8
+    ),
+    "sglang.srt.hardware_backend.npu.quantization.linear_method_npu": stub(
+        NPUW8A8Int8DynamicLinearMethod=placeholder_class("NPUW8A8Int8DynamicLinearMethod")
+    ),
     "sglang.kernels.ops.quantization.gptq_marlin_repack": stub(
         gptq_marlin_repack=_gptq_marlin_repack
     ),

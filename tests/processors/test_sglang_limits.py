@@ -76,3 +76,86 @@ def test_compressed_tensors_float_mixtral_experts(tiny_model_factory: Callable[.
     assert "experts.N.gate_proj, not by the checkpoint's experts.N.w1" in warning
     assert "model.layers.1.mlp.experts)" in warning
     assert _sglang_warnings(model, "gptq_saver", exclude=["*layers.1.mlp.experts.*"]) == []
+
+
+def _act_config(scope: str, **entry: Any) -> dict[str, Any]:
+    """int8 W8A8: per-channel int8 weights, int8 activations per tensor (static) or per token."""
+    config = _config("compressed_tensors", **entry)
+    qconfig = config["spec"]["process"][0]["qconfig"]
+    qconfig["weight"] = {"scope": "per_channel", "dtype": "int8", "symmetric": True}
+    qconfig["weight"]["method"] = "minmax"
+    qconfig["act"] = {"scope": scope, "dtype": "int8", "symmetric": True, "method": "minmax"}
+    return config
+
+
+def _act_warnings(model: Path, scope: str, **entry: Any) -> list[str]:
+    result = msquant.plugin.build_plan(model, _act_config(scope, **entry))
+    assert result.ok, result.errors
+    return [w for w in result.warnings if "SGLang 0.5.23" in w]
+
+
+def test_static_w8a8_loads_in_sglang_without_its_activation_scales(tiny_llama: Path) -> None:
+    (warning,) = _act_warnings(tiny_llama, "per_tensor")
+    assert warning == (
+        "compressed_tensors: SGLang 0.5.23 loads these static int8 W8A8 layers but does not use "
+        "their activation scales: CompressedTensorsW8A8Int8.apply_weights quantizes each token's "
+        "activations itself (per_token_quant_int8, symmetric) and never reads the stored "
+        "input_scale / input_zero_point, so SGLang serves them as per-token W8A8, not the "
+        "calibrated static scheme msquant evaluated (model.layers.0.self_attn.q_proj, "
+        "model.layers.0.self_attn.k_proj, model.layers.0.self_attn.v_proj, "
+        "model.layers.0.self_attn.o_proj and 10 more); vLLM uses the stored scales"
+    )
+    assert _act_warnings(tiny_llama, "per_token") == []
+
+
+@NEEDS_MOE_TRANSFORMERS
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_w8a8_moe_experts_are_refused_by_sglang_on_a_gpu(
+    arch: str, tiny_model_factory: Callable[..., Path]
+) -> None:
+    model = tiny_model_factory(arch, num_layers=2)
+    warnings = _act_warnings(model, "per_token")
+    (warning,) = [w for w in warnings if "MoE experts" in w]
+    experts = [
+        f"model.layers.{n}.mlp.experts"
+        for n in range(2)
+        if arch != "deepseek_v3" or n >= 1  # DeepSeek's first layer is dense
+    ]
+    assert warning == (
+        "compressed_tensors: SGLang 0.5.23 cannot load int8 W8A8 MoE experts on a GPU: its "
+        "compressed-tensors MoE scheme for them is implemented only for NPU "
+        "(CompressedTensorsConfig.get_moe_scheme raises NotImplementedError), so it cannot load "
+        f"this checkpoint ({', '.join(experts)}; vLLM can); for SGLang on a GPU keep the experts "
+        "float: exclude ['*mlp.experts.*']"
+    )
+    assert _act_warnings(model, "per_token", exclude=["*mlp.experts.*"]) == []
+
+
+@NEEDS_MOE_TRANSFORMERS
+def test_deepseek_a_projections_warning_follows_the_scheme(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    """int8 W8A8 per-token a-projections load in SGLang (no warning); static ones, weight-only
+    compressed-tensors and GPTQ do not, each for its own tensors."""
+    model = tiny_model_factory("deepseek_v3", num_layers=2)
+    float_experts = ["*mlp.experts.*"]  # static activations are refused on routed experts
+    assert _act_warnings(model, "per_token", exclude=float_experts) == []
+    static_warnings = _act_warnings(model, "per_tensor", exclude=float_experts)
+    (static,) = [w for w in static_warnings if "concatenates" in w]
+    assert any("does not use their activation scales" in w for w in static_warnings)
+    expected = {
+        "static": (static, "the two per-tensor input_scale tensors give [2] against the [1]"),
+        "weight_only": (
+            _sglang_warnings(model, "compressed_tensors", group_size=16)[0],
+            "compressed-tensors' two weight_shape vectors give [4] against the [2]",
+        ),
+        "gptq": (
+            _sglang_warnings(model, "gptq_saver", group_size=16)[0],
+            "GPTQ's packed qweight / qzeros / scales / g_idx cannot be joined that way",
+        ),
+    }
+    for kind, (warning, reason) in expected.items():
+        assert f"whose weight loader needs the joined shapes to match: {reason}" in warning, kind
+        assert "(model.layers.0.self_attn, model.layers.1.self_attn; vLLM can)" in warning
+        per_token_advice = "or quantize them int8 W8A8 with per-token activations"
+        assert warning.endswith(per_token_advice) == (kind != "gptq"), warning

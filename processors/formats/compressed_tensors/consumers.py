@@ -47,7 +47,9 @@ TRANSFORMERS_DYNAMIC = (
 
 def activation_warnings(schemes: Mapping[str, WeightScheme]) -> list[str]:
     """What vLLM 0.33 loads differently among the int8 W8A8 modules (static activations on MoE
-    experts are refused by ``linear_quant`` itself; vLLM's int8 MoE method is per-token only)."""
+    experts are refused by ``linear_quant`` itself; vLLM's int8 MoE method is per-token only).
+    What SGLang does with them is warned about at plan time
+    (:mod:`msquant.processors.sglang_limits`: static scales unused, MoE experts refused on GPUs)."""
     warnings = []
     asym = [n for n, s in schemes.items() if s.input_strategy == "tensor" and not s.input_symmetric]
     if asym:
