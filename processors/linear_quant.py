@@ -215,6 +215,7 @@ class LinearQuantProcessor(Processor):
             resolve_module_scheme(name, self.base_scheme, self.rules, groups),
             self.method.name,
             act=self.act_scheme,
+            data_free=not self.requires_calibration,
         )
 
     def selected(self, layer: DecoderLayer) -> list[tuple[str, nn.Linear, ResolvedScheme]]:

@@ -226,6 +226,7 @@ VLM_ARCHS: dict[str, dict[str, Any]] = {
             model_type="deepseek_v3",
             num_key_value_heads=4,
             **{k: v for k, v in MOE_ARCHS["deepseek_v3"].items() if k != "model_type"},
+            head_dim=8,  # DeepSeek-V3's rotary embedding spans qk_rope_head_dim
         ),
         vision_config=dict(
             num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2

@@ -8,9 +8,10 @@ or a merger inside the tower) whose output replaces the image tokens' embeddings
 loop walks the text decoder's layers and calibrates on text; the other parts are not walked, so
 their weights are exported unchanged (as float). msModelSlim walks the vision tower and the
 projector too, each as one unit, and quantizes the linear layers its scopes reach there, with
-image calibration data; a config whose scopes reach them is refused here
-(:mod:`msquant.planning.analysis`), as is a residual-stream rotation, whose projector output
-would have to be rotated as well.
+image calibration data. msquant quantizes the linears a config selects there only when their
+scheme needs no calibration data (:mod:`msquant.run.vision_stage`); a config selecting them with
+one that does is refused (:mod:`msquant.planning.vision_scopes`), as is a residual-stream
+rotation, whose projector output would have to be rotated as well.
 """
 
 from __future__ import annotations

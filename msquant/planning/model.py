@@ -46,6 +46,10 @@ class ModuleDecision:
     #: The activation scheme of a selected module (``W8A8``, ``W8A8_DYNAMIC``, ...); None when
     #: its activations stay float.
     act: str | None = None
+    #: Whether the selected module is quantized from its weights alone (a data-free weight
+    #: method, float or dynamic per-token activations): no calibration data need reach it, so
+    #: modules no calibration reaches (a vision-language model's vision tower) may be selected.
+    data_free: bool = False
 
 
 @runtime_checkable

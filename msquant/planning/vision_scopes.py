@@ -1,10 +1,13 @@
 """Quantizing entries whose scopes reach a vision-language model's vision tower or projector.
 
 msModelSlim walks those parts and quantizes the linear layers its ``include`` / ``exclude``
-select there, calibrating them with images. msquant quantizes the text decoder, calibrated on
-text (:mod:`msquant.model.vision`), so an entry that selects such a layer would export something
-other than what the config asks for: the run is refused, naming the layers and the ``exclude``
-pattern that keeps them float.
+select there, calibrating them with images. msquant calibrates on text only
+(:mod:`msquant.model.vision`), so it quantizes such a layer only when its scheme needs no
+calibration data (:attr:`~msquant.planning.model.ModuleDecision.data_free`: a data-free weight
+method, float or dynamic per-token activations), in a data-free stage of the run
+(:mod:`msquant.run.vision_stage`). An entry that selects one there with a scheme that needs
+calibration (static activations, a calibrated method) is refused, naming the layers and the
+``exclude`` pattern that keeps them float.
 """
 
 from __future__ import annotations
@@ -15,34 +18,47 @@ from torch import nn
 
 from msquant.model.layers import DecoderLayer
 from msquant.model.vision import vision_parts
-from msquant.planning.model import ModulePlanner, entry_path
+from msquant.planning.model import ModuleDecision, ModulePlanner, entry_path
 
-__all__ = ["vision_scope_errors"]
+__all__ = ["vision_scope_errors", "vision_selections"]
 
 #: Layers named in a message before "and N more".
 LISTED = 4
+
+
+def vision_selections(
+    planners: Sequence[tuple[int, ModulePlanner]], model: nn.Module, head: str | None
+) -> list[tuple[int, dict[str, ModuleDecision]]]:
+    """Per quantizing entry that selects linear layers of the vision tower or projector, those
+    layers' decisions (skipped ones left out); empty for a text-only model."""
+    parts = vision_parts(model, head)
+    if not parts:
+        return []
+    views = [DecoderLayer(-1, name, module) for name, module in parts]
+    prefixes = tuple(f"{name}." for name, _ in parts)
+    found = []
+    for index, planner in planners:
+        selected = {
+            name: decision
+            for name, decision in planner.plan_modules(model, views).items()
+            if name.startswith(prefixes)
+            and decision.scheme is not None
+            and not decision.scheme.skipped
+        }
+        if selected:
+            found.append((index, selected))
+    return found
 
 
 def vision_scope_errors(
     planners: Sequence[tuple[int, ModulePlanner]], model: nn.Module, head: str | None
 ) -> list[str]:
     """One error per quantizing entry that selects a linear layer of the vision tower or
-    projector (none for a text-only model)."""
+    projector with a scheme that needs calibration data (none for a text-only model)."""
     parts = vision_parts(model, head)
-    if not parts:
-        return []
-    views = [DecoderLayer(-1, name, module) for name, module in parts]
     errors = []
-    for index, planner in planners:
-        decisions = planner.plan_modules(model, views)
-        prefixes = tuple(f"{name}." for name, _ in parts)
-        selected = [
-            name
-            for name, decision in decisions.items()
-            if name.startswith(prefixes)
-            and decision.scheme is not None
-            and not decision.scheme.skipped
-        ]
+    for index, decisions in vision_selections(planners, model, head):
+        selected = [name for name, decision in decisions.items() if not decision.data_free]
         if not selected:
             continue
         listed = ", ".join(selected[:LISTED])
@@ -50,9 +66,11 @@ def vision_scope_errors(
         patterns = ", ".join(repr(f"{name}.*") for name, _ in parts)
         errors.append(
             f"{entry_path(index)} selects {len(selected)} linear layer(s) outside the text "
-            f"decoder of this vision-language model: {listed}{more}. msModelSlim quantizes "
-            "them, calibrated with images through the vision tower; msquant quantizes the text "
-            "decoder only, calibrated on text, and exports the vision tower and projector "
-            f"unchanged. Add exclude patterns for them to keep them float ({patterns})"
+            f"decoder of this vision-language model with a scheme that needs calibration data "
+            f"(static activations or a calibrated method): {listed}{more}. msModelSlim "
+            "calibrates them with images through the vision tower; msquant calibrates on text "
+            "only, and quantizes vision-tower and projector linears only with data-free schemes "
+            "(weights by minmax / ssz, activations float or dynamic per_token). Add exclude "
+            f"patterns for them to keep them float ({patterns}), or give them a data-free scheme"
         )
     return errors

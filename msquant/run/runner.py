@@ -45,6 +45,7 @@ from msquant.run.capture import (
 from msquant.run.checkpoint.folder import RunCheckpoints
 from msquant.run.output_head import run_output_head
 from msquant.run.probe import TransformProbe
+from msquant.run.vision_stage import run_vision_stage
 
 __all__ = [
     "batch_token_limit",
@@ -183,6 +184,8 @@ def _run_layers(
         if checkpoints is not None:
             checkpoints.commit_layer(ctx, processors, layer, activations)
         logger.debug("layer %s done in %.2f s", layer.name, seconds)
+    # a vision-language model's vision linears, when an entry selects them (data-free schemes)
+    run_vision_stage(ctx, processors)
     # lm_head, only when a processor asked for it (linear_quant lm_head: true)
     run_output_head(ctx, processors, activations.hidden if activations is not None else None)
     for processor in processors:

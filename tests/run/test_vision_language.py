@@ -96,14 +96,23 @@ def test_text_decoder_quantized_vision_exported_unchanged(arch: str, tmp_path: P
     assert set(source) <= set(out)  # every checkpoint name kept (vLLM-Ascend loads by them)
 
 
-def test_scopes_reaching_the_vision_tower_are_refused(qwen3_vl: Path, tmp_path: Path) -> None:
-    """Qwen3-VL's practice selects ``*`` but the mergers: msModelSlim quantizes the vision
-    blocks' linears (with images); msquant names them and the exclude that keeps them float."""
+W8A8_STATIC = {
+    "act": {"scope": "per_tensor", "dtype": "int8", "symmetric": True, "method": "minmax"},
+    "weight": W8A8_DYNAMIC["weight"],
+}
+
+
+def test_static_scopes_reaching_the_vision_tower_are_refused(
+    qwen3_vl: Path, tmp_path: Path
+) -> None:
+    """Qwen3-VL's practice selects ``*`` but the mergers with static W8A8: msModelSlim
+    calibrates the vision blocks' linears with images; msquant cannot, and names them and the
+    exclude that keeps them float."""
     config = vlm_config(
         [
             {
                 "type": "linear_quant",
-                "qconfig": W8A8_DYNAMIC,
+                "qconfig": W8A8_STATIC,
                 "include": ["*"],
                 "exclude": ["*linear_fc2", "*merger*"],
             }
@@ -113,10 +122,117 @@ def test_scopes_reaching_the_vision_tower_are_refused(qwen3_vl: Path, tmp_path: 
         msquant.quantize(qwen3_vl, tmp_path / "x", config, calib_path=CORPUS, progress=False)
     message = str(err.value)
     assert "spec.process[0] selects 6 linear layer(s) outside the text decoder" in message
+    assert "with a scheme that needs calibration data" in message
     assert "model.visual.blocks.0.attn.qkv" in message
     assert "model.visual.blocks.1.attn.qkv and 2 more" in message
     assert "'model.visual.*'" in message
     assert not (tmp_path / "x").exists()
+
+
+def test_calibrated_method_on_the_vision_tower_is_refused(qwen3_vl: Path, tmp_path: Path) -> None:
+    """GPTQ learns from calibration data, which never reaches the vision tower."""
+    gptq = {"act": W8A8_DYNAMIC["act"], "weight": dict(W8A8_DYNAMIC["weight"], method="gptq")}
+    config = vlm_config([{"type": "linear_quant", "qconfig": gptq, "include": ["*visual.blocks*"]}])
+    with pytest.raises(msquant.QuantizationError, match="needs calibration data"):
+        msquant.quantize(qwen3_vl, tmp_path / "x", config, calib_path=CORPUS, progress=False)
+    assert not (tmp_path / "x").exists()
+
+
+#: Per architecture: a practice's data-free entries selecting vision linears (Qwen3.6 dense:
+#: ``*visual.blocks*`` but ``*linear_fc2*``; Kimi-K2.5: ``*mlp*`` reaches the vision MLPs), the
+#: exclude keeping the vision parts float, and which checkpoint names of the vision tower the
+#: practice quantizes.
+DATA_FREE_PRACTICES: dict[str, tuple[list[dict[str, Any]], list[str], Any]] = {
+    "qwen3_5": (
+        [
+            {
+                "type": "linear_quant",
+                "qconfig": W8A8_DYNAMIC,
+                "include": ["*self_attn*", "*mlp*", "*visual.blocks*"],
+                "exclude": ["*linear_fc2*"],
+            }
+        ],
+        ["*visual*"],
+        lambda n: n.startswith("model.visual.blocks.") and "linear_fc2" not in n,
+    ),
+    "kimi_k25": (
+        [
+            {
+                "type": "group",
+                "configs": [
+                    {"type": "linear_quant", "qconfig": W8A8_DYNAMIC, "include": ["*self_attn*"]},
+                    {
+                        "type": "linear_quant",
+                        "qconfig": W8A8_DYNAMIC,
+                        "include": ["*mlp*"],
+                        "exclude": ["*mlp.experts.*"],
+                    },
+                ],
+            }
+        ],
+        ["*vision_tower*"],
+        lambda n: n.startswith("vision_tower.") and ".mlp." in n,
+    ),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(DATA_FREE_PRACTICES))
+def test_data_free_vision_linears_are_quantized(arch: str, tmp_path: Path) -> None:
+    """Vision linears selected with a data-free scheme (W8A8_DYNAMIC minmax) are quantized
+    from their weights and exported under the checkpoint's names; the other vision tensors
+    stay byte-identical and FLOAT; the text decoder comes out as with the vision excluded."""
+    process, vision_exclude, quantized = DATA_FREE_PRACTICES[arch]
+    model = build_tiny_vlm(tmp_path / "model", arch)
+    save = tmp_path / "export"
+    msquant.quantize(
+        model, save, vlm_config(process), calib_path=CORPUS, max_calib_tokens=16, progress=False
+    )
+    excluded = json.loads(json.dumps(process))
+    for entry in excluded[0].get("configs", excluded):
+        entry["exclude"] = [*entry.get("exclude", []), *vision_exclude]
+    text_only = tmp_path / "text_only"
+    msquant.quantize(
+        model,
+        text_only,
+        vlm_config(excluded),
+        calib_path=CORPUS,
+        max_calib_tokens=16,
+        progress=False,
+    )
+    source = load_file(str(model / "model.safetensors"))
+    out, reference = exported(save), exported(text_only)
+    description = json.loads((save / "quant_model_description.json").read_text())
+    vision = [n for n in source if "language_model." not in n and not n.startswith("lm_head")]
+    chosen = [
+        n[: -len(".weight")]
+        for n in vision
+        if n.endswith(".weight") and source[n].dim() == 2 and quantized(n)
+    ]
+    assert len(chosen) >= 2, "the practice selects vision linears of the tiny model"
+    for name in chosen:  # int8 codes and per-channel scales of the float weight (float64)
+        assert description[f"{name}.weight"] == "W8A8_DYNAMIC", name
+        codes, scale = out[f"{name}.weight"], out[f"{name}.weight_scale"]
+        assert codes.dtype == torch.int8
+        weight = source[f"{name}.weight"].double()
+        expected = weight.abs().amax(dim=1, keepdim=True) / 127
+        torch.testing.assert_close(scale.double().reshape(-1, 1), expected, rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            codes.double(), torch.round(weight / expected).clamp(-128, 127), rtol=0, atol=1
+        )
+        assert ((codes.double() * expected - weight).abs() <= expected * (0.5 + 1e-6)).all()
+    chosen_tensors = {n for n in out if n.startswith(tuple(f"{c}." for c in chosen))}
+    assert set(out) == set(reference) | chosen_tensors
+    reference_description = json.loads((text_only / "quant_model_description.json").read_text())
+    kept = [n for n in vision if n in out and n not in chosen_tensors]
+    assert kept
+    for name in kept:  # byte for byte, described FLOAT
+        assert out[name].dtype == source[name].dtype and torch.equal(out[name], source[name])
+        assert description[name] == "FLOAT", name
+    others = [n for n in reference if n not in chosen_tensors]
+    for name in others:  # the text decoder (and the rest) as in the run excluding the vision
+        assert torch.equal(out[name], reference[name]), name
+        assert description[name] == reference_description[name], name
+    assert any(reference_description[n] == "W8A8_DYNAMIC" for n in others)
 
 
 def test_rotation_of_a_vision_language_model_is_refused(qwen3_vl: Path, tmp_path: Path) -> None:
