@@ -70,7 +70,8 @@ def vision_scope_errors(
             f"(static activations or a calibrated method): {listed}{more}. msModelSlim "
             "calibrates them with images through the vision tower; msquant calibrates on text "
             "only, and quantizes vision-tower and projector linears only with data-free schemes "
-            "(weights by minmax / ssz, activations float or dynamic per_token). Add exclude "
+            "(a weight method that reads no data, activations float or dynamic per_token). Add "
+            "exclude "
             f"patterns for them to keep them float ({patterns}), or give them a data-free scheme"
         )
     return errors
