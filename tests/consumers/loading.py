@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from architectures import EngineModule
+from architectures import Engine, EngineModule, engine_modules
+from safetensors.torch import load_file
 
 #: safetensors dtype names of integer tensors, by torch dtype.
 INT_DTYPES = {torch.int32: "I32", torch.int64: "I64", torch.int8: "I8", torch.uint8: "U8"}
@@ -53,6 +54,25 @@ def read_tensor_table(folder: Path) -> dict[str, TensorInfo]:
         for name, info in header.items():
             table[name] = TensorInfo(tuple(info["shape"]), info["dtype"])
     return table
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in ``folder``."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+def int8_linears(model_dir: Path, folder: Path, engine: Engine = "vllm") -> list[EngineModule]:
+    """``engine``'s linear modules whose shards the export in ``folder`` stores as int8 (routers
+    and other float linears left out)."""
+    table = read_tensor_table(folder)
+    return [
+        m
+        for m in engine_modules(model_dir, engine)
+        if m.kind == "linear" and table[f"{m.shards[0]}.weight"].dtype == "I8"
+    ]
 
 
 @dataclass(frozen=True)

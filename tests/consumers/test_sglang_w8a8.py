@@ -23,8 +23,6 @@ Three facts, each read in the wheel and then run here:
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import sglang_engine
 import sglang_int8_ops
@@ -33,8 +31,7 @@ import torch.nn.functional as F
 from act_cases import CT_W8A8, CT_W8A8_SGLANG
 from architectures import EngineModule, engine_modules
 from exports import Export, ExportFactory
-from loading import Resolution, loading_problems, read_tensor_table
-from safetensors.torch import load_file
+from loading import Resolution, int8_linears, loading_problems, read_tensor_table, read_tensors
 
 from msquant.plugin import ActivationQuant
 
@@ -52,22 +49,6 @@ def _resolve(export: Export) -> tuple[list[Resolution], list[str]]:
     modules = engine_modules(export.model_dir, "sglang")
     resolutions = sglang_engine.resolve_export(export.path, export.case.arch, modules)
     return resolutions, loading_problems(resolutions, read_tensor_table(export.path))
-
-
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(str(path)))
-    return tensors
-
-
-def _quantized_linears(export: Export) -> list[EngineModule]:
-    table = read_tensor_table(export.path)
-    return [
-        m
-        for m in engine_modules(export.model_dir, "sglang")
-        if m.kind == "linear" and table[f"{m.shards[0]}.weight"].dtype == "I8"
-    ]
 
 
 def _load(layer: torch.nn.Module, module: EngineModule, tensors: dict[str, torch.Tensor]) -> None:
@@ -137,8 +118,8 @@ def test_sglang_loads_w8a8_and_quantizes_activations_per_token_whatever_is_store
     assert problems == []
     static = case.act["scope"] == "per_tensor"  # type: ignore[attr-defined]
     config = sglang_engine.quant_config_for(export.path, case.arch)
-    tensors = _tensors(export.path)
-    modules = _quantized_linears(export)
+    tensors = read_tensors(export.path)
+    modules = int8_linears(export.model_dir, export.path, "sglang")
     assert len(modules) >= 4
     torch.manual_seed(0)
     x = torch.randn(7, max(m.input_size for m in modules)) * 2.0

@@ -12,7 +12,6 @@ compared with msquant's simulated forward of the same tensors. Opt-in (``pytest 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,31 +21,13 @@ import vllm_engine
 from act_cases import CT_W8A8
 from architectures import EngineModule, engine_modules
 from exports import Export, ExportCase, ExportFactory
-from loading import loading_problems, read_tensor_table
-from safetensors.torch import load_file
+from loading import int8_linears, loading_problems, read_tensor_table, read_tensors
 
 from msquant.plugin import ActivationQuant
 
 pytestmark = pytest.mark.consumers
 
 SCHEME = "CompressedTensorsW8A8Int8"
-
-
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(str(path)))
-    return tensors
-
-
-def _quantized_linears(export: Export) -> list[EngineModule]:
-    """vLLM's linear modules whose shards the export stores as int8 (routers stay float)."""
-    table = read_tensor_table(export.path)
-    return [
-        m
-        for m in engine_modules(export.model_dir, "vllm")
-        if m.kind == "linear" and table[f"{m.shards[0]}.weight"].dtype == "I8"
-    ]
 
 
 @pytest.mark.parametrize("case", list(CT_W8A8.values()), ids=list(CT_W8A8))
@@ -59,7 +40,7 @@ def test_vllm_builds_its_w8a8_int8_scheme_and_every_tensor_loads(
     assert loading_problems(resolutions, read_tensor_table(export.path)) == []
     static = case.act["scope"] == "per_tensor"  # type: ignore[attr-defined]
     asymmetric = not case.act["symmetric"]  # type: ignore[attr-defined]
-    quantized = {m.prefix for m in _quantized_linears(export)}
+    quantized = {m.prefix for m in int8_linears(export.model_dir, export.path, "vllm")}
     linear = [r for r in resolutions if r.module.prefix in quantized]
     assert len(linear) >= 4
     for resolution in resolutions:
@@ -157,11 +138,11 @@ def test_vllm_int8_kernel_forward_matches_msquants_simulation(
     behaviour for any checkpoint; msquant warns about static asymmetric activations)."""
     export = make_export(case)
     config = vllm_engine.quant_config_for(export.path, case.arch)
-    tensors = _tensors(export.path)
+    tensors = read_tensors(export.path)
     torch.manual_seed(0)
     results = {
         module.prefix: _kernel_forward(export, module, config, tensors)
-        for module in _quantized_linears(export)
+        for module in int8_linears(export.model_dir, export.path, "vllm")
     }
     assert len(results) >= 4
     shifted = {prefix: zero for prefix, (_, zero) in results.items() if zero is not None}
