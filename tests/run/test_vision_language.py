@@ -61,6 +61,26 @@ def exported(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def assert_w8a8_dynamic(
+    name: str,
+    out: dict[str, torch.Tensor],
+    source: dict[str, torch.Tensor],
+    description: dict[str, str],
+) -> None:
+    """``name`` is exported W8A8_DYNAMIC: int8 codes and per-channel symmetric scales of the
+    float weight, checked in float64."""
+    assert description[f"{name}.weight"] == "W8A8_DYNAMIC", name
+    codes, scale = out[f"{name}.weight"], out[f"{name}.weight_scale"]
+    assert codes.dtype == torch.int8
+    weight = source[f"{name}.weight"].double()
+    expected = weight.abs().amax(dim=1, keepdim=True) / 127
+    torch.testing.assert_close(scale.double().reshape(-1, 1), expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        codes.double(), torch.round(weight / expected).clamp(-128, 127), rtol=0, atol=1
+    )
+    assert ((codes.double() * expected - weight).abs() <= expected * (0.5 + 1e-6)).all()
+
+
 @pytest.mark.parametrize("arch", ["qwen3_vl", "qwen3_5", "internvl"])
 def test_text_decoder_quantized_vision_exported_unchanged(arch: str, tmp_path: Path) -> None:
     model = build_tiny_vlm(tmp_path / "model", arch)
@@ -86,13 +106,7 @@ def test_text_decoder_quantized_vision_exported_unchanged(arch: str, tmp_path: P
     ]
     assert linears
     for name in linears:  # every text linear W8A8_DYNAMIC: int8 codes of the float weight
-        assert description[f"{name}.weight"] == "W8A8_DYNAMIC", name
-        codes, scale = out[f"{name}.weight"], out[f"{name}.weight_scale"]
-        assert codes.dtype == torch.int8
-        weight = source[f"{name}.weight"].double()
-        expected = weight.abs().amax(dim=1, keepdim=True) / 127
-        torch.testing.assert_close(scale.double().reshape(-1, 1), expected, rtol=1e-6, atol=0)
-        assert ((codes.double() * expected - weight).abs() <= expected * (0.5 + 1e-6)).all()
+        assert_w8a8_dynamic(name, out, source, description)
     assert set(source) <= set(out)  # every checkpoint name kept (vLLM-Ascend loads by them)
 
 
@@ -210,16 +224,7 @@ def test_data_free_vision_linears_are_quantized(arch: str, tmp_path: Path) -> No
     ]
     assert len(chosen) >= 2, "the practice selects vision linears of the tiny model"
     for name in chosen:  # int8 codes and per-channel scales of the float weight (float64)
-        assert description[f"{name}.weight"] == "W8A8_DYNAMIC", name
-        codes, scale = out[f"{name}.weight"], out[f"{name}.weight_scale"]
-        assert codes.dtype == torch.int8
-        weight = source[f"{name}.weight"].double()
-        expected = weight.abs().amax(dim=1, keepdim=True) / 127
-        torch.testing.assert_close(scale.double().reshape(-1, 1), expected, rtol=1e-6, atol=0)
-        torch.testing.assert_close(
-            codes.double(), torch.round(weight / expected).clamp(-128, 127), rtol=0, atol=1
-        )
-        assert ((codes.double() * expected - weight).abs() <= expected * (0.5 + 1e-6)).all()
+        assert_w8a8_dynamic(name, out, source, description)
     chosen_tensors = {n for n in out if n.startswith(tuple(f"{c}." for c in chosen))}
     assert set(out) == set(reference) | chosen_tensors
     reference_description = json.loads((text_only / "quant_model_description.json").read_text())
