@@ -41,6 +41,8 @@ from typing import Any
 
 import yaml
 
+from msquant.config.presets import PRACTICE_FILES
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "yaml_examples"
 PRACTICES = REPO / "msquant" / "data" / "practices"
@@ -113,7 +115,9 @@ def discover_rows() -> list[Row]:
         if row is not None:
             rows.append(row)
     rows.sort(key=lambda r: r.name != REFERENCE)
-    for path in sorted(PRACTICES.glob("*.yaml")):
+    # one row per --quant_type value; the run picks the model family's practice where msquant
+    # ships one (``<value>-<family>.yaml``), as the CLI does for a user
+    for path in sorted(PRACTICES / file for file in PRACTICE_FILES.values()):
         row = _row(f"--quant_type {path.stem}", ("--quant_type", path.stem), path)
         if row is not None:
             rows.append(row)

@@ -7,8 +7,7 @@ import json
 import sys
 
 from msquant.cli.common import EXIT_INPUT, EXIT_OK, Parser, bool_flag, positive_int
-from msquant.config.presets import preset_config
-from msquant.errors import MsquantInputError
+from msquant.cli.practice import quant_type_config
 from msquant.planning.build import build_plan
 from msquant.planning.render import render_plan
 from msquant.run.memory_estimate import MemoryEstimate, check_memory, format_size, parse_memory
@@ -73,10 +72,7 @@ def run_plan(args: argparse.Namespace) -> int:
     exit 2 when the config cannot be applied or the run would need more memory."""
     config: object = args.config_path
     if args.quant_type is not None:
-        try:
-            config = preset_config(args.quant_type)
-        except KeyError as exc:
-            raise MsquantInputError(str(exc.args[0])) from None
+        config = quant_type_config(args.quant_type, args.model_path)
     limit = None if args.max_memory is None else parse_memory(args.max_memory)
     estimate = None
     if limit is None:

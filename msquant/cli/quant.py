@@ -9,9 +9,9 @@ import logging
 
 from msquant.cli.common import Parser, bool_flag, positive_int
 from msquant.cli.gate import gate_exit_code, regression_gate
+from msquant.cli.practice import quant_type_config
 from msquant.cli.quant_options import process_devices, quant_options
 from msquant.cli.spawn import spawn_quant
-from msquant.config.presets import preset_config
 from msquant.errors import MsquantInputError
 from msquant.evaluate.windows import DEFAULT_SEQLEN
 from msquant.run.quantize import quantize
@@ -178,10 +178,7 @@ def run_quant(args: argparse.Namespace) -> int:
             "pass --config_path YAML or --quant_type NAME (e.g. --quant_type w8a16)"
         )
     if args.quant_type is not None:
-        try:
-            config: object = preset_config(args.quant_type)
-        except KeyError as exc:
-            raise MsquantInputError(str(exc.args[0])) from None
+        config: object = quant_type_config(args.quant_type, args.model_path, args.model_type)
     else:
         config = args.config_path
     if args.tag is not None:

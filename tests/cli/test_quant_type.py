@@ -13,7 +13,12 @@ import pytest
 from conftest import CALIB_TXT, NEEDS_MOE_TRANSFORMERS
 
 import msquant
-from msquant.config.presets import MSMODELSLIM_QUANT_TYPES, PRESETS, preset_config
+from msquant.config.presets import (
+    FAMILY_PRACTICES,
+    MSMODELSLIM_QUANT_TYPES,
+    PRESETS,
+    preset_config,
+)
 from msquant.plugin import Processor, ProcessorConfig
 
 HAS_ITER_SMOOTH = "iter_smooth" in msquant.plugin.default_registry()
@@ -90,17 +95,71 @@ def test_w8a8_without_iter_smooth_is_refused_naming_it(
     assert not (tmp_path / "out").exists()
 
 
+def test_family_practices_are_msquants_w8a8_for_llama_and_gemma3() -> None:
+    """msquant's own best practices (msModelSlim ships none for these families): the layout of
+    msModelSlim's W8A8 family practices, dense down_proj float, smoothing norm-linear and ov."""
+    assert FAMILY_PRACTICES == {
+        ("w8a8", "gemma3_text"): "w8a8-gemma3_text.yaml",
+        ("w8a8", "llama"): "w8a8-llama.yaml",
+    }
+    per_token = {"scope": "per_token", "dtype": "int8", "symmetric": True, "method": "minmax"}
+    int8 = {"scope": "per_channel", "dtype": "int8", "symmetric": True, "method": "minmax"}
+    for model_type, config_id in (
+        ("gemma3_text", "msquant-gemma3-w8a8"),
+        ("llama", "msquant-llama-w8a8"),
+    ):
+        config = preset_config("W8A8", model_type=model_type)
+        assert config["metadata"]["config_id"] == config_id
+        assert config["metadata"]["verified_model_types"] == [model_type]
+        smooth, linear = config["spec"]["process"]
+        assert smooth == {
+            "type": "iter_smooth",
+            "enable_subgraph_type": ["norm-linear", "ov"],
+            "include": ["*"],
+        }
+        assert linear == {
+            "type": "linear_quant",
+            "qconfig": {"act": per_token, "weight": int8},
+            "include": ["*"],
+            "exclude": ["*mlp.down_proj"],
+        }
+    # every other family, and the other values, get the default practice
+    assert preset_config("w8a8", model_type="qwen3")["metadata"]["config_id"] == "default-w8a8"
+    assert preset_config("w8a16", model_type="llama")["metadata"]["config_id"] == "default-w8a16"
+
+
 @pytest.mark.skipif(not HAS_ITER_SMOOTH, reason="needs the iter_smooth processor")
-def test_w8a8_runs_end_to_end(
+def test_w8a8_runs_llamas_family_practice_and_msmodelslims_default_with_model_type(
     tiny_llama: Path, tmp_path: Path, run_cli: Callable[..., Any]
 ) -> None:
+    args = ("--quant_type", "w8a8", "--calib_path", CALIB_TXT, "--no_progress")
+    result = run_cli("quant", "--model_path", tiny_llama, "--save_path", tmp_path / "own", *args)
+    assert result.code == 0, result.err
+    assert "msquant's best practice for model_type 'llama' (w8a8-llama.yaml" in result.err
+    types = description(tmp_path / "own")
+    assert types["model.layers.0.mlp.down_proj.weight"] == "FLOAT"
+    assert types["model.layers.0.mlp.up_proj.weight"] == "W8A8_DYNAMIC"
+    # naming msModelSlim's adapter gets msModelSlim's choice: its default practice
     result = run_cli(
-        "quant", "--model_path", tiny_llama, "--save_path", tmp_path / "out",
-        "--quant_type", "w8a8", "--calib_path", CALIB_TXT, "--no_progress",
+        "quant", "--model_path", tiny_llama, "--save_path", tmp_path / "default",
+        "--model_type", "default", *args,
     )  # fmt: skip
     assert result.code == 0, result.err
-    types = description(tmp_path / "out")
+    assert "best practice" not in result.err
+    types = description(tmp_path / "default")
     assert types["model.layers.0.mlp.down_proj.weight"] == "W8A8_DYNAMIC"
+
+
+@pytest.mark.skipif(not HAS_ITER_SMOOTH, reason="needs the iter_smooth processor")
+def test_w8a8_on_gemma3_plans_its_family_practice(
+    tiny_model_factory: Callable[..., Path], run_cli: Callable[..., Any]
+) -> None:
+    model_dir = tiny_model_factory("gemma3_text", num_layers=1)
+    result = run_cli("plan", "--model_path", model_dir, "--quant_type", "w8a8", "--json")
+    assert result.code == 0, result.err
+    rows = {row["module"]: row for row in json.loads(result.out)["rows"]}
+    assert rows["model.layers.0.mlp.down_proj"]["skipped"] is True
+    assert rows["model.layers.0.mlp.gate_proj"]["act"] == "W8A8_DYNAMIC"
 
 
 def test_w4a8_on_a_dense_model_is_w8a8_dynamic_throughout(
