@@ -247,6 +247,7 @@ class AscendV1Saver(Saver):
         self.aliases: dict[str, str] = {}
         seen: dict[tuple[int, tuple[int, ...], torch.dtype], str] = {}
         self.model_order = list(ctx.model.state_dict())
+        remaining: dict[str, torch.Tensor] = {}
         for name, tensor in ctx.model.state_dict().items():
             if tensor.is_meta:
                 # a layer a streamed run released after after_layer wrote it: no storage to
@@ -259,8 +260,8 @@ class AscendV1Saver(Saver):
                 self.aliases[name] = seen[key]
                 continue
             seen[key] = name
-            if name not in self.state.written:
-                self.add(name, tensor)
+            remaining[name] = tensor
+        self.write_tensors(remaining)
 
     def write_config(self, ctx: RunContext) -> None:
         described = ordered_description(self.state.types, self.aliases, self.model_order)

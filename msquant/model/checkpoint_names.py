@@ -18,7 +18,7 @@ from torch import nn
 from msquant.errors import ModelLoadError
 from msquant.model.moe.experts import FUSED_PARAMS, ROLES, UnfusedExperts
 
-__all__ = ["CheckpointNames", "checkpoint_names"]
+__all__ = ["CheckpointNames", "checkpoint_names", "disk_form", "from_disk_form"]
 
 
 @dataclass(frozen=True)
@@ -30,12 +30,15 @@ class CheckpointNames:
     :param modules: model module name -> disk module name (expert Linears included), so that any
         tensor a saver derives from a module (``.qweight``, ``.weight_scale``, ...) keeps it.
     :param converted: model tensor names transformers saves through another conversion than a
-        rename (e.g. still-fused expert parameters); they have no single disk name.
+        rename (e.g. MoonViT's ``q_proj`` / ``k_proj`` / ``v_proj``, concatenated into the
+        checkpoint's ``wqkv``); they have no single disk name.
+    :param converted_shapes: the disk tensors those conversions write, with their shapes.
     """
 
     tensors: Mapping[str, str]
     modules: Mapping[str, str]
     converted: frozenset[str] = field(default_factory=frozenset)
+    converted_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def is_identity(self) -> bool:
@@ -105,10 +108,58 @@ def checkpoint_names(model: nn.Module) -> CheckpointNames:
     saved = revert_weight_conversion(cast(Any, model), probe) if probe else {}
     tensors = {origin[id(t)]: disk for disk, t in saved.items() if id(t) in origin}
     converted = frozenset(set(probe) - set(tensors))
+    shapes = {disk: tuple(t.shape) for disk, t in saved.items() if id(t) not in origin}
     modules = _module_names(tensors)
     for name, experts in unfused.items():
         modules.update(_expert_disk_names(model, name, experts, revert_weight_conversion))
-    return CheckpointNames(tensors=tensors, modules=modules, converted=converted)
+    return CheckpointNames(
+        tensors=tensors, modules=modules, converted=converted, converted_shapes=shapes
+    )
+
+
+def disk_form(
+    model: nn.Module, names: CheckpointNames, tensors: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``tensors`` (model names) as the checkpoint stores them: those transformers saves
+    through a conversion (:attr:`CheckpointNames.converted`) replaced by what its own
+    save-time conversion writes (e.g. ``q_proj`` / ``k_proj`` / ``v_proj`` -> ``wqkv``, in
+    place of the first of them); the others unchanged (the writer renames them).
+
+    :raises ModelLoadError: some of a conversion's tensors are missing (it would write a
+        partial tensor: every disk tensor must come out with the shape the whole model's
+        conversion gives it), or one is not floating point (a quantized tensor cannot be
+        concatenated with float ones).
+    """
+    pending = {k: v for k, v in tensors.items() if k in names.converted}
+    if not pending:
+        return dict(tensors)
+    integer = sorted(k for k, v in pending.items() if not v.is_floating_point())
+    if integer:
+        raise ModelLoadError(
+            f"{', '.join(integer[:3])}: transformers stores {'these' if len(integer) > 1 else 'it'} "
+            "on disk through a weight conversion (e.g. fused with other tensors), which msquant "
+            "can only apply to float tensors; keep the layer float (exclude it)"
+        )
+    from transformers.core_model_loading import revert_weight_conversion
+
+    saved = revert_weight_conversion(cast(Any, model), dict(pending))
+    wrong = [
+        f"{disk} {tuple(t.shape)} (the whole model gives {names.converted_shapes.get(disk)})"
+        for disk, t in saved.items()
+        if names.converted_shapes.get(disk) != tuple(t.shape)
+    ]
+    if wrong:
+        raise ModelLoadError(
+            f"transformers' conversion of {', '.join(sorted(pending)[:4])} gives "
+            f"{'; '.join(wrong[:3])}: some of the tensors it combines were not written together"
+        )
+    result: dict[str, torch.Tensor] = {}
+    for key, value in tensors.items():
+        if key not in pending:
+            result[key] = value
+        elif not result.keys() & saved.keys():
+            result.update(saved)
+    return result
 
 
 def _module_names(tensors: Mapping[str, str]) -> dict[str, str]:
@@ -197,3 +248,47 @@ def _locate(
                 return None
             return param, expert, row
     return None  # pragma: no cover - offsets start at 0
+
+
+def from_disk_form(
+    model: nn.Module, names: CheckpointNames, stored: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The model tensors held by converted disk tensors (the inverse of :func:`disk_form`):
+    transformers' save-time conversion is replayed on the converted tensors filled with their
+    element numbers, which shows where each element of each model tensor lands on disk.
+
+    :param stored: disk name -> tensor, for disk tensors in :attr:`CheckpointNames.converted_shapes`.
+    :returns: model name -> tensor, for every model tensor ``stored`` holds in full.
+    :raises ModelLoadError: a stored tensor holds only part of a model tensor.
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = model.state_dict()
+    probe: dict[str, torch.Tensor] = {}
+    spans: dict[str, tuple[int, torch.Size]] = {}
+    start = 0
+    for name in sorted(names.converted):
+        shape = state[name].shape
+        probe[name] = torch.arange(start, start + shape.numel(), dtype=torch.float64).reshape(shape)
+        spans[name] = (start, shape)
+        start += shape.numel()
+    numbered = revert_weight_conversion(cast(Any, model), probe)
+    found: dict[str, torch.Tensor] = {}
+    filled: dict[str, int] = {}
+    for disk, tensor in stored.items():
+        ids = numbered[disk].reshape(-1).to(torch.int64)
+        values = tensor.reshape(-1)
+        for name, (first, shape) in spans.items():
+            inside = (ids >= first) & (ids < first + shape.numel())
+            if not bool(inside.any()):
+                continue
+            target = found.setdefault(name, torch.empty(shape.numel(), dtype=tensor.dtype))
+            target[ids[inside] - first] = values[inside]
+            filled[name] = filled.get(name, 0) + int(inside.sum())
+    partial = [n for n, count in filled.items() if count != spans[n][1].numel()]
+    if partial:
+        raise ModelLoadError(
+            f"the stored {', '.join(sorted(stored)[:3])} hold only part of "
+            f"{', '.join(sorted(partial)[:3])}"
+        )
+    return {name: found[name].reshape(spans[name][1]) for name in found}

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch import nn
 
-from msquant.model.checkpoint_names import CheckpointNames
+from msquant.model.checkpoint_names import CheckpointNames, disk_form
 from msquant.model.layers import DecoderLayer
 from msquant.model.moe import MoEInfo
 from msquant.plugin.distributed import SINGLE, Distributed
@@ -104,6 +104,13 @@ class RunContext:
         """The checkpoint's name for a module or tensor name of the loaded model (see
         :func:`disk_name`); ``name`` itself for a model saved under its own names."""
         return disk_name(self.checkpoint_names, name)
+
+    def disk_form(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``tensors`` with those transformers saves through a conversion (not a rename)
+        replaced by their checkpoint form (:func:`msquant.model.checkpoint_names.disk_form`)."""
+        if self.checkpoint_names is None:
+            return dict(tensors)
+        return disk_form(self.model, self.checkpoint_names, tensors)
 
     def disk_keyed(self, mapping: Mapping[str, V]) -> Mapping[str, V]:
         """``mapping`` (keyed by model module or tensor names) keyed by the checkpoint's names,

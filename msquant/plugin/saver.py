@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from abc import abstractmethod
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import torch
@@ -139,11 +139,18 @@ class Saver(Processor):
     #: engines fuse, the MoE routers. Before ``setup`` (a saver's checks called on their own) the
     #: default adapter answers, with the generic heuristics.
     adapter: ModelAdapter = ModelAdapter()
+    #: model tensor names transformers saves through a conversion, and the function giving
+    #: their checkpoint form (set from the run in :meth:`setup`)
+    converted: frozenset[str] = frozenset()
+    disk_form: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] = dict
 
     # --- the template --------------------------------------------------------------------
 
     def setup(self, ctx: RunContext) -> None:
         self.adapter = adapter_for(ctx.model)
+        names = ctx.checkpoint_names
+        self.converted = names.converted if names is not None else frozenset()
+        self.disk_form = ctx.disk_form
         self.directory = self.output_dir(ctx)
         size = self.config.part_file_size
         # tensors are recorded under the model's names and stored under the checkpoint's
@@ -206,6 +213,13 @@ class Saver(Processor):
                     "(docs/ascend-format.md, activation schemes), or use float activations "
                     "(omit qconfig.act)"
                 )
+            if f"{name}.weight" in self.converted:
+                raise QuantizationError(
+                    f"{self.type_name}: transformers stores {name}.weight on disk through a "
+                    "weight conversion (fused with other tensors, e.g. a checkpoint's wqkv), so "
+                    f"its quantized form has no name in the checkpoint; keep {name} float "
+                    "(exclude it)"
+                )
             packed = self.pack(ctx, name, module)
             for tensor_name, tensor in packed.items():
                 self.add(tensor_name, tensor)
@@ -216,11 +230,16 @@ class Saver(Processor):
     def write_tensors(
         self, tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, Any]
     ) -> None:
-        """Write, as they are, the tensors not written or replaced yet."""
+        """Write, as they are, the tensors not written or replaced yet; those transformers
+        saves through a conversion (MoonViT's q/k/v -> ``wqkv``) in the checkpoint's form."""
         items = tensors.items() if isinstance(tensors, Mapping) else tensors
-        for name, tensor in items:
-            if name not in self.state.written:
-                self.add(name, tensor)
+        todo = {name: tensor for name, tensor in items if name not in self.state.written}
+        converted = self.converted & todo.keys()
+        if converted:
+            todo = self.disk_form(todo)
+            self.state.written.update(converted)
+        for name, tensor in todo.items():
+            self.add(name, tensor)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Queue one tensor in the writer and remember it."""

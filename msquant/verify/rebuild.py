@@ -28,6 +28,7 @@ from torch import nn
 from msquant.errors import ModelLoadError
 from msquant.load.model_folder import load_model_config, model_class_for
 from msquant.model.adapter_registry import adapter_for
+from msquant.model.checkpoint_names import CheckpointNames, from_disk_form
 from msquant.plugin.format import FormatRegistry
 from msquant.quant.activation import ActivationQuant
 from msquant.verify.base import ExportReader
@@ -74,7 +75,7 @@ def load_export(
         module_of = {disk: mine for mine, disk in names.modules.items()}
         assert reader.store is not None
         dtype = next(model.parameters()).dtype
-        covered = _load_float_tensors(model, reader, path, tensor_of)
+        covered = _load_float_tensors(model, reader, path, tensor_of, names)
         for stored_name in reader.quantized_modules():
             layer = reader.decode(stored_name)
             _raise_on_errors(path, reader, findings)
@@ -147,21 +148,31 @@ def _empty_model(path: Path, trust_remote_code: bool) -> nn.Module:
 
 
 def _load_float_tensors(
-    model: nn.Module, reader: ExportReader, path: Path, tensor_of: Mapping[str, str]
+    model: nn.Module,
+    reader: ExportReader,
+    path: Path,
+    tensor_of: Mapping[str, str],
+    names: CheckpointNames,
 ) -> set[str]:
     """Copy the stored float tensors into the model; the names of the parameters set.
 
     :param tensor_of: stored name -> the model's name, where they differ.
+    :param names: the checkpoint's names, for the tensors transformers stores converted
+        (MoonViT's ``wqkv`` holds the model's ``q_proj`` / ``k_proj`` / ``v_proj``).
     """
     assert reader.store is not None
     state = model.state_dict()
     covered: set[str] = set()
     unexpected: list[str] = []
+    converted: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for stored_name in reader.float_tensors():
             name = tensor_of.get(stored_name, stored_name)
             if name not in state:
-                unexpected.append(stored_name)
+                if stored_name in names.converted_shapes:
+                    converted[stored_name] = reader.store.get(stored_name)
+                else:
+                    unexpected.append(stored_name)
                 continue
             tensor = reader.store.get(stored_name)
             if tuple(tensor.shape) != tuple(state[name].shape):
@@ -169,6 +180,9 @@ def _load_float_tensors(
                     f"{path}: {name} is stored with shape {list(tensor.shape)} but the model "
                     f"built from config.json has {list(state[name].shape)}"
                 )
+            state[name].copy_(tensor)
+            covered.add(name)
+        for name, tensor in (from_disk_form(model, names, converted) if converted else {}).items():
             state[name].copy_(tensor)
             covered.add(name)
     if unexpected:

@@ -240,6 +240,53 @@ def test_data_free_vision_linears_are_quantized(arch: str, tmp_path: Path) -> No
     assert any(reference_description[n] == "W8A8_DYNAMIC" for n in others)
 
 
+def test_tensors_transformers_converts_are_exported_in_the_checkpoints_form(
+    tmp_path: Path,
+) -> None:
+    """Kimi-K2.5's MoonViT stores each block's q/k/v as one ``wqkv``, which transformers splits
+    into ``q_proj`` / ``k_proj`` / ``v_proj`` on load: the export holds the checkpoint's
+    ``wqkv`` byte for byte (not the split names, which vLLM-Ascend would not load), and
+    ``verify --model_path`` rebuilds the model from it (the forward check passes)."""
+    process = DATA_FREE_PRACTICES["kimi_k25"][0]
+    model = build_tiny_vlm(tmp_path / "model", "kimi_k25")
+    save = tmp_path / "export"
+    msquant.quantize(
+        model, save, vlm_config(process), calib_path=CORPUS, max_calib_tokens=16, progress=False
+    )
+    source, out = load_file(str(model / "model.safetensors")), exported(save)
+    description = json.loads((save / "quant_model_description.json").read_text())
+    fused = [n for n in source if ".wqkv." in n]
+    assert len(fused) == 4  # 2 blocks x weight, bias
+    for name in fused:
+        assert out[name].dtype == source[name].dtype and torch.equal(out[name], source[name])
+        assert description[name] == "FLOAT"
+    assert not [n for n in out if n.startswith("vision_tower.") and "_proj." in n]
+    assert set(source) <= set(out)
+    report = msquant.verify_export(save, model_path=model)
+    assert report.ok, report.errors
+    assert report.forward is not None and report.forward.ok
+
+
+def test_quantizing_a_tensor_transformers_converts_is_refused(tmp_path: Path) -> None:
+    """MoonViT's q/k/v have no name of their own in the checkpoint (``wqkv``): quantizing them
+    would write tensors no engine can name, so the run stops before writing anything."""
+    model = build_tiny_vlm(tmp_path / "model", "kimi_k25")
+    process = [
+        {
+            "type": "linear_quant",
+            "qconfig": W8A8_DYNAMIC,
+            "include": ["*self_attn*", "*vision_tower*"],  # the vision q/k/v among them
+        }
+    ]
+    with pytest.raises(
+        msquant.QuantizationError, match=r"through a weight conversion.*\(exclude it\)"
+    ):
+        msquant.quantize(
+            model, tmp_path / "x", vlm_config(process), calib_path=CORPUS, progress=False
+        )
+    assert not (tmp_path / "x").exists()
+
+
 def test_rotation_of_a_vision_language_model_is_refused(qwen3_vl: Path, tmp_path: Path) -> None:
     config = vlm_config([{"type": "quarot", "block_size": 16}, *TEXT_ONLY["spec"]["process"]])
     with pytest.raises(
