@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -52,6 +53,7 @@ from torch import nn
 from msquant.plugin import (
     ConfigIssue,
     DecoderLayer,
+    KVCacheReport,
     Processor,
     ProcessorConfig,
     QDType,
@@ -179,6 +181,20 @@ class DynamicCacheProcessor(Processor):
             logger.warning("dynamic_cache: include pattern %r matches no attention", pattern)
         return found, problems
 
+    def plan_kv_caches(
+        self, model: nn.Module, layers: Sequence[DecoderLayer]
+    ) -> dict[str, str | None]:
+        """``msquant plan``: every decoder layer's attention, ``C8`` when selected (none for a
+        ``model_type`` without a KV-cache layout: ``check_model`` reports it)."""
+        layout = kv_cache_layout(
+            str(getattr(getattr(model, "config", None), "model_type", "unknown"))
+        )
+        if layout is None:
+            return {}
+        selected = {name for name, _ in self._attentions(model, list(layers))[0]}
+        names = [f"{layer.name}.{layout.attention}" for layer in layers]
+        return {name: C8 if name in selected else None for name in names}
+
     def check_model(self, model: nn.Module, layers: list[DecoderLayer]) -> list[str]:
         found, problems = self._attentions(model, layers)
         if not found and not problems:
@@ -217,11 +233,24 @@ class DynamicCacheProcessor(Processor):
             recorder.remove()
             assert layout is not None
             keys, values = recorder.ranges(layout)
+            tensors = []
             for part, observed in ((layout.key, keys), (layout.value, values)):
                 scale, offset = observed.qparams()
                 prefix = ctx.disk_name(f"{recorder.name}.{part}")
-                ctx.export_tensors[f"{prefix}.kv_cache_scale"] = (C8, scale)
-                ctx.export_tensors[f"{prefix}.kv_cache_offset"] = (C8, offset)
+                for suffix, tensor in (("kv_cache_scale", scale), ("kv_cache_offset", offset)):
+                    ctx.export_tensors[f"{prefix}.{suffix}"] = (C8, tensor)
+                    tensors.append(f"{prefix}.{suffix}")
+            ctx.report.add_kv_cache(
+                KVCacheReport(
+                    name=recorder.name,
+                    scheme=C8,
+                    tensors=tensors,
+                    channels=int(scale.numel()),
+                    tokens=keys.tokens,
+                    key_absmax=keys.absmax(),
+                    value_absmax=values.absmax(),
+                )
+            )
         self._pending.clear()
 
 

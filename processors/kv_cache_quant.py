@@ -75,6 +75,12 @@ class KVRange:
             self.max_val = torch.maximum(self.max_val, high)
         self.tokens += rows.shape[0]
 
+    def absmax(self) -> float:
+        """The largest ``|state|`` observed over every channel (0.0 before any token)."""
+        if self.min_val is None or self.max_val is None:
+            return 0.0
+        return float(torch.maximum(self.min_val.abs(), self.max_val.abs()).max())
+
     def qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kv_cache_scale, kv_cache_offset)`` of the range observed.
 

@@ -4,6 +4,7 @@ read back, and the refusals."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import msquant
 from msquant import ConfigError, QuantizationError, load_config_text, verify_export
 from msquant.load.calibration import read_calibration_texts
-from msquant.plugin import default_registry
+from msquant.plugin import build_plan, default_registry
 from msquant.processors.kv_cache_quant import kv_channels
 
 C8 = {
@@ -81,6 +82,18 @@ def test_c8_scales_are_the_float64_range_of_the_cached_states(
         for index, layer in enumerate(cache.layers):
             keys.setdefault(index, []).append(kv_channels(layer.keys).double())
             values.setdefault(index, []).append(kv_channels(layer.values).double())
+    caches = json.loads((out / "quant_report.json").read_text())["kv_caches"]
+    assert [c["name"] for c in caches] == [f"model.layers.{i}.self_attn" for i in sorted(keys)]
+    for index, cache in zip(sorted(keys), caches, strict=True):
+        assert cache["scheme"] == "C8" and cache["channels"] == keys[index][0].shape[1]
+        assert cache["tokens"] == sum(k.shape[0] for k in keys[index])
+        assert cache["tensors"] == [
+            f"model.layers.{index}.self_attn.{part}.kv_cache_{what}"
+            for part in ("k_proj", "v_proj")
+            for what in ("scale", "offset")
+        ]
+        for field, states in (("key_absmax", keys[index]), ("value_absmax", values[index])):
+            assert cache[field] == pytest.approx(torch.cat(states).abs().max().item(), rel=1e-6)
     for index in keys:
         for part, states in (("k_proj", keys[index]), ("v_proj", values[index])):
             rows = torch.cat(states)
@@ -121,6 +134,31 @@ def test_c8_with_w8a8_dynamic_and_pd_mix_exports_verify(
     # float32 model: deq_scale holds the float32 bits of input_scale * weight_scale as int64
     deq = mix[f"{layer}.deq_scale"].to(torch.int32).view(torch.float32)
     assert torch.equal(deq, mix[f"{layer}.weight_scale"].reshape(-1) * mix[f"{layer}.input_scale"])
+
+
+def test_plan_and_report_name_the_c8_attentions(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """``msquant plan`` says which attentions get C8 (an excluded one stays float); the run
+    report lists the quantized caches (their rendering: tests/planning, tests/report)."""
+    model_dir = tiny_model_factory("qwen3")
+    cfg = _config(act("per_token", True), dict(C8, exclude=["model.layers.1.*"]))
+    plan = build_plan(model_dir, cfg)
+    assert [(c.module, c.scheme, c.decided_by) for c in plan.kv_caches] == [
+        ("model.layers.0.self_attn", "C8", "spec.process[1]"),
+        ("model.layers.1.self_attn", None, "spec.process[1]"),
+    ]
+    assert plan.to_dict()["kv_caches"][1] == {
+        "module": "model.layers.1.self_attn",
+        "scheme": None,
+        "decided_by": "spec.process[1]",
+    }
+    out = tmp_path / "out"
+    _run(model_dir, out, cfg)
+    tensors = load_file(str(out / "quant_model_weights.safetensors"))
+    assert sorted(k for k in tensors if "kv_cache" in k and ".1." in k) == []
+    data = json.loads((out / "quant_report.json").read_text())
+    assert [c["name"] for c in data["kv_caches"]] == ["model.layers.0.self_attn"]
 
 
 def test_refusals(tiny_model_factory: Callable[..., Path], tmp_path: Path) -> None:
