@@ -344,7 +344,8 @@ class LinearQuantProcessor(Processor):
         if self.act_scheme in STATIC_SCHEMES:
             problems += [
                 f"linear_quant: {name}: static per_tensor activations ({self.act_scheme}) on MoE experts are not "
-                "implemented (vLLM-Ascend has no W8A8 MoE scheme; its MoE schemes are dynamic): "
+                "implemented (vLLM-Ascend has no W8A8 or W8A8_MIX MoE scheme, as of 0.30.0rc2: its "
+                "MoE schemes are dynamic): "
                 "use act scope per_token (W8A8_DYNAMIC) or exclude the experts ('*.experts.*')"
                 for name, decision in decisions.items()
                 if decision.scheme is not None
