@@ -9,6 +9,7 @@ Usage::
     python bench/msmodelslim_configs.py --dir site-packages/msmodelslim   # an installed copy
     python bench/msmodelslim_configs.py --markdown > table.md
     python bench/msmodelslim_configs.py --apiversion modelslim_v1 --run   # also run the valid ones
+    python bench/msmodelslim_configs.py --only qwen3/qwen3-32b-dense-w8a8c8 --run   # just those files
     python bench/msmodelslim_configs.py --apiversion modelslim_v1 --apiversion multimodal_vlm_modelslim_v1 --run
 
 The downloaded wheel is kept in ``--cache`` (default ``~/.cache/msquant/msmodelslim``) and used
@@ -127,6 +128,8 @@ def scheme_name(qconfig: Any) -> str:
         name = f"W{w_bits}A8_DYNAMIC"
     elif a_dtype == "int8" and act.get("scope") == "per_tensor":
         name = f"W{w_bits}A8"
+    elif a_dtype == "int8" and act.get("scope") == "pd_mix":
+        name = f"W{w_bits}A8_MIX"
     else:
         name = f"W:{w_dtype}/A:{a_dtype}-{act.get('scope', '?')}"
     return f"{name} {weight.get('method', '?')}"
@@ -280,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         help="only files of this apiversion (repeatable: modelslim_v1, multimodal_vlm_modelslim_v1)",
     )
+    parser.add_argument(
+        "--only",
+        action="append",
+        help="only files whose path contains this text (repeatable), e.g. qwen3/qwen3-32b-dense-w8a8c8",
+    )
     parser.add_argument("--markdown", action="store_true", help="a Markdown table")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     parser.add_argument(
@@ -306,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, text in yaml_files(wheel, args.dir)
         if (row := check(name, text, registry)) is not None
         and (args.apiversion is None or row.apiversion in args.apiversion)
+        and (args.only is None or any(part in name for part in args.only))
     ]
     rows = [row for row, _, _ in checked]
     if args.msmodelslim_python is not None:

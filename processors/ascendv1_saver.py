@@ -13,6 +13,9 @@ Files written (msModelSlim 26.1 layout):
   (or one ``quant_model_weights.safetensors`` when ``part_file_size`` is 0);
 * ``quant_model_description.json``: every tensor typed ``W8A16``, ``W4A16`` or ``FLOAT``, plus
   ``version``, ``model_quant_type``, ``metadata``, ``group_size`` and ``optional``;
+* with ``dynamic_cache`` (int8 KV cache): ``<attention>.k_proj.kv_cache_scale`` /
+  ``kv_cache_offset`` and the ``v_proj`` ones, typed ``C8``, and the globals ``kv_cache_type`` and
+  ``kv_quant_type``, both ``C8`` (docs/ascend-format.md, "C8");
 * the model's config/tokenizer files, ``quantization_config`` removed from ``config.json``, and the
   config used as ``{model_type}_best_practice.yaml``.
 
@@ -86,6 +89,7 @@ from msquant.plugin import (
 from msquant.processors.formats.ascend.config import (
     DESCRIPTION_FILE,
     HEAD_WARNING,
+    KV_CACHE_TYPE,
     description_globals,
     model_quant_type,
     ordered_description,
@@ -172,7 +176,9 @@ class AscendV1Saver(Saver):
     default_saver = True
     #: W8A8 and W8A8_DYNAMIC (msModelSlim's layout).
     writes_activations = True
-    activation_schemes = ("W8A8", "W8A8_DYNAMIC", "W4A8_DYNAMIC")
+    activation_schemes = ("W8A8", "W8A8_MIX", "W8A8_DYNAMIC", "W4A8_DYNAMIC")
+    #: The int8 KV cache's scales and offsets (``dynamic_cache``).
+    tensor_kinds = (KV_CACHE_TYPE,)
 
     def check_model(self, model: nn.Module, layers: list[DecoderLayer]) -> list[str]:
         model_type = str(getattr(getattr(model, "config", None), "model_type", "unknown"))
@@ -227,6 +233,9 @@ class AscendV1Saver(Saver):
                 self.state.types[tensor_name] = kind
         if module.group_size is not None:
             self.state.group_sizes.add(module.group_size)
+
+    def record_extra(self, name: str, kind: str) -> None:
+        self.state.types[name] = kind
 
     def fused_scheme(self, name: str, module: QuantizedLinear | None) -> tuple[Hashable, str]:
         if module is None:
@@ -329,7 +338,8 @@ class AscendV1Saver(Saver):
         if head is not None:
             kind = self.state.types[f"{head}.weight"]
             logger.warning("%s: %s", self.type_name, HEAD_WARNING.format(head=head, kind=kind))
-        return description_globals(self.model_quant_type(), sizes)
+        kv_cache = KV_CACHE_TYPE in self.state.types.values()
+        return description_globals(self.model_quant_type(), sizes, kv_cache)
 
 
 def model_float_dtype(model: nn.Module) -> torch.dtype:

@@ -108,7 +108,7 @@ from msquant.plugin import (
     resolve_module_scheme,
     unmatched_patterns,
 )
-from msquant.processors.linear_quant_act import StaticActCalibration, act_scheme
+from msquant.processors.linear_quant_act import STATIC_SCHEMES, StaticActCalibration, act_scheme
 from msquant.processors.linear_quant_calibration import HessianCollector, plan_passes
 from msquant.processors.linear_quant_checks import divisor_problem, fused_problems, head_problems
 from msquant.processors.linear_quant_config import METHODS, LinearQuantConfig, config_issues
@@ -144,13 +144,17 @@ class LinearQuantProcessor(Processor):
         self.method = METHODS.get(weight.method)(weight)
         #: W8A8 / W8A8_DYNAMIC / W4A8_DYNAMIC, or None for float activations (:mod:`.linear_quant_act`).
         self.act_scheme = act_scheme(self.config.qconfig.act, weight)
-        static = self.act_scheme == "W8A8"
+        static = self.act_scheme in STATIC_SCHEMES
         self.requires_calibration = self.method.calibrated or static
         self.calibrate_on_quantized = self.method.calibrated and self.method.calibrate_on_quantized
         # static ranges are gathered online, sample by sample in the dataset's order (msModelSlim)
         self.batch_calibration = not static
         self._act_calibration = (
-            StaticActCalibration(self.config.qconfig.act.symmetric) if static else None
+            StaticActCalibration(
+                self.config.qconfig.act.symmetric, pd_mix=self.act_scheme == "W8A8_MIX"
+            )
+            if static
+            else None
         )
         self._rtn: dict[str, QuantizedWeight] = {}  # this layer's weights, quantized to calibrate
         self._pass_plan: dict[str, int] = {}  # this layer's module -> calibration pass
@@ -164,7 +168,7 @@ class LinearQuantProcessor(Processor):
         order; a ``dp_layer_wise`` group would give each process its share (refused)."""
         if self._act_calibration is not None and ctx.dist.world_size > 1:
             raise QuantizationError(
-                "linear_quant: static per_tensor activations (W8A8) are calibrated online, one "
+                f"linear_quant: static per_tensor activations ({self.act_scheme}) are calibrated online, one "
                 "sample after the other over the whole calibration set, which a dp_layer_wise "
                 f"group of {ctx.dist.world_size} processes would split; run it in one process "
                 "(spec.runner: layer_wise, no --nproc / device list) or use per_token activations"
@@ -337,10 +341,11 @@ class LinearQuantProcessor(Processor):
                     problems += divisor_problem(name, module, scheme, self.rules)
         if self.config.lm_head:
             problems += head_problems(model, layers, decisions, self.method, self.rules)
-        if self.act_scheme == "W8A8":
+        if self.act_scheme in STATIC_SCHEMES:
             problems += [
-                f"linear_quant: {name}: static per_tensor activations (W8A8) on MoE experts are not "
-                "implemented (vLLM-Ascend has no W8A8 MoE scheme; its MoE schemes are dynamic): "
+                f"linear_quant: {name}: static per_tensor activations ({self.act_scheme}) on MoE experts are not "
+                "implemented (vLLM-Ascend has no W8A8 or W8A8_MIX MoE scheme, as of 0.30.0rc2: its "
+                "MoE schemes are dynamic): "
                 "use act scope per_token (W8A8_DYNAMIC) or exclude the experts ('*.experts.*')"
                 for name, decision in decisions.items()
                 if decision.scheme is not None

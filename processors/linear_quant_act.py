@@ -11,6 +11,11 @@ Implemented (msModelSlim's W8A8 family, the schemes vLLM-Ascend serves for dense
   (:class:`msquant.plugin.OnlineMinMax`), then computes its output from that input fake-quantized with the
   range seen so far and from its fake-quantized weight; those outputs feed the rest of the layer
   and the next layer.
+* **W8A8_MIX** (msModelSlim's ``scope: pd_mix``): ``act: {dtype: int8, scope: pd_mix, symmetric:
+  false, method: minmax}`` with the W8A8 weights: the static asymmetric per-tensor range of the
+  decode steps is calibrated as W8A8's (online, sample by sample), while the calibration forward
+  computes the linear's output from its input quantized per token (the prefill path, which
+  calibration prompts take) and its fake-quantized weight.
 * **W8A8_DYNAMIC**: ``act: {dtype: int8, scope: per_token, symmetric: true, method: minmax}`` with
   int8 per-channel symmetric ``minmax`` weights; nothing is calibrated (each token is scaled at
   run time), so the weights are quantized without calibration data.
@@ -55,23 +60,30 @@ from msquant.plugin import (
 
 __all__ = [
     "ACT_SCHEMES",
+    "STATIC_SCHEMES",
     "ActScheme",
     "StaticActCalibration",
     "act_issues",
     "act_scheme",
 ]
 
-ActScheme = Literal["W8A8", "W8A8_DYNAMIC", "W4A8_DYNAMIC"]
+ActScheme = Literal["W8A8", "W8A8_MIX", "W8A8_DYNAMIC", "W4A8_DYNAMIC"]
+#: The schemes whose activation range is calibrated (static per-tensor parameters stored).
+STATIC_SCHEMES = ("W8A8", "W8A8_MIX")
 
 #: The activation schemes implemented, as named in the refusal message.
 ACT_SCHEMES = (
     "W8A8 = act {dtype: int8, scope: per_tensor, symmetric: true or false, method: minmax} with "
     "weight {dtype: int8, scope: per_channel, symmetric: true, method: minmax}; "
     "W8A8_DYNAMIC = act {dtype: int8, scope: per_token, symmetric: true, method: minmax} with the "
-    "same weight; W4A8_DYNAMIC = the same act with weight {dtype: int4, scope: per_channel, "
+    "same weight; W8A8_MIX = act {dtype: int8, scope: pd_mix, symmetric: false, method: minmax} "
+    "with the same weight; W4A8_DYNAMIC = the same act with weight {dtype: int4, scope: per_channel, "
     "symmetric: true, method: minmax}; method: ssz wherever minmax is; with per_token act, "
     "method: gptq too"
 )
+
+#: The prefill path of W8A8_MIX: each token on its own symmetric grid.
+PER_TOKEN = ActivationQuant("per_token")
 
 #: Weight methods that round each module on its own, and so go with every activation scheme.
 ROUNDING_METHODS = ("minmax", "ssz")
@@ -84,6 +96,8 @@ def act_scheme(act: ActQConfig, weight: WeightQConfig) -> ActScheme | None:
         return None
     if act.scope is QScope.PER_TENSOR:
         return "W8A8"
+    if act.scope is QScope.PD_MIX:
+        return "W8A8_MIX"
     return "W4A8_DYNAMIC" if weight.dtype is QDType.INT4 else "W8A8_DYNAMIC"
 
 
@@ -106,7 +120,11 @@ def act_issues(
     known_act = (
         act.dtype is QDType.INT8
         and act.method == "minmax"
-        and (act.scope is QScope.PER_TENSOR or (act.scope is QScope.PER_TOKEN and act.symmetric))
+        and (
+            act.scope is QScope.PER_TENSOR
+            or (act.scope is QScope.PER_TOKEN and act.symmetric)
+            or (act.scope is QScope.PD_MIX and not act.symmetric)
+        )
     )
     if not known_act:
         issues.append(
@@ -159,11 +177,13 @@ class StaticActCalibration:
 
     :meth:`hook` replaces a linear's forward (an instance attribute, removed by :meth:`unhook`)
     by ``F.linear(observer.observe(x), fake_weight, bias)``: the running range widened with the
-    input, the input fake-quantized with it, the weight fake-quantized.
+    input, the input fake-quantized with it, the weight fake-quantized. With ``pd_mix`` the input
+    is fake-quantized per token instead (the prefill path), the range still widened with it.
     """
 
-    def __init__(self, symmetric: bool) -> None:
+    def __init__(self, symmetric: bool, pd_mix: bool = False) -> None:
         self.symmetric = symmetric
+        self.pd_mix = pd_mix
         self.observers: dict[str, OnlineMinMax] = {}
         self._hooked: list[nn.Linear] = []
 
@@ -171,7 +191,7 @@ class StaticActCalibration:
         """Calibrate ``module``'s input range from now on (``fake_weight``: its dequantized
         quantized weight, in the weight's dtype)."""
         observer = self.observers[name] = OnlineMinMax(self.symmetric)
-        module.forward = _observed_forward(name, observer, fake_weight, module.bias)  # type: ignore[method-assign, assignment]
+        module.forward = _observed_forward(name, observer, fake_weight, module.bias, self.pd_mix)  # type: ignore[method-assign, assignment]
         self._hooked.append(module)
 
     def unhook(self) -> None:
@@ -192,11 +212,17 @@ class StaticActCalibration:
                 "is unknown; exclude it or use scope: per_token activations"
             )
         scale, offset = observer.qparams()
+        if self.pd_mix:
+            return ActivationQuant("pd_mix", self.symmetric, scale, offset)
         return ActivationQuant("per_tensor", self.symmetric, scale, offset)
 
 
 def _observed_forward(
-    name: str, observer: OnlineMinMax, weight: torch.Tensor, bias: torch.Tensor | None
+    name: str,
+    observer: OnlineMinMax,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    pd_mix: bool = False,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(x: torch.Tensor) -> torch.Tensor:
         if x.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(x))).all()):
@@ -206,8 +232,9 @@ def _observed_forward(
                 "checkpoint's weights were checked to be finite and below 2^64) or the "
                 "calibration data is broken"
             )
-        return F.linear(
-            observer.observe(x), weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
-        )
+        quantized = observer.observe(x)
+        if pd_mix:
+            quantized = PER_TOKEN.fake_quantize(x)
+        return F.linear(quantized, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
     return forward

@@ -54,6 +54,10 @@ class MindIEFormatSaver(AscendV1Saver):
     config_class = MindIEFormatSaverConfig
     weights_prefix = WEIGHT_STEM
     plain_when_single = True
+    #: msModelSlim's mindie_format_saver refuses W8A8_MIX (pd_mix) and the C8 KV cache, naming
+    #: ascendv1_saver; so does this one.
+    activation_schemes = ("W8A8", "W8A8_DYNAMIC", "W4A8_DYNAMIC")
+    tensor_kinds = ()
 
     @classmethod
     def check_config(cls, config: ProcessorConfig) -> list[ConfigIssue]:

@@ -115,7 +115,7 @@ PLUGIN_API = [
     *("pack_int4_pairs", "packed_length"),
     # per-module rules and the planning protocols
     *("build_plan", "check_plan", "analyse_plan", "PlanReview", "PlanReviewer", "ModelPlan"),
-    "PlanRow",
+    *("PlanRow", "KVCachePlan", "KVCachePlanner"),
     *("ModuleDecision", "ModulePlanner", "BaseScheme", "ResolvedScheme", "DynamicRule"),
     *("DynamicOverrides", "FusedNameMismatch", "parse_dynamic", "resolve_module_scheme"),
     *("written_for_engine_name", "fused_name_mismatches", "BASE_SOURCE", "DYNAMIC_KEYS"),
@@ -130,8 +130,8 @@ PLUGIN_API = [
     *("TensorStore", "trivial_g_idx", "read_json", "module_of", "ties_word_embeddings"),
     *("read_model_config", "hf_quant_method", "hf_export_format", "open_weights"),
     *("weight_files_present", "unpack_int32_stream", "unpack_int4_pairs", "words_needed"),
-    # the run report's per-module record
-    *("ModuleReport", "relative_output_errors"),
+    # the run report's per-module and per-KV-cache records
+    *("ModuleReport", "KVCacheReport", "relative_output_errors"),
     # errors a plugin raises or reports (also in msquant)
     *("MsquantError", "MsquantInputError", "ConfigError", "ConfigIssue", "QuantizationError"),
     *("RegistryError", "TransformCheckError"),
@@ -150,7 +150,7 @@ def test_the_user_api_is_the_promised_list() -> None:
 
 def test_the_plugin_api_is_the_promised_list() -> None:
     assert sorted(msquant.plugin.__all__) == sorted(PLUGIN_API)
-    assert len(set(msquant.plugin.__all__)) == len(msquant.plugin.__all__) == 196
+    assert len(set(msquant.plugin.__all__)) == len(msquant.plugin.__all__) == 199
 
 
 def test_the_facades_hold_nothing_but_their_lists() -> None:

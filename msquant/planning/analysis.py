@@ -16,6 +16,8 @@ from msquant.model.layers import DecoderLayer
 from msquant.planning.activation_formats import activation_errors
 from msquant.planning.model import (
     NOT_SELECTED,
+    KVCachePlan,
+    KVCachePlanner,
     ModelPlan,
     ModuleDecision,
     ModulePlanner,
@@ -109,6 +111,18 @@ def _row(
     return PlanRow(name, None, None, None, None, None, True, NOT_SELECTED, None)
 
 
+def _kv_caches(
+    process: Sequence[Processor], model: nn.Module, layers: Sequence[DecoderLayer]
+) -> list[KVCachePlan]:
+    """The attentions every KV-cache entry of ``spec.process`` considers, in entry order."""
+    return [
+        KVCachePlan(module, scheme, entry_path(index))
+        for index, processor in enumerate(process)
+        if isinstance(processor, KVCachePlanner)
+        for module, scheme in processor.plan_kv_caches(model, layers).items()
+    ]
+
+
 def analyse_plan(
     processors: Sequence[Processor],
     model: nn.Module,
@@ -162,7 +176,7 @@ def analyse_plan(
             index, planner.plan_rules(), selected, groups, adapter, head[0] if head else None
         )
     model_type = str(getattr(getattr(model, "config", None), "model_type", "unknown"))
-    result = ModelPlan(rows, errors, warnings, model_type)
+    result = ModelPlan(rows, errors, warnings, model_type, _kv_caches(process, model, layers))
     result.errors += activation_errors(processors, rows)
     for processor in processors:
         if isinstance(processor, PlanReviewer):

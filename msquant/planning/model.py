@@ -20,6 +20,8 @@ __all__ = [
     "entry_path",
     "source_of",
     "PlanRow",
+    "KVCachePlan",
+    "KVCachePlanner",
     "ModelPlan",
     "PlanReview",
     "PlanReviewer",
@@ -110,14 +112,42 @@ class PlanRow:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class KVCachePlan:
+    """One attention a KV-cache entry considers: the cache's scheme (``C8``) when the entry
+    quantizes it, None when it stays in float; ``decided_by`` names the entry
+    (``spec.process[2]``)."""
+
+    module: str
+    scheme: str | None
+    decided_by: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready mapping."""
+        return asdict(self)
+
+
+@runtime_checkable
+class KVCachePlanner(Protocol):
+    """A processor that quantizes attentions' KV caches and can say which, on the meta model."""
+
+    def plan_kv_caches(
+        self, model: nn.Module, layers: Sequence[DecoderLayer]
+    ) -> Mapping[str, str | None]:
+        """Per attention module the entry considers: the cache's scheme, or None (left float)."""
+        ...
+
+
 @dataclass
 class ModelPlan:
-    """The plan of a whole model: rows in model order, errors (the run is refused) and warnings."""
+    """The plan of a whole model: rows in model order, errors (the run is refused) and warnings;
+    ``kv_caches``: the attentions KV-cache entries consider (empty when none does)."""
 
     rows: list[PlanRow]
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     model_type: str = "unknown"
+    kv_caches: list[KVCachePlan] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -130,6 +160,7 @@ class ModelPlan:
             "ok": self.ok,
             "model_type": self.model_type,
             "rows": [row.to_dict() for row in self.rows],
+            "kv_caches": [cache.to_dict() for cache in self.kv_caches],
             "errors": list(self.errors),
             "warnings": list(self.warnings),
         }

@@ -15,6 +15,25 @@ def _cell(value: object) -> str:
     return str(value)
 
 
+def _kv_cache_lines(result: ModelPlan) -> list[str]:
+    """One line per KV-cache entry: the scheme, how many attentions get it, and those left
+    float (named; the quantized ones are every other attention the entry considers)."""
+    lines = []
+    for entry in dict.fromkeys(cache.decided_by for cache in result.kv_caches):
+        caches = [cache for cache in result.kv_caches if cache.decided_by == entry]
+        schemes = sorted({c.scheme for c in caches if c.scheme is not None})
+        quantized = sum(c.scheme is not None for c in caches)
+        line = (
+            f"KV cache ({entry}): {'/'.join(schemes) or 'float'} on {quantized} of "
+            f"{len(caches)} attention(s)"
+        )
+        floats = [c.module for c in caches if c.scheme is None]
+        if floats:
+            line += f"; left in float: {', '.join(floats)}"
+        lines.append(line)
+    return lines
+
+
 def render_plan(result: ModelPlan) -> str:
     """A plain-text table of the plan followed by a summary, the errors and the warnings."""
     # an "act" column only when a module quantizes its activations (weight-only plans unchanged)
@@ -47,6 +66,7 @@ def render_plan(result: ModelPlan) -> str:
         f"{result.model_type}: {len(result.rows)} linear layer(s), {len(quantized)} quantized, "
         f"{len(result.rows) - len(quantized)} left in float"
     )
+    lines += _kv_cache_lines(result)
     for kind, messages in (("error", result.errors), ("warning", result.warnings)):
         if messages:
             lines.append(f"{len(messages)} {kind}(s):")

@@ -126,6 +126,8 @@ from msquant.planning.build import (
     build_plan,
 )
 from msquant.planning.model import (
+    KVCachePlan,
+    KVCachePlanner,
     ModelPlan,
     ModuleDecision,
     ModulePlanner,
@@ -288,6 +290,7 @@ from msquant.quant.w8a8_params import (
     unpack_int4_rows,
 )
 from msquant.report.run_report import (
+    KVCacheReport,
     ModuleReport,
 )
 from msquant.run.probe import (
@@ -435,6 +438,8 @@ __all__ = [
     "ModelPlan",
     "ModuleDecision",
     "ModulePlanner",
+    "KVCachePlan",
+    "KVCachePlanner",
     "BaseScheme",
     "ResolvedScheme",
     "DynamicRule",
@@ -486,8 +491,9 @@ __all__ = [
     "unpack_int32_stream",
     "unpack_int4_pairs",
     "words_needed",
-    # the run report's per-module record
+    # the run report's per-module and per-KV-cache records
     "ModuleReport",
+    "KVCacheReport",
     "relative_output_errors",
     # errors a plugin raises or reports (also in msquant, for users)
     "MsquantError",

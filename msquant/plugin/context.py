@@ -65,6 +65,11 @@ class RunContext:
     :param optional_tensors: tensors a processor asks savers to ship beside the weights, by scope
         (``{"quarot": {"global_rotation": R}}``); the Ascend savers write each scope to
         ``optional/<scope>.safetensors`` and name it in the description's ``optional``.
+    :param export_tensors: tensors a processor adds to the export beside the model's own, by full
+        tensor name, each with the type a format describes it by (``dynamic_cache``'s
+        ``<attention>.k_proj.kv_cache_scale``, ``"C8"``), added at any point before the savers' ``finalize``;
+        savers write the pending ones at each ``after_layer`` and in ``finalize`` (a saver refuses a type its
+        format does not store, :attr:`msquant.plugin.Saver.tensor_kinds`).
     :param probe: set by the layer runner when a processor transforms weights
         (``transforms_weights``): a few calibration tokens and their hidden states entering the
         current decoder layer, on which such a processor proves that its transform keeps the
@@ -96,6 +101,7 @@ class RunContext:
     checkpoint_names: CheckpointNames | None = None
     config_updates: dict[str, Any] = field(default_factory=dict)
     optional_tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    export_tensors: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
     probe: TransformProbe | None = None
     msmodelslim_model_type: str | None = None
     transforms: TransformLog = field(default_factory=TransformLog)

@@ -20,6 +20,8 @@ fused_scheme      how one linear's scheme reads in the fused-layer check (defaul
 fused_message     the error raised when the shards of a fused layer differ
 check_layer       checks before a layer's tensors are written (default: the fused check)
 record_quantized  what the format remembers of each quantized linear it wrote
+record_extra      what the format remembers of each tensor a processor added
+                  (``ctx.export_tensors``, of a type in ``tensor_kinds``)
 prepare           extra setup (called after the writer and the state exist)
 finish_layers     work after the last layer, before the remaining tensors are written
 ================  ==========================================================================
@@ -124,6 +126,10 @@ class Saver(Processor):
     #: ``W8A8_DYNAMIC``, ``W4A8_DYNAMIC``) a saver with ``writes_activations`` stores; empty:
     #: every one. The plan refuses the others, naming the savers that store them.
     activation_schemes: ClassVar[tuple[str, ...]] = ()
+    #: The types of the tensors processors add to the export (``ctx.export_tensors``, e.g.
+    #: ``"C8"``, the int8 KV cache's scales) this format stores; a saver refuses the others,
+    #: naming the tensor, rather than leave them out.
+    tensor_kinds: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def stores_activation_scheme(cls, scheme: str) -> bool:
@@ -170,9 +176,11 @@ class Saver(Processor):
         self.check_layer(ctx, layer)
         self.write_quantized(ctx, layer.module, layer.name)
         self.write_tensors(layer.module.state_dict(prefix=f"{layer.name}."))
+        self.write_extra(ctx)
 
     def finalize(self, ctx: RunContext) -> None:
         self.finish_layers(ctx)
+        self.write_extra(ctx)
         self.write_remaining(ctx)
         self.close_writer()
         self.write_config(ctx)
@@ -226,6 +234,24 @@ class Saver(Processor):
             self.state.written.update(f"{name}.{key}" for key in module.state_dict())
             self.state.quantized.add(name)
             self.record_quantized(name, module, list(packed))
+
+    def write_extra(self, ctx: RunContext) -> None:
+        """Write the tensors processors added (``ctx.export_tensors``) not written yet.
+
+        :raises QuantizationError: for a type this format does not store.
+        """
+        for name, (kind, tensor) in ctx.export_tensors.items():
+            if name in self.state.written:
+                continue
+            if kind not in self.tensor_kinds:
+                raise QuantizationError(
+                    f"{self.type_name}: {name} is a {kind} tensor, which this format does not "
+                    f"store{'' if not self.tensor_kinds else ' (it stores ' + ', '.join(self.tensor_kinds) + ')'}; "
+                    "export with a saver that stores it (docs/ascend-format.md) or drop the "
+                    "processor that adds it"
+                )
+            self.add(name, tensor)
+            self.record_extra(name, kind)
 
     def write_tensors(
         self, tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, Any]
@@ -296,6 +322,9 @@ class Saver(Processor):
 
     def record_quantized(self, name: str, module: QuantizedLinear, packed: list[str]) -> None:
         """Remember what the format needs of a quantized linear just written (default: nothing)."""
+
+    def record_extra(self, name: str, kind: str) -> None:
+        """Remember a tensor a processor added, of type ``kind`` (default: nothing)."""
 
     def finish_layers(self, ctx: RunContext) -> None:
         """Work after the last layer, before the remaining tensors (default: none)."""

@@ -16,6 +16,12 @@ Two activation schemes feed msModelSlim's W8A8 family:
 * **per-token dynamic** (W8A8_DYNAMIC, W4A8_DYNAMIC): each token (row of the last dimension) gets
   its own symmetric scale ``max|x_token| / 127`` at run time; nothing about activations is
   exported. :func:`fake_quantize_per_token` simulates it.
+* **pd_mix** (W8A8_MIX, msModelSlim's ``scope: pd_mix``, int8 asymmetric): one static per-tensor
+  ``input_scale`` / ``input_offset`` per linear, calibrated as W8A8's (the running range over the
+  calibration set), used by the *decode* steps, while the *prefill* steps quantize each token
+  dynamically as W8A8_DYNAMIC does. Calibration runs prompts, i.e. prefill: the calibration
+  forward (and ``msquant eval``) therefore simulates the per-token path, and the static range is
+  observed on the unquantized inputs.
 """
 
 from __future__ import annotations
@@ -122,7 +128,7 @@ class OnlineMinMax:
 
 
 #: The activation scopes implemented: one static range per layer, or one scale per token at run time.
-ActScope = Literal["per_tensor", "per_token"]
+ActScope = Literal["per_tensor", "per_token", "pd_mix"]
 
 
 @dataclass(frozen=True)
@@ -132,7 +138,9 @@ class ActivationQuant:
     ``per_tensor`` (W8A8, static): ``scale`` / ``offset`` are the calibrated ``input_scale`` /
     ``input_offset`` (float32 values; the offset is the signed integral zero point, 0 when
     symmetric). ``per_token`` (W8A8_DYNAMIC): symmetric, nothing calibrated (``scale`` and
-    ``offset`` None): each token is scaled by ``max|x_token| / 127`` at run time.
+    ``offset`` None): each token is scaled by ``max|x_token| / 127`` at run time. ``pd_mix``
+    (W8A8_MIX): the static ``scale`` / ``offset`` of the decode steps (asymmetric) and per-token
+    dynamic quantization in prefill (what :meth:`fake_quantize` simulates).
 
     :raises ValueError: for a per-tensor scheme without its parameters, or an asymmetric or
         parametrised per-token one.
@@ -145,7 +153,11 @@ class ActivationQuant:
     bits: int = ACT_BITS
 
     def __post_init__(self) -> None:
-        if self.scope == "per_tensor":
+        if self.scope in ("per_tensor", "pd_mix"):
+            if self.scope == "pd_mix" and self.symmetric:
+                raise ValueError(
+                    "pd_mix activations are asymmetric (msModelSlim's int8_pd_mix_asym)"
+                )
             if self.scale is None or self.offset is None:
                 raise ValueError("a per_tensor activation scheme needs its input scale and offset")
             if not self.scale > 0 or self.offset != round(self.offset):
@@ -158,7 +170,9 @@ class ActivationQuant:
             if not self.symmetric or self.scale is not None or self.offset is not None:
                 raise ValueError("per_token activations are symmetric and carry no parameters")
         else:
-            raise ValueError(f"activation scope {self.scope!r}; valid: per_tensor, per_token")
+            raise ValueError(
+                f"activation scope {self.scope!r}; valid: per_tensor, per_token, pd_mix"
+            )
 
     @property
     def dynamic(self) -> bool:
@@ -167,19 +181,24 @@ class ActivationQuant:
 
     def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` quantized and dequantized as the deployed kernel quantizes it (in ``x``'s dtype)."""
-        if self.scope == "per_token":
+        if self.scope in ("per_token", "pd_mix"):  # pd_mix: its prefill path
             return fake_quantize_per_token(x, self.bits)
         assert self.scale is not None and self.offset is not None
         return fake_quantize_per_tensor(x, self.scale, self.offset, self.bits)
 
     def scheme_name(self, weight_bits: int) -> str:
         """msModelSlim's name of this activation scheme with ``weight_bits``-bit weights:
-        ``W8A8`` (static), ``W8A8_DYNAMIC``, ``W4A8_DYNAMIC`` (the names plans show)."""
+        ``W8A8`` (static), ``W8A8_DYNAMIC``, ``W4A8_DYNAMIC``, ``W8A8_MIX`` (the names plans
+        show)."""
+        if self.scope == "pd_mix":
+            return f"W{weight_bits}A{self.bits}_MIX"
         return f"W{weight_bits}A{self.bits}" + ("_DYNAMIC" if self.dynamic else "")
 
     def describe(self) -> str:
         """``a8 per_tensor asym`` and the like (plans, module reprs)."""
         kind = "sym" if self.symmetric else "asym"
+        if self.scope == "pd_mix":
+            return f"a{self.bits} pd_mix (prefill per_token, decode per_tensor {kind})"
         return (
             f"a{self.bits} {self.scope} {kind}" if not self.dynamic else f"a{self.bits} per_token"
         )

@@ -33,6 +33,7 @@ __all__ = [
     "ModuleReport",
     "LayerTiming",
     "TransformCheck",
+    "KVCacheReport",
     "EvaluationReport",
     "RunReport",
     "write_report",
@@ -123,6 +124,30 @@ class TransformCheck:
 
 
 @dataclass(frozen=True)
+class KVCacheReport:
+    """One attention whose KV cache the run quantizes (an int8 cache, e.g. ``C8``).
+
+    :param name: the attention module's full name.
+    :param scheme: the cache's type as the export describes it (``C8``).
+    :param tensors: the export's tensors holding its parameters (scales and offsets of keys and
+        values, e.g. ``<attention>.k_proj.kv_cache_scale``).
+    :param channels: channels of the keys (and of the values) with a scale each
+        (``kv_heads * head_dim``).
+    :param tokens: calibration tokens whose keys and values set the range.
+    :param key_absmax: the largest ``|key|`` observed (the widest channel's range).
+    :param value_absmax: the largest ``|value|`` observed.
+    """
+
+    name: str
+    scheme: str
+    tensors: list[str]
+    channels: int
+    tokens: int
+    key_absmax: float
+    value_absmax: float
+
+
+@dataclass(frozen=True)
 class EvaluationReport:
     """Perplexity of the quantized model on a text file (``quant --eval_data``).
 
@@ -163,7 +188,8 @@ class RunReport:
     model's perplexity when the run was asked for one (``eval_data``), else None.
     ``transform_checks`` records what every function-preserving transform proved on each layer,
     on ``probe_tokens`` tokens (None when the run transforms no weight; the checks' time is in
-    each layer's ``check_seconds``).
+    each layer's ``check_seconds``). ``kv_caches`` lists the attentions whose KV cache is
+    quantized (empty when the run leaves the cache in float).
 
     Fields that grow as layers finish are lists (``modules``, ``layers``): a checkpoint records
     them (:meth:`layer_records`) and a resumed run takes them up (:meth:`restore_layer_records`);
@@ -184,6 +210,7 @@ class RunReport:
     modules: list[ModuleReport] = field(default_factory=list)
     layers: list[LayerTiming] = field(default_factory=list)
     transform_checks: list[TransformCheck] = field(default_factory=list)
+    kv_caches: list[KVCacheReport] = field(default_factory=list)
     probe_tokens: int | None = None
     evaluation: EvaluationReport | None = None
     capture_seconds: float | None = None
@@ -196,6 +223,10 @@ class RunReport:
     def add_transform_check(self, check: TransformCheck) -> None:
         """Record what a transform proved on a decoder layer (the run's probe calls this)."""
         self.transform_checks.append(check)
+
+    def add_kv_cache(self, cache: KVCacheReport) -> None:
+        """Record an attention whose KV cache is quantized (a KV-cache processor calls this)."""
+        self.kv_caches.append(cache)
 
     def add_layer(self, layer: LayerTiming) -> None:
         """Record a finished decoder layer (the runner calls this)."""

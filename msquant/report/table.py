@@ -26,6 +26,9 @@ def render_report(report: RunReport) -> str:
             f"(round-to-nearest {sum(rtn) / len(rtn):.4g})"
         )
     summary += f", {report.total_seconds:.1f} s"
+    if report.kv_caches:
+        schemes = "/".join(sorted({cache.scheme for cache in report.kv_caches}))
+        summary += f"\nKV cache {schemes} on {len(report.kv_caches)} attention(s)"
     evaluation = report.evaluation
     if evaluation is not None:
         summary += (

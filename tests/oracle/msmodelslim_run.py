@@ -89,6 +89,8 @@ class Scheme:
     process: tuple[dict[str, Any], ...] | None = None
     #: ``spec.prior`` stages.
     prior: tuple[dict[str, Any], ...] = ()
+    #: Calibrate on these of the calibration samples only (indices), or on all of them (None).
+    samples: tuple[int, ...] | None = None
 
 
 SCHEMES: dict[str, Scheme] = {
@@ -181,6 +183,32 @@ SSZ_SCHEMES: dict[str, Scheme] = {
 }
 
 
+#: The int8 KV cache (``dynamic_cache``, C8) and ``pd_mix`` activations (W8A8_MIX), issue 25: the
+#: reduced entries of ``qwen3-32b-dense-w8a8c8.yaml`` and ``minimax_m27_w8a8c8.yaml``.
+_C8 = {
+    "type": "dynamic_cache",
+    "qconfig": {"scope": "per_channel", "dtype": "int8", "symmetric": True, "method": "minmax"},
+    "include": ["*"],
+}
+_PD_MIX = {
+    "type": "linear_quant",
+    "qconfig": {"act": _act("pd_mix", False), "weight": _weight("int8")},
+    "include": ["*"],
+}
+C8_SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme("w8a8_dynamic_c8", {}, "W8A8_DYNAMIC", process=(_DYNAMIC, _C8)),
+        # msModelSlim's per-channel observer keeps the last forward's range only: calibrated on
+        # all samples, its KV scales are those of the last sample alone
+        Scheme("w8a8_dynamic_c8_last", {}, "W8A8_DYNAMIC", process=(_DYNAMIC, _C8),
+               samples=(CALIB_SAMPLES - 1,)),
+        Scheme("pd_mix", {}, "W8A8_MIX", process=(_PD_MIX,)),
+        Scheme("pd_mix_c8", {}, "W8A8_MIX", process=(_PD_MIX, _C8), samples=(0,)),
+    )
+}  # fmt: skip
+
+
 #: ``flex_awq_ssz`` (issue 25) before W4A8_DYNAMIC ssz weights, as msModelSlim's W4A8 best
 #: practices (DeepSeek-V3.2, GLM-5) write it: its ``qconfig`` is the one its search measures.
 _AWQ_QCONFIG = SSZ_SCHEMES["w4a8_dynamic_ssz"].qconfig
@@ -210,7 +238,7 @@ for _smoothing, _entry in AWQ_SMOOTHINGS.items():
 
 def all_schemes() -> dict[str, Scheme]:
     """Every scheme the oracle can run."""
-    return {**SCHEMES, **SSZ_SCHEMES}
+    return {**SCHEMES, **SSZ_SCHEMES, **C8_SCHEMES}
 
 
 def config_for(scheme: Scheme, dataset: Path) -> dict[str, Any]:
@@ -237,11 +265,12 @@ def calibration_texts() -> list[str]:
     return paragraphs[:CALIB_SAMPLES]
 
 
-def write_calibration(path: Path) -> Path:
-    """Write the calibration samples as msModelSlim's ``.jsonl`` (``inputs_pretokenized``)."""
-    lines = [
-        json.dumps({"inputs_pretokenized": t}, ensure_ascii=False) for t in calibration_texts()
-    ]
+def write_calibration(path: Path, samples: tuple[int, ...] | None = None) -> Path:
+    """Write the calibration samples (those at ``samples``, or all) as msModelSlim's ``.jsonl``
+    (``inputs_pretokenized``)."""
+    texts = calibration_texts()
+    chosen = texts if samples is None else [texts[i] for i in samples]
+    lines = [json.dumps({"inputs_pretokenized": t}, ensure_ascii=False) for t in chosen]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
 
@@ -325,12 +354,15 @@ def ensure_export(cache: Path, venv: Path, arch: str, scheme_name: str) -> Path:
         return save
     cache.mkdir(parents=True, exist_ok=True)
     model = build_model(arch, cache / "models" / arch)
-    dataset = write_calibration(cache / "calib.jsonl")
+    scheme = all_schemes()[scheme_name]
+    if scheme.samples is None:
+        dataset = write_calibration(cache / "calib.jsonl")
+    else:
+        suffix = "-".join(str(i) for i in scheme.samples)
+        dataset = write_calibration(cache / f"calib-{suffix}.jsonl", scheme.samples)
     config = cache / "configs" / f"{scheme_name}.yaml"
     config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(
-        yaml.safe_dump(config_for(all_schemes()[scheme_name], dataset)), encoding="utf-8"
-    )
+    config.write_text(yaml.safe_dump(config_for(scheme, dataset)), encoding="utf-8")
     save.parent.mkdir(parents=True, exist_ok=True)
     model_type = ARCHS[arch].get("model_type", "default")
     log = save.parent / f"{save.name}.log"

@@ -25,8 +25,11 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 #: The configs exported and verified on 2026-12-02 (docs/msmodelslim-compat.md, "Run on tiny
 #: models"; all 17 valid ones since quarot covers MoE and MLA layers); each must keep passing.
-#: Add a config here when it starts to pass.
+#: Add a config here when it starts to pass. The two W8A8C8 practices (``dynamic_cache``, one with
+#: ``pd_mix``) pass since branch ``c8`` (2026-12-07).
 PASSING = {
+    "minimax_m2/minimax_m27_w8a8c8.yaml",
+    "qwen3/qwen3-32b-dense-w8a8c8.yaml",
     "deepseek_v3/deepseek_w4a8_per_channel.yaml",
     "deepseek_v3_2/deepseek_w8a8.yaml",
     "deepseek_v3_2/deepseek_w8a8_quarot.yaml",
@@ -49,8 +52,11 @@ PASSING = {
 #: The configs that validate on 2026-12-02: the run covers all of them. The four W4A8 practices
 #: with ``flex_awq_ssz`` validate since 2026-12-03: those excluding the dense layers are refused
 #: on the tiny models (``flex_awq_ssz: no subgraph to smooth``: msquant does not smooth routed
-#: experts), ``deepseek_v4_pro_w4a8`` exported there (its verify step not yet measured).
+#: experts), ``deepseek_v4_pro_w4a8`` exported there (its verify step not yet measured). The two
+#: W8A8C8 practices validate since branch ``c8``.
 VALID = {
+    "minimax_m2/minimax_m27_w8a8c8.yaml",
+    "qwen3/qwen3-32b-dense-w8a8c8.yaml",
     "deepseek_v3/deepseek_w4a8_per_channel.yaml",
     "deepseek_v3_2/deepseek_w4a8.yaml",
     "deepseek_v4/deepseek_v4_pro_w4a8.yaml",

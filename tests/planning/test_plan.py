@@ -22,6 +22,7 @@ from msquant.config.processors import build_processors
 from msquant.config.resolve import resolve_config
 from msquant.load.model_folder import build_meta_model, load_model_config
 from msquant.model.layers import find_decoder_layers
+from msquant.planning.render import render_plan
 
 INT4_G32 = {
     "dtype": "int4",
@@ -525,3 +526,21 @@ def test_savers_review_the_plan_before_weights_load(weightless_llama: Path, tmp_
     assert not (tmp_path / "out").exists()
     cfg["spec"]["process"][0]["exclude"] = ["*down_proj"]
     assert msquant.plugin.build_plan(weightless_llama, cfg, registry=registry).ok
+
+
+def test_kv_cache_lines_count_and_name_the_float_attentions() -> None:
+    """The plan's text says, per KV-cache entry, the scheme, how many attentions get it and
+    which stay in float."""
+    caches = [
+        msquant.plugin.KVCachePlan("model.layers.0.self_attn", "C8", "spec.process[1]"),
+        msquant.plugin.KVCachePlan("model.layers.1.self_attn", None, "spec.process[1]"),
+        msquant.plugin.KVCachePlan("model.layers.2.self_attn", "C8", "spec.process[1]"),
+    ]
+    lines = render_plan(msquant.plugin.ModelPlan([], model_type="qwen3", kv_caches=caches))
+    assert lines.splitlines()[2:] == [
+        "KV cache (spec.process[1]): C8 on 2 of 3 attention(s); left in float: "
+        "model.layers.1.self_attn",
+        "OK",
+    ]
+    plain = render_plan(msquant.plugin.ModelPlan([], model_type="qwen3"))
+    assert "KV cache" not in plain

@@ -435,3 +435,29 @@ def test_report_from_dict_skips_invalid_records() -> None:
     assert [m.name for m in loaded.modules] == ["m"] and loaded.modules[0].bits == 4
     assert [(t.index, t.name) for t in loaded.layers] == [(1, "model.layers.1")]
     assert loaded.evaluation is None
+
+
+def test_quantized_kv_caches_are_summarized(report: dict[str, Any]) -> None:
+    """A run that quantizes KV caches (``kv_caches``) gets a summary row and a line in the text
+    table; a run without them has neither."""
+    assert "kv_caches" not in {
+        n.attrs["data-key"] for n in select(parse(render_html(report)), "dd", within="summary")
+    }
+    assert "KV cache" not in render_report(report_from_dict(report))
+    cache = {"scheme": "C8", "channels": 16, "tokens": 40, "key_absmax": 2.5, "value_absmax": 0.5}
+    names = [f"model.layers.{i}.self_attn" for i in range(6)]
+    data = {
+        **copy.deepcopy(report),
+        "kv_caches": [{**cache, "name": n, "tensors": []} for n in names],
+    }
+    data["kv_caches"][3]["key_absmax"] = 7.25
+    summary = {
+        n.attrs["data-key"]: n.text
+        for n in select(parse(render_html(data)), "dd", within="summary")
+    }
+    assert summary["kv_caches"] == (
+        "C8 on 6 attention(s): model.layers.0.self_attn ... model.layers.5.self_attn; "
+        "largest |key| 7.25, |value| 0.5"
+    )
+    text = render_report(report_from_dict(data))
+    assert "KV cache C8 on 6 attention(s)" in text.splitlines()

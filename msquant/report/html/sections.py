@@ -17,6 +17,7 @@ __all__ = [
     "TableCell",
     "TableRow",
     "summary_rows",
+    "kv_cache_text",
     "table_rows",
 ]
 
@@ -96,6 +97,10 @@ def summary_rows(
         ("capture_seconds", "calibration capture", seconds_text(report.get("capture_seconds"))),
         ("total_seconds", "total time", seconds_text(report.get("total_seconds"))),
     ]
+    listed = report.get("kv_caches")
+    caches = [c for c in listed if isinstance(c, Mapping)] if isinstance(listed, list) else []
+    if caches:
+        rows.append(("kv_caches", "quantized KV cache", kv_cache_text(caches)))
     evaluation = report.get("evaluation")
     if isinstance(evaluation, Mapping):
         rows.append(
@@ -113,6 +118,19 @@ def summary_rows(
     )
     rows.append(("versions", "versions", versions))
     return [SummaryRow(key, label, value) for key, label, value in rows]
+
+
+def kv_cache_text(caches: Sequence[Mapping[str, Any]]) -> str:
+    """``C8 on 2 attention(s): model.layers.0.self_attn, ...; largest |key| 4.1, |value| 0.93``."""
+    schemes = "/".join(sorted({fmt(c.get("scheme")) for c in caches}))
+    names = [fmt(c.get("name")) for c in caches]
+    shown = ", ".join(names) if len(names) <= 4 else f"{names[0]} ... {names[-1]}"
+    keys = [k for c in caches if (k := finite_number(c.get("key_absmax"))) is not None]
+    values = [v for c in caches if (v := finite_number(c.get("value_absmax"))) is not None]
+    text = f"{schemes} on {len(caches)} attention(s): {shown}"
+    if keys and values:
+        text += f"; largest |key| {fmt(max(keys))}, |value| {fmt(max(values))}"
+    return text
 
 
 def _cell(module: PageModule, key: str) -> TableCell:

@@ -15,6 +15,7 @@ import torch
 from msquant.plugin import (
     DecodedLayer,
     decode_deq_scale,
+    deq_scale,
     quant_bias,
     scale_bias,
     trivial_g_idx,
@@ -28,9 +29,11 @@ if TYPE_CHECKING:
 __all__ = ["decode_w4a8", "decode_w8a8"]
 
 
-def decode_w8a8(reader: AscendReader, module: str) -> DecodedLayer | None:
+def decode_w8a8(reader: AscendReader, module: str, kind: str = "W8A8") -> DecodedLayer | None:
     """A W8A8 (static activations) layer: the activation parameters and the derived tensors
-    checked, the weight scale recovered as ``deq_scale / input_scale``."""
+    checked, the weight scale recovered as ``deq_scale / input_scale``. A W8A8_MIX layer (pd_mix)
+    stores the weight scale too (``[out, 1]``, offset 0, for its prefill path): that one is
+    decoded, and ``deq_scale`` checked to be ``input_scale * weight_scale`` exactly."""
     names = {part: f"{module}.{part}" for part in W8A8_PARTS}
     if reader.store is None or not reader.expect(names["weight"], (torch.int8,), None):
         return None
@@ -47,6 +50,11 @@ def decode_w8a8(reader: AscendReader, module: str) -> DecodedLayer | None:
         reader.expect(names["deq_scale"], (torch.float32, torch.int64), (out_features,)),
         reader.expect(names["quant_bias"], (torch.int32,), (out_features,)),
     ]
+    if kind == "W8A8_MIX":
+        checks += [
+            reader.expect(f"{module}.{part}", (torch.float32,), (out_features, 1))
+            for part in ("weight_scale", "weight_offset")
+        ]
     if not all(checks):
         return None
     deq = reader.store.get(names["deq_scale"])
@@ -80,9 +88,20 @@ def decode_w8a8(reader: AscendReader, module: str) -> DecodedLayer | None:
             "weight codes of their row"
         )
     scale = (deq_float.double() / input_scale).to(torch.float32).reshape(out_features, 1)
+    scale_name = f"{names['deq_scale']} / {names['input_scale']}"
+    if kind == "W8A8_MIX":
+        scale, scale_name = reader.store.get(f"{module}.weight_scale"), f"{module}.weight_scale"
+        if reader.store.get(f"{module}.weight_offset").any():
+            reader.findings.error(
+                f"{module}.weight_offset: not zero (W8A8_MIX weights are symmetric)"
+            )
+        if not torch.equal(deq_float, deq_scale(input_scale, scale)):
+            reader.findings.error(
+                f"{names['deq_scale']}: differs from input_scale * weight_scale (float32)"
+            )
     return DecodedLayer(
         name=module,
-        scheme="W8A8",
+        scheme=kind,
         bits=8,
         group_size=None,
         codes=codes.to(torch.int32),
@@ -92,7 +111,7 @@ def decode_w8a8(reader: AscendReader, module: str) -> DecodedLayer | None:
         scale_dtype=torch.float32,
         tensors={
             "codes": names["weight"],
-            "scale": f"{names['deq_scale']} / {names['input_scale']}",
+            "scale": scale_name,
             "offset": f"{module} (symmetric weights: zero)",
             "g_idx": f"{module} (per-channel)",
         },

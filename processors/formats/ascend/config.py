@@ -15,6 +15,8 @@ from typing import Any
 __all__ = [
     "DESCRIPTION_FILE",
     "DESCRIPTION_VERSION",
+    "KV_CACHE_TYPE",
+    "KV_CACHE_GLOBALS",
     "QUANT_TYPE_PRIORITY",
     "HEAD_WARNING",
     "model_quant_type",
@@ -27,6 +29,9 @@ DESCRIPTION_VERSION = "1.0.0"
 # msModelSlim's order for the global ``model_quant_type`` (the highest type present wins); W4A16,
 # which msModelSlim v1 does not export, ranks above W8A16 (the more compressed weight type).
 QUANT_TYPE_PRIORITY = ("FLOAT", "W16A16S", "W8A16", "W4A16", "W8A8_DYNAMIC", "W8A8_MIX", "W8A8")
+#: The type of the int8 KV cache's tensors, and the globals naming it (msModelSlim 26.1.0).
+KV_CACHE_TYPE = "C8"
+KV_CACHE_GLOBALS = ("kv_cache_type", "kv_quant_type")
 HEAD_WARNING = (
     "{head} is written {kind}, which msModelSlim never does (it keeps the head FLOAT): vLLM-Ascend "
     "loads a quantized head through the linear scheme of its type (per-channel W8A16 only; read "
@@ -41,11 +46,15 @@ def model_quant_type(types: Iterable[str]) -> str:
     return max(present, key=QUANT_TYPE_PRIORITY.index) if present else "FLOAT"
 
 
-def description_globals(quant_type: str, group_sizes: Iterable[int]) -> dict[str, Any]:
+def description_globals(
+    quant_type: str, group_sizes: Iterable[int], kv_cache: bool = False
+) -> dict[str, Any]:
     """The description's global keys (one global ``group_size``: the largest per-group size,
-    as msModelSlim writes it; 0 when no layer is per-group)."""
+    as msModelSlim writes it; 0 when no layer is per-group), led by ``kv_cache_type`` and
+    ``kv_quant_type`` (``C8``) when the export holds an int8 KV cache."""
     sizes = sorted(set(group_sizes))
     return {
+        **dict.fromkeys(KV_CACHE_GLOBALS if kv_cache else (), KV_CACHE_TYPE),
         "version": DESCRIPTION_VERSION,
         "model_quant_type": quant_type,
         "metadata": {},

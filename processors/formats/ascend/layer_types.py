@@ -17,7 +17,14 @@ __all__ = [
 FLOAT = "FLOAT"  # the description type of a float tensor, also its scheme in the fused check
 
 GLOBAL_KEYS = ("version", "model_quant_type", "metadata", "group_size", "optional")
-TYPE_BITS = {"W8A16": 8, "W4A16": 4, "W8A8_DYNAMIC": 8, "W8A8": 8, "W4A8_DYNAMIC": 4}
+TYPE_BITS = {
+    "W8A16": 8,
+    "W4A16": 4,
+    "W8A8_DYNAMIC": 8,
+    "W8A8": 8,
+    "W8A8_MIX": 8,
+    "W4A8_DYNAMIC": 4,
+}
 PARTS = ("weight", "weight_scale", "weight_offset")
 W8A8_PARTS = ("weight", "input_scale", "input_offset", "deq_scale", "quant_bias")
 #: The stored tensors of a quantized linear of each type (the bias aside).
@@ -26,6 +33,7 @@ TYPE_PARTS = {
     "W4A16": PARTS,
     "W8A8_DYNAMIC": PARTS,
     "W8A8": W8A8_PARTS,
+    "W8A8_MIX": (*W8A8_PARTS, "weight_scale", "weight_offset"),
     "W4A8_DYNAMIC": (*PARTS, "scale_bias"),
 }
 #: Every tensor name ending that belongs to a quantized linear's parameters.

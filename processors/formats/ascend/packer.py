@@ -13,6 +13,9 @@ With quantized activations (``module.act``), msModelSlim's W8A8 family (docs/asc
   ``P.input_offset`` float32 ``[1]``, ``P.deq_scale`` ``[out]`` (``input_scale * weight_scale``;
   float32 for bf16 models, else int64 holding the float32's bits), ``P.quant_bias`` int32
   ``[out]`` (``-input_offset * sum_j weight[i, j]``); no ``weight_scale`` / ``weight_offset``;
+* ``W8A8_MIX`` (``scope: pd_mix``: static per-tensor activations in decode, per-token in
+  prefill): the W8A8 tensors in the same order, then ``P.weight_scale`` and ``P.weight_offset``
+  float32 ``[out, 1]`` (offset 0) for the prefill path, as msModelSlim 26.1.0 writes them;
 * ``W8A8_DYNAMIC`` (per-token activations): ``P.weight``, ``P.weight_scale``, ``P.weight_offset``
   as for W8A16 (per-channel, offset 0);
 * ``W4A8_DYNAMIC`` (per-token activations, int4 per-channel weights): ``P.weight`` int8
@@ -79,12 +82,14 @@ def quant_type(module: QuantizedLinear, name: str) -> str:
         ):
             raise QuantizationError(
                 f"{name}: the Ascend format stores quantized activations with per-channel "
-                f"symmetric weights only (int8: W8A8, W8A8_DYNAMIC; int4: W4A8_DYNAMIC), got "
+                f"symmetric weights only (int8: W8A8, W8A8_MIX, W8A8_DYNAMIC; int4: W4A8_DYNAMIC), got "
                 f"int{module.bits} {'per-channel' if module.group_size is None else 'per-group'} "
                 f"{'sym' if module.symmetric else 'asym'}"
             )
         if int4_dynamic:
             return "W4A8_DYNAMIC"
+        if module.act.scope == "pd_mix":
+            return "W8A8_MIX"
         return "W8A8_DYNAMIC" if module.act.dynamic else "W8A8"
     found = QUANT_TYPES_BY_BITS.get(module.bits)
     if found is None:
@@ -143,14 +148,14 @@ def activation_module_tensors(
                 "exclude this layer"
             )
         tensors[f"{name}.weight"] = pack_int4_rows(module.weight)
-    if kind == "W8A8":
+    if kind in ("W8A8", "W8A8_MIX"):
         assert act.scale is not None and act.offset is not None
         tensors[f"{name}.input_scale"] = torch.tensor([act.scale], dtype=torch.float32)
         tensors[f"{name}.input_offset"] = torch.tensor([act.offset], dtype=torch.float32)
         deq = deq_scale(act.scale, module.weight_scale)
         tensors[f"{name}.deq_scale"] = encode_deq_scale(deq, model_dtype)
         tensors[f"{name}.quant_bias"] = quant_bias(module.weight, act.offset)
-    else:
+    if kind != "W8A8":
         tensors[f"{name}.weight_scale"] = module.weight_scale
         tensors[f"{name}.weight_offset"] = module.weight_offset
     if kind == "W4A8_DYNAMIC":

@@ -25,6 +25,9 @@ globals (msModelSlim's ``ext.json_append`` merges user keys in) and are not tens
   int64 holding float32 bits; ``= input_scale * weight_scale``, so the weight scale read back is
   ``deq_scale / input_scale``), ``P.quant_bias`` int32 ``[out]`` (``-input_offset * sum_j
   weight[i, j]``, checked exactly).
+* C8 (int8 KV cache): ``<attention>.k_proj.kv_cache_scale`` / ``kv_cache_offset`` and the
+  ``v_proj`` ones, one value per output feature in the model's dtype, offset 0, typed ``C8``,
+  with the globals ``kv_cache_type`` / ``kv_quant_type`` ``C8``;
 * W4A8_DYNAMIC: ``P.weight`` int8 ``[out / 2, in]`` (int4 codes in pairs of rows: row ``2i`` in
   the low nibble), ``P.weight_scale`` / ``P.weight_offset`` float32 ``[out, 1]``, ``P.scale_bias``
   float32 ``[out, 1]`` or ``[out, 16]`` (row-parallel layers), checked exactly against the codes.
@@ -53,7 +56,11 @@ from msquant.plugin import (
     weight_files_present,
 )
 from msquant.processors.formats.ascend.activation_decode import decode_w4a8, decode_w8a8
-from msquant.processors.formats.ascend.config import model_quant_type
+from msquant.processors.formats.ascend.config import (
+    KV_CACHE_GLOBALS,
+    KV_CACHE_TYPE,
+    model_quant_type,
+)
 from msquant.processors.formats.ascend.detect import (
     DESCRIPTION_STEM,
     MINDIE_WEIGHTS,
@@ -99,6 +106,8 @@ QUANTIZED_HEAD = (
     "is unknown"
 )
 HEAD_NAMES = ("lm_head",)
+#: The int8 KV cache's tensors, stored under ``<attention>.k_proj`` and ``<attention>.v_proj``.
+KV_CACHE_LEAVES = ("kv_cache_scale", "kv_cache_offset")
 
 
 class AscendReader(ExportReader):
@@ -218,8 +227,11 @@ class AscendReader(ExportReader):
             bias = f"{module}.bias"
             if bias in self.types and self.types[bias] != FLOAT:
                 self.findings.error(f"{name} types {bias} as {self.types[bias]}, expected FLOAT")
+        self._check_kv_cache(stored)
         for key in sorted(set(self.types) | stored):
             module, _, leaf = key.rpartition(".")
+            if leaf in KV_CACHE_LEAVES:
+                continue  # the int8 KV cache's tensors (_check_kv_cache)
             allowed = (
                 (*TYPE_PARTS[self.types[f"{module}.weight"]], "bias") if module in modules else ()
             )
@@ -242,6 +254,62 @@ class AscendReader(ExportReader):
                     f"parameters ({', '.join(PARAMETER_LEAVES)}) of a quantized layer may carry "
                     "a quant type"
                 )
+
+    def _check_kv_cache(self, stored: set[str]) -> None:
+        """The int8 KV cache (C8, ``dynamic_cache``): ``<attention>.k_proj`` / ``v_proj``'s
+        ``kv_cache_scale`` (positive) and ``kv_cache_offset`` (zero: symmetric), one value per
+        output feature, typed C8, and the globals ``kv_cache_type`` / ``kv_quant_type`` ``C8``
+        exactly when such tensors exist."""
+        name = self.description_path.name
+        keys = sorted(
+            k for k in set(self.types) | stored if k.rpartition(".")[2] in KV_CACHE_LEAVES
+        )
+        self.kv_cache = sorted({k.rpartition(".")[0] for k in keys})
+        for key in keys:
+            kind = self.types.get(key)
+            if kind != KV_CACHE_TYPE:
+                self.findings.error(f"{name} types {key} as {kind}, expected {KV_CACHE_TYPE}")
+        for projection in self.kv_cache:
+            if projection.rpartition(".")[2] not in ("k_proj", "v_proj"):
+                self.findings.error(
+                    f"{projection}: KV-cache parameters on a module other than k_proj / v_proj"
+                )
+            scale, offset = (f"{projection}.{leaf}" for leaf in KV_CACHE_LEAVES)
+            if self.store is None or scale not in stored or offset not in stored:
+                self.findings.error(f"{projection}: needs both {', '.join(KV_CACHE_LEAVES)}")
+                continue
+            values, zeros = self.store.get(scale), self.store.get(offset)
+            out = self._out_features(projection)
+            if (
+                values.dim() != 1
+                or (out is not None and values.numel() != out)
+                or zeros.shape != values.shape
+            ):
+                self.findings.error(
+                    f"{scale} {list(values.shape)} / {offset} {list(zeros.shape)}: expected "
+                    f"[{out if out is not None else 'out_features'}] each"
+                )
+            elif not values.is_floating_point() or not bool((values > 0).all()):
+                self.findings.error(f"{scale}: expected positive floating scales")
+            elif bool(zeros.any()):
+                self.findings.error(f"{offset}: not zero (the C8 cache is symmetric)")
+        for key in KV_CACHE_GLOBALS:
+            found = self.description.get(key)
+            if self.kv_cache and found != KV_CACHE_TYPE:
+                self.findings.error(
+                    f"{name}: {key} is {found!r}, expected {KV_CACHE_TYPE!r} (the export holds a C8 KV cache)"
+                )
+            elif not self.kv_cache and found is not None:
+                self.findings.error(f"{name}: {key} is {found!r} but no KV-cache tensor is stored")
+
+    def _out_features(self, module: str) -> int | None:
+        """A linear's output features from its stored weight (None if not stored)."""
+        weight = f"{module}.weight"
+        if self.store is None or weight not in self.store.infos:
+            return None
+        shape = self.store.infos[weight].shape
+        rows = shape[0] * (2 if self.types.get(weight) == "W4A8_DYNAMIC" else 1)
+        return int(rows)
 
     def _check_globals(self) -> None:
         name = self.description_path.name
@@ -331,8 +399,8 @@ class AscendReader(ExportReader):
     def decode(self, module: str) -> DecodedLayer | None:
         kind = self.types[f"{module}.weight"]
         bits = TYPE_BITS[kind]
-        if kind == "W8A8":
-            return decode_w8a8(self, module)
+        if kind in ("W8A8", "W8A8_MIX"):
+            return decode_w8a8(self, module, kind)
         if kind == "W4A8_DYNAMIC":
             return decode_w4a8(self, module)
         names = {part: f"{module}.{part}" for part in PARTS}
@@ -405,10 +473,12 @@ class AscendReader(ExportReader):
         kind = self.types.get(f"{module}.weight")
         if kind in ("W8A8_DYNAMIC", "W4A8_DYNAMIC"):
             return ActivationQuant("per_token")
-        if kind != "W8A8" or self.store is None:
+        if kind not in ("W8A8", "W8A8_MIX") or self.store is None:
             return None
         scale = float(self.store.get(f"{module}.input_scale")[0])
         offset = float(self.store.get(f"{module}.input_offset")[0])
+        if kind == "W8A8_MIX":
+            return ActivationQuant("pd_mix", False, scale, offset)
         return ActivationQuant("per_tensor", offset == 0, scale, offset)
 
     def optional_tensor(self, scope: str, name: str) -> torch.Tensor | None:
