@@ -52,6 +52,18 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "minimax_m2": ("MiniMax-M2", dict(arch="minimax_m2", intermediate_size=32)),
 }
 FAMILIES["glm_5"] = ("GLM-4-MoE (for GLM-5)", FAMILIES["glm4_moe"][1])
+#: Files needing a model other than their family's: the DeepSeek-V3 ``w4a8c8`` files rotate with
+#: quarot block_size 32 (v_head_dim 32, as V4's) and exclude layers 0-2 from fa3_quant (4 layers:
+#: layer 3's MLA gets FA3 scales).
+FILE_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    **{
+        f"deepseek_v3/{name}": (
+            "DeepSeek-V3, v_head_dim 32, 4 layers",
+            dict(FAMILIES["deepseek_v4"][1], num_layers=4),
+        )
+        for name in ("deepseekr1_w4a8c8_per_channel.yaml", "deepseekv3_w4a8c8_per_channel.yaml")
+    },
+}
 
 #: lab_practice folder of ``multimodal_vlm_modelslim_v1`` configs -> (tiny model name,
 #: :data:`tiny_models.VLM_ARCHS` key): transformers' image-text-to-text classes.
@@ -100,7 +112,7 @@ def build_family_model(family: str, directory: Path, name: str = "") -> str:
     if vlm is not None:
         build_tiny_vlm(directory, vlm[1])
         return vlm[0]
-    label, params = FAMILIES[family]
+    label, params = FILE_MODELS.get(f"{family}/{Path(name).name}", FAMILIES[family])
     build_tiny_model(directory, **params)
     return label
 

@@ -94,6 +94,13 @@ from msquant.processors.formats.ascend.config import (
     model_quant_type,
     ordered_description,
 )
+from msquant.processors.formats.ascend.fa_quant import (
+    EXTRAS_KEY,
+    FA_QUANT,
+    FA_QUANT_GLOBAL,
+    FA_QUANT_STATIC,
+    FAQuantRecord,
+)
 from msquant.processors.formats.ascend.packer import FLOAT, ascend_module_tensors, quant_type
 
 __all__ = ["AscendV1SaverConfig", "AscendV1Saver", "AscendSaverState"]
@@ -160,6 +167,9 @@ class AscendSaverState(SaverState):
 
     types: dict[str, str] = Field(default_factory=dict)
     group_sizes: set[int] = Field(default_factory=set)
+    #: ``fa3_quant``: attention point -> its ``quant_type`` string; whether a branch is static.
+    fa_quant_types: dict[str, str] = Field(default_factory=dict)
+    fa_static: bool = False
 
 
 class AscendV1Saver(Saver):
@@ -216,6 +226,29 @@ class AscendV1Saver(Saver):
                 if hit
             ]
         )
+
+    # --- fa3_quant ---------------------------------------------------------------------------
+
+    def prepare(self, ctx: RunContext) -> None:
+        """Take part in ``fa3_quant``'s record: this saver writes its scales."""
+        record = ctx.extras.setdefault(EXTRAS_KEY, FAQuantRecord())
+        record.writers.append(self.type_name)
+        self.fa_record: FAQuantRecord = record
+
+    def after_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
+        super().after_layer(ctx, layer)
+        self.write_fa_quant(layer.name)
+
+    def write_fa_quant(self, layer: str) -> None:
+        """The layer's FA3 tensors (typed ``FAQuant``) and its points' ``quant_type`` strings."""
+        for name, tensor in self.fa_record.tensors.get(layer, {}).items():
+            self.add(name, tensor)
+            self.state.types[name] = FA_QUANT
+        prefix = f"{layer}."
+        for point, kind in self.fa_record.quant_types.items():
+            if point.startswith(prefix):
+                self.state.fa_quant_types[point] = kind
+        self.state.fa_static = self.state.fa_static or self.fa_record.static
 
     # --- the format ------------------------------------------------------------------------
 
@@ -278,6 +311,10 @@ class AscendV1Saver(Saver):
         description: dict[str, Any] = {
             ctx.disk_name(name): kind for name, kind in described.items()
         }
+        for point, kind in self.state.fa_quant_types.items():
+            description[f"{ctx.disk_name(point)}.quant_type"] = kind
+        if self.state.fa_static:
+            description[FA_QUANT_GLOBAL] = FA_QUANT_STATIC
         description.update(self.description_globals())
         description["optional"] = self.write_optional(ctx)
         (self.directory / self.description_file()).write_text(

@@ -291,9 +291,22 @@ def build_model(arch: str, folder: Path) -> Path:
 
 
 def run_msmodelslim(
-    venv: Path, model: Path, config: Path, save: Path, log: Path, model_type: str = "default"
+    venv: Path,
+    model: Path,
+    config: Path,
+    save: Path,
+    log: Path,
+    model_type: str = "default",
+    python_path: Path | None = None,
 ) -> float:
-    """Run ``msmodelslim quant`` on CPU; returns its wall time. Raises on a non-zero exit."""
+    """Run ``msmodelslim quant`` on CPU; returns its wall time. Raises on a non-zero exit.
+
+    :param python_path: a folder put on msModelSlim's ``PYTHONPATH`` (a test model adapter
+        registered through its ``msmodelslim.model_adapter.plugins`` entry points).
+    """
+    env = dict(os.environ)
+    if python_path is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(python_path), env.get("PYTHONPATH")]))
     command = [
         str(venv / "bin" / "msmodelslim"),
         "quant",
@@ -312,7 +325,7 @@ def run_msmodelslim(
     ]
     start = time.monotonic()
     with log.open("w", encoding="utf-8") as out:
-        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=False)
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=False, env=env)
     if done.returncode != 0:
         text = log.read_text(encoding="utf-8", errors="replace")
         errors = [line for line in text.splitlines() if " - ERROR - " in line][:5]

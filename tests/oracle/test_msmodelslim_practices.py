@@ -31,6 +31,10 @@ PASSING = {
     "minimax_m2/minimax_m27_w8a8c8.yaml",
     "qwen3/qwen3-32b-dense-w8a8c8.yaml",
     "deepseek_v3/deepseek_w4a8_per_channel.yaml",
+    # fa3_quant (2026-12-07): the DeepSeek-V3 ones on a 4-layer tiny model (FA3 on layer 3)
+    "deepseek_v3/deepseekr1_w4a8c8_per_channel.yaml",
+    "deepseek_v3/deepseekv3_w4a8c8_per_channel.yaml",
+    "glm_5/glm_5_1_w8a8c8.yaml",
     "deepseek_v3_2/deepseek_w8a8.yaml",
     "deepseek_v3_2/deepseek_w8a8_quarot.yaml",
     "deepseek_v4/deepseek_v4_flash_w8a8.yaml",
@@ -58,6 +62,11 @@ VALID = {
     "minimax_m2/minimax_m27_w8a8c8.yaml",
     "qwen3/qwen3-32b-dense-w8a8c8.yaml",
     "deepseek_v3/deepseek_w4a8_per_channel.yaml",
+    # fa3_quant since 2026-12-07; glm_5_1_w4a8c8 is refused on the tiny model as glm_5_1_w4a8
+    "deepseek_v3/deepseekr1_w4a8c8_per_channel.yaml",
+    "deepseek_v3/deepseekv3_w4a8c8_per_channel.yaml",
+    "glm_5/glm_5_1_w4a8c8.yaml",
+    "glm_5/glm_5_1_w8a8c8.yaml",
     "deepseek_v3_2/deepseek_w4a8.yaml",
     "deepseek_v4/deepseek_v4_pro_w4a8.yaml",
     "glm_5/glm_5_1_w4a8.yaml",

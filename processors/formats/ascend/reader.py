@@ -67,6 +67,7 @@ from msquant.processors.formats.ascend.detect import (
     V1_WEIGHTS,
     description_files,
 )
+from msquant.processors.formats.ascend.fa_quant import FA_QUANT, fa_quant_problems
 from msquant.processors.formats.ascend.layer_types import (
     FLOAT,
     GLOBAL_KEYS,
@@ -126,6 +127,8 @@ class AscendReader(ExportReader):
         for key, value in description.items():
             if key in GLOBAL_KEYS or "." not in key:
                 continue  # globals, and extra keys merged in by msModelSlim's ext.json_append
+            if key.endswith(".quant_type"):
+                continue  # an attention point's FA3 scheme (fa_quant.py), no tensor
             if isinstance(value, str):
                 self.types[key] = value
             else:
@@ -138,6 +141,7 @@ class AscendReader(ExportReader):
         }
         self._check_inventory()
         self._check_globals()
+        self._check_fa_quant()
         self._check_config_json()
 
     # --- files -----------------------------------------------------------------------------
@@ -247,7 +251,7 @@ class AscendReader(ExportReader):
             elif (
                 module not in modules
                 and not key.endswith(".weight")
-                and self.types.get(key, FLOAT) != FLOAT
+                and self.types.get(key, FLOAT) not in (FLOAT, FA_QUANT)
             ):
                 self.findings.error(
                     f"{name} types {key} as {self.types[key]}, but only the weight and "
@@ -310,6 +314,13 @@ class AscendReader(ExportReader):
         shape = self.store.infos[weight].shape
         rows = shape[0] * (2 if self.types.get(weight) == "W4A8_DYNAMIC" else 1)
         return int(rows)
+
+    def _check_fa_quant(self) -> None:
+        """``fa3_quant``'s records: FAQuant tensors' names, dtypes and shapes, the points'
+        ``quant_type`` strings and the global ``fa_quant_type`` (fa_quant.py)."""
+        infos = {k: (i.dtype, i.shape) for k, i in self.store.infos.items()} if self.store else {}
+        for problem in fa_quant_problems(self.description, infos):
+            self.findings.error(f"{self.description_path.name}: {problem}")
 
     def _check_globals(self) -> None:
         name = self.description_path.name

@@ -1,0 +1,285 @@
+"""``fa3_quant`` (msModelSlim's FA3): the recall-window numerics against a float64 brute force,
+exports of a tiny DeepSeek-V3 reloaded and their scales recomputed from a float64 model, the
+description strings, verify's checks of FAQuant records, and the refusals (unimplemented dtypes
+and scopes, unknown attention classes, no saver writing the scales)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import msquant
+from msquant import ConfigError, QuantizationError
+from msquant.processors.fa3.numerics import per_head_int8_scale, recall_window
+from msquant.processors.formats.ascend.fa_quant import (
+    parse_point_quant_type,
+    point_quant_type,
+)
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "Attention layers compress keys and values into one latent per token.",
+    "Static scales come from calibration, dynamic ones from each token.",
+]
+W8A8_DYNAMIC = {
+    "type": "linear_quant",
+    "qconfig": {
+        "act": {"dtype": "int8", "scope": "per_token", "symmetric": True, "method": "minmax"},
+        "weight": {"dtype": "int8", "scope": "per_channel", "symmetric": True, "method": "minmax"},
+    },
+    "include": ["*self_attn*"],
+    "exclude": ["*kv_b_proj"],
+}
+PER_TOKEN = {"dtype": "int8", "scope": "per_token", "symmetric": True, "method": "minmax"}
+SAVER = {"type": "ascendv1_saver", "part_file_size": 0}
+
+
+def cfg(*process: dict[str, Any], save: dict[str, Any] = SAVER) -> dict[str, Any]:
+    return {"apiversion": "modelslim_v1", "spec": {"process": list(process), "save": [save]}}
+
+
+def _brute_window(row: list[float], ratio: float) -> tuple[float, float]:
+    """The definition: the narrowest window of int(ratio * n) sorted values, first on ties."""
+    ordered = sorted(row)
+    size = int(ratio * len(ordered))
+    best = min(
+        range(len(ordered) - size + 1), key=lambda i: (ordered[i + size - 1] - ordered[i], i)
+    )
+    return ordered[best], ordered[best + size - 1]
+
+
+@pytest.mark.parametrize("ratio", [0.9999, 1.0, 0.5, 0.9])
+def test_recall_window_is_the_narrowest_window_float64(ratio: float) -> None:
+    torch.manual_seed(0)
+    samples = torch.randn(5, 301, dtype=torch.float64) * torch.rand(5, 1, dtype=torch.float64)
+    samples[1, :40] = 0.25  # ties
+    samples[2, 7] = 40.0  # an outlier the window drops
+    low, high = recall_window(samples, ratio)
+    expected = [_brute_window(row, ratio) for row in samples.tolist()]
+    assert low.tolist() == [e[0] for e in expected]
+    assert high.tolist() == [e[1] for e in expected]
+    if ratio == 0.9999:
+        assert high[2].item() < 40.0
+
+
+def test_recall_window_refuses_a_window_without_sample() -> None:
+    with pytest.raises(ValueError, match="holds no sample"):
+        recall_window(torch.zeros(2, 1), 0.9999)
+
+
+def test_per_head_scale_is_the_symmetric_int8_scale() -> None:
+    low = torch.tensor([-2.54, 0.5, -0.0, -1e-12])
+    high = torch.tensor([1.0, 3.81, 0.0, 1e-12])
+    expected = [
+        2.54 / 127,
+        3.81 / 127,
+        torch.finfo(torch.float32).eps,
+        torch.finfo(torch.float32).eps,
+    ]
+    assert per_head_int8_scale(low, high).tolist() == pytest.approx(expected, rel=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("schemes", "text"),
+    [
+        ({"Q": ("INT8", False), "K": ("INT8", False), "V": ("INT8", False)}, "INT8"),
+        ({"Q": ("INT8", True), "K": ("INT8", True), "V": ("INT8", True)}, "INT8_DYNAMIC"),
+        ({"Q": ("INT8", True), "K": ("INT8", True)}, "QK_INT8_DYNAMIC"),
+        (
+            {"Q": ("INT8", False), "K": ("INT8", True), "V": ("INT8", True)},
+            "Q_INT8_KV_INT8_DYNAMIC",
+        ),
+    ],
+)
+def test_point_quant_type_strings(schemes: dict[str, tuple[str, bool]], text: str) -> None:
+    assert point_quant_type(schemes) == text
+    assert parse_point_quant_type(text) == schemes
+
+
+# --- runs on a tiny DeepSeek-V3 --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def deepseek(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory(
+        "deepseek_v3",
+        first_k_dense_replace=2,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    )
+
+
+@pytest.fixture(scope="module")
+def calib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("calib") / "calib.jsonl"
+    path.write_text("\n".join(json.dumps({"text": t}) for t in TEXTS) + "\n", encoding="utf-8")
+    return path
+
+
+def _reference_ranges(model_path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per attention and branch, the running recall-window range over the samples, from a
+    float64 copy of the model and the brute-force window (each sample on its own)."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    ranges: dict[str, list[list[tuple[float, float]]]] = {}
+    hooks = []
+    for index, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        heads, nope, rope = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim
+
+        def on_query(
+            _m: Any,
+            _a: Any,
+            q: torch.Tensor,
+            attn: Any = attn,
+            index: int = index,
+            heads: int = heads,
+            nope: int = nope,
+            rope: int = rope,
+        ) -> None:
+            q_nope = q.unflatten(-1, (heads, nope + rope))[..., :nope]  # (b, s, h, nope)
+            absorb = attn.kv_b_proj.weight.unflatten(0, (heads, -1))[:, :nope, :]  # (h, nope, r)
+            fa_q = torch.einsum("bshn,hnr->hbsr", q_nope, absorb).flatten(1)
+            ranges.setdefault(f"{index}.fa_q", []).append(
+                [_brute_window(row, 0.9999) for row in fa_q.tolist()]
+            )
+
+        def on_latent(_m: Any, _a: Any, kv: torch.Tensor, index: int = index) -> None:
+            flat = kv.flatten()[None].tolist()
+            ranges.setdefault(f"{index}.fa_k", []).append([_brute_window(r, 0.9999) for r in flat])
+            ranges.setdefault(f"{index}.fa_v", []).append([_brute_window(r, 1.0) for r in flat])
+
+        hooks += [
+            attn.q_b_proj.register_forward_hook(on_query),
+            attn.kv_a_layernorm.register_forward_hook(on_latent),
+        ]
+    with torch.no_grad():
+        for text in TEXTS:
+            model(tokenizer(text, return_tensors="pt")["input_ids"])
+    for hook in hooks:
+        hook.remove()
+    out = {}
+    for key, per_sample in ranges.items():
+        lows = torch.tensor([[w[0] for w in sample] for sample in per_sample], dtype=torch.float64)
+        highs = torch.tensor([[w[1] for w in sample] for sample in per_sample], dtype=torch.float64)
+        out[key] = (lows.min(0).values, highs.max(0).values)
+    return out
+
+
+def test_per_head_scales_match_a_float64_reference(
+    deepseek: Path, calib: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    msquant.quantize(
+        deepseek, out, cfg({"type": "fa3_quant"}, W8A8_DYNAMIC), calib_path=calib, progress=False
+    )
+    tensors = load_file(out / "quant_model_weights.safetensors")
+    description = json.loads((out / "quant_model_description.json").read_text())
+    for key, (low, high) in _reference_ranges(deepseek).items():
+        layer, branch = key.split(".")
+        name = f"model.layers.{layer}.self_attn.{branch}"
+        scale, offset = tensors[f"{name}.scale"], tensors[f"{name}.offset"]
+        heads = 4 if branch == "fa_q" else 1
+        assert scale.dtype == torch.float32 and tuple(scale.shape) == (heads, 1)
+        assert offset.dtype == torch.int8 and tuple(offset.shape) == (heads, 1)
+        assert not offset.any()
+        expected = torch.maximum(-low.clamp(max=0), high.clamp(min=0)) / 127
+        torch.testing.assert_close(scale[:, 0].double(), expected, rtol=1e-5, atol=0)
+        assert description[f"{name}.scale"] == description[f"{name}.offset"] == "FAQuant"
+    assert description["model.layers.0.self_attn.quant_type"] == "INT8"
+    assert description["fa_quant_type"] == "FAKQuant"
+    assert description["model_quant_type"] == "W8A8_DYNAMIC"
+    assert msquant.verify_export(out, forward=False).ok
+
+    # verify reads the records: a wrong shape, a missing global key
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    del description["fa_quant_type"]
+    description["model.layers.1.self_attn.quant_type"] = "INT8_DYNAMIC"
+    (broken / "quant_model_description.json").write_text(json.dumps(description))
+    errors = "\n".join(msquant.verify_export(broken, forward=False).errors)
+    assert "global fa_quant_type is None, expected 'FAKQuant'" in errors
+    assert "model.layers.1.self_attn.quant_type does not name Q as a static branch" in errors
+
+
+def test_per_token_exports_no_tensor(deepseek: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    config = cfg(
+        {"type": "fa3_quant", "qconfig": PER_TOKEN, "exclude": ["model.layers.0.*"]}, W8A8_DYNAMIC
+    )
+    msquant.quantize(deepseek, out, config, progress=False)  # data-free: no calibration
+    tensors = load_file(out / "quant_model_weights.safetensors")
+    description = json.loads((out / "quant_model_description.json").read_text())
+    assert not [name for name in tensors if ".fa_" in name]
+    assert description["model.layers.1.self_attn.quant_type"] == "INT8_DYNAMIC"
+    assert "model.layers.0.self_attn.quant_type" not in description
+    assert "fa_quant_type" not in description
+
+
+def test_no_saver_writing_the_scales_is_refused(
+    deepseek: Path, calib: Path, tmp_path: Path
+) -> None:
+    config = cfg({"type": "fa3_quant"}, save={"type": "gptq_saver"})
+    config["spec"]["process"].append(
+        {"type": "linear_quant", "qconfig": {"weight": {"dtype": "int8", "method": "minmax"}}}
+    )
+    with pytest.raises(QuantizationError, match="no saver of this run writes FA3 scales"):
+        msquant.quantize(deepseek, tmp_path / "out", config, calib_path=calib, progress=False)
+
+
+def test_an_unknown_attention_is_refused_by_name(tiny_llama: Path, tmp_path: Path) -> None:
+    with pytest.raises(
+        Exception, match=r"model\.layers\.0\.self_attn is a .*LlamaAttention"
+    ) as info:
+        msquant.quantize(tiny_llama, tmp_path / "out", cfg({"type": "fa3_quant"}), progress=False)
+    assert "no FA3 adapter" in str(info.value)
+
+
+# --- validation --------------------------------------------------------------------------------
+
+
+def _issues(entry: dict[str, Any]) -> dict[str, str]:
+    with pytest.raises(ConfigError) as info:
+        msquant.validate_config(cfg(entry), msquant.plugin.default_registry())
+    return {issue.path: issue.message for issue in info.value.issues}
+
+
+@pytest.mark.parametrize(
+    ("qconfig", "path", "words"),
+    [
+        ({**PER_TOKEN, "dtype": "fp8_e4m3"}, "qconfig.dtype", "dtype fp8_e4m3 is not implemented"),
+        (
+            {**PER_TOKEN, "dtype": "mxfp4", "scope": "per_block"},
+            "qconfig.dtype",
+            "dtype mxfp4 is not implemented",
+        ),
+        (
+            {**PER_TOKEN, "scope": "per_tensor"},
+            "qconfig.scope",
+            "scope per_tensor is not implemented",
+        ),
+        ({**PER_TOKEN, "symmetric": False}, "qconfig.symmetric", "symmetric only"),
+    ],
+)
+def test_unimplemented_schemes_are_refused(qconfig: dict[str, Any], path: str, words: str) -> None:
+    found = _issues({"type": "fa3_quant", "qconfig": qconfig})
+    assert list(found) == [f"spec.process[0].{path}"]
+    assert words in found[f"spec.process[0].{path}"]
+    if "dtype" in path:
+        assert "issue 26" in found[f"spec.process[0].{path}"]
+
+
+def test_qconfig_and_details_are_exclusive() -> None:
+    found = _issues({"type": "fa3_quant", "qconfig": PER_TOKEN, "details": {"fa_q": PER_TOKEN}})
+    assert "exclusive" in found["spec.process[0].details"]
