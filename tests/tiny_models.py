@@ -248,3 +248,15 @@ def build_tiny_vlm(directory: Path, arch: str, seed: int = 0) -> Path:
     model = AutoModelForImageTextToText.from_config(config).eval()
     model.save_pretrained(str(directory))
     return directory
+
+
+#: A tiny DeepSeek-V3 with MLA and a query LoRA, dense MLPs in both layers (``fa3_quant``'s
+#: tests and oracle): ``build_tiny_model(directory, "deepseek_v3", **MLA_DEEPSEEK_V3)``.
+MLA_DEEPSEEK_V3: dict[str, int] = dict(
+    first_k_dense_replace=2,
+    kv_lora_rank=16,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+)

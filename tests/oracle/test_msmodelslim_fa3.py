@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import msmodelslim_run as oracle  # noqa: E402
+from tiny_models import MLA_DEEPSEEK_V3  # noqa: E402
 
 pytestmark = pytest.mark.msmodelslim
 
@@ -38,15 +39,7 @@ VENV = Path(os.environ.get("MSQUANT_MSMODELSLIM_VENV", oracle.DEFAULT_VENV))
 ADAPTER = Path(__file__).resolve().parent / "fa3_adapter"
 MODEL_TYPE = "msquant-fa3-oracle"
 #: The tiny DeepSeek-V3 (MLA with a query LoRA, dense MLPs in both layers).
-MODEL = dict(
-    arch="deepseek_v3",
-    first_k_dense_replace=2,
-    kv_lora_rank=16,
-    q_lora_rank=32,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=16,
-)
+MODEL: dict[str, object] = dict(arch="deepseek_v3", **MLA_DEEPSEEK_V3)
 W8A8_DYNAMIC = {
     "act": {"dtype": "int8", "scope": "per_token", "symmetric": True, "method": "minmax"},
     "weight": {"dtype": "int8", "scope": "per_channel", "symmetric": True, "method": "minmax"},

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_models import MLA_DEEPSEEK_V3
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import msquant
@@ -109,15 +110,7 @@ def test_point_quant_type_strings(schemes: dict[str, tuple[str, bool]], text: st
 
 @pytest.fixture(scope="module")
 def deepseek(tiny_model_factory: Callable[..., Path]) -> Path:
-    return tiny_model_factory(
-        "deepseek_v3",
-        first_k_dense_replace=2,
-        kv_lora_rank=16,
-        q_lora_rank=32,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=16,
-    )
+    return tiny_model_factory("deepseek_v3", **MLA_DEEPSEEK_V3)
 
 
 @pytest.fixture(scope="module")
