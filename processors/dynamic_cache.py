@@ -110,7 +110,7 @@ class DynamicCacheProcessor(Processor):
     def __init__(self, config: ProcessorConfig) -> None:
         super().__init__(config)
         self._layout: KVCacheLayout | None = None
-        self._pending: list[_Recorder] = []
+        self._pending: list[_KVCacheRecorder] = []
 
     @classmethod
     def check_config(cls, config: ProcessorConfig) -> list[ConfigIssue]:
@@ -221,7 +221,7 @@ class DynamicCacheProcessor(Processor):
         calibrates on quantized outputs) runs through the processed layer and is observed."""
         found, _ = self._attentions(ctx.model, [layer])
         for name, attention in found:
-            self._pending.append(_Recorder(name, attention))
+            self._pending.append(_KVCacheRecorder(name, attention))
 
     def finalize(self, ctx: RunContext) -> None:
         self._finish(ctx)
@@ -261,7 +261,7 @@ def _cache_argument(attention: nn.Module) -> str | None:
     return next((n for n in ("cache", "past_key_values") if n in parameters), None)
 
 
-class _Recorder:
+class _KVCacheRecorder:
     """Hands one attention a cache that records what it stores, for the forwards until
     :meth:`remove`; the states are returned unchanged."""
 

@@ -188,8 +188,9 @@ def test_prior_errors_name_the_stage_entry() -> None:
         "spec.prior[1].process[0].qconfig.act",
     }
     assert (
-        "registered process types: flex_awq_ssz, flex_smooth_quant, group, iter_smooth, linear_quant, "
-        "online_quarot, quarot, smooth_quant" in found["spec.prior[1].process[1].type"]
+        "registered process types: dynamic_cache, fa3_quant, flex_awq_ssz, flex_smooth_quant, group, "
+        "iter_smooth, linear_quant, online_quarot, quarot, smooth_quant"
+        in found["spec.prior[1].process[1].type"]
     )
     assert found["spec.prior[0].datset"] == "unknown key; valid keys here: process, dataset"
 
