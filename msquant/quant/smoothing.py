@@ -32,7 +32,7 @@ reciprocals (``w * (1 / s)``), so the rounding matches its exports.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -224,14 +224,16 @@ def _grid() -> list[float]:
 #: Relative margin of the screen (:meth:`SmoothingSearch.estimate`): a candidate whose exact
 #: estimate exceeds the best one (or the error to beat) by more than this fraction is not computed
 #: in the search's dtype. The estimate differs from the float32 objective only by the float32
-#: rounding of the operands and of the product, measured at most 1e-7 relative on SmolLM2's rows
-#: (bench/smoothing_search.py), so 1e-3 leaves four orders of magnitude of room; every candidate
-#: within it is computed exactly, so ties resolve as in the plain sweep.
+#: rounding of the operands and of the product, measured at most 9e-7 relative on SmolLM2's rows
+#: (84 pairs on each of 12 subgraphs), so 1e-3 leaves three orders of magnitude of room; every
+#: candidate within it is computed exactly, so ties resolve as in the plain sweep.
 SCREEN_MARGIN = 1e-3
 #: Dtypes the screen runs in: the objective computed in them is within float32 rounding of the
 #: exact one. bfloat16 / float16 products round to 8 / 11 significant bits, which moves the
 #: objective by far more than the margin, so their searches compute every candidate.
 _SCREEN_DTYPES = (torch.float32, torch.float64)
+#: The screen sums its squared errors over this many blocks of rows, stopping once past the limit.
+SCREEN_BLOCKS = 4
 
 
 class SmoothingSearch:
@@ -243,7 +245,8 @@ class SmoothingSearch:
     Every candidate's :meth:`error` is bit-identical to :func:`smoothing_error`'s: the same float32
     operations on the same values, in the same order (element-wise operations round each element
     on its own; the product and the mean reduce tensors of the same shapes as there).
-    :meth:`estimate` is the same objective from the int8 codes, at a fifth of the cost.
+    :meth:`estimate` is the same objective from the exact int8 product of the same codes, at
+    about a third of the cost (an int8 x int8 -> int32 product).
 
     :param act: calibration inputs ``[tokens, in]``; ``weight``: ``[out, in]``, same dtype.
     """
@@ -259,7 +262,12 @@ class SmoothingSearch:
         self._weight = torch.empty_like(weight)
         self._product = torch.empty_like(self.reference)
         self._errors: dict[tuple[float, float], float] = {}
-        self._estimates: dict[tuple[float, float], float] = {}
+        self._estimates: dict[tuple[float, float], tuple[float, bool]] = {}
+        self._blocks = [
+            slice(int(rows[0]), int(rows[-1]) + 1)
+            for rows in torch.arange(act.shape[0]).tensor_split(SCREEN_BLOCKS)
+            if rows.numel()
+        ]
 
     @property
     def screens(self) -> bool:
@@ -285,28 +293,41 @@ class SmoothingSearch:
         product = torch.mm(act, weight.T, out=self._product)
         return float((product.sub_(self.reference).square_().mean().sqrt() / self.normal).item())
 
-    def estimate(self, alpha: float, beta: float) -> float:
+    def estimate(self, alpha: float, beta: float, limit: float = math.inf) -> float:
         """:meth:`error` of ``(alpha, beta)`` from the exact product of the same int8 codes
         (``codes_a @ codes_w^T`` in int32, scaled by the two steps once per element), without the
-        float32 rounding of the dequantized operands and of their product. Same codes and steps
-        as :meth:`error` (the same operations up to the rounding), so the two differ by float32
-        rounding only (:data:`SCREEN_MARGIN`); NaN where a step is 0 (an all-zero row, whose
-        codes are 0/0 in :meth:`error` too)."""
-        key = (alpha, beta)
-        if key not in self._estimates:
-            self._estimates[key] = self._estimate(alpha, beta)
-        return self._estimates[key]
+        float32 rounding of the dequantized operands and of their product: the same codes and
+        steps as :meth:`error`, so the two differ by float32 rounding only
+        (:data:`SCREEN_MARGIN`). NaN where a step is 0 (an all-zero row, whose codes are 0/0 in
+        :meth:`error` too).
 
-    def _estimate(self, alpha: float, beta: float) -> float:
+        The squared errors are summed over :data:`SCREEN_BLOCKS` blocks of rows; once the sum so
+        far exceeds ``limit`` (every term is a square, so the whole sum only grows) the rest is
+        skipped and that partial value, a lower bound above ``limit``, is returned instead.
+        """
+        key = (alpha, beta)
+        known = self._estimates.get(key)
+        if known is None or not (known[1] or known[0] > limit):
+            known = self._estimates[key] = self._estimate(alpha, beta, limit)
+        return known[0]
+
+    def _estimate(self, alpha: float, beta: float, limit: float) -> tuple[float, bool]:
         scale = self._scale(alpha, beta)
         act_codes, act_step = _int8_codes_(torch.div(self.act, scale, out=self._act))
         weight_codes, weight_step = _int8_codes_(torch.mul(self.weight, scale, out=self._weight))
         if not (bool(act_step.all()) and bool(weight_step.all())):
-            return float("nan")
-        codes = _code_product(act_codes, weight_codes)
-        diff = self._product.copy_(codes).mul_(act_step).mul_(weight_step.T)
-        squares = diff.sub_(self.reference).square_().sum()
-        return float((squares.div(diff.numel()).sqrt() / self.normal).item())
+            return math.nan, True
+        act_int, weight_int = act_codes.to(torch.int8), weight_codes.to(torch.int8).T
+        weight_step = weight_step.T
+        squares, value = 0.0, 0.0
+        for rows in self._blocks:
+            codes = torch._int_mm(act_int[rows], weight_int)
+            diff = self._product[rows].copy_(codes).mul_(act_step[rows]).mul_(weight_step)
+            squares += float(diff.sub_(self.reference[rows]).square_().sum().item())
+            value = math.sqrt(squares / self.reference.numel()) / float(self.normal.item())
+            if value > limit:
+                return value, False
+        return value, True
 
 
 def _int8_codes_(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,35 +372,50 @@ def search_alpha_beta(act: torch.Tensor, weight: torch.Tensor) -> tuple[float, f
     unless a ``beta`` does at least as well).
 
     Both sweeps first screen every candidate by :meth:`SmoothingSearch.estimate` (exact int8
-    products, a fifth of the cost) and compute :func:`smoothing_error` only for the candidates
-    within :data:`SCREEN_MARGIN` of the best estimate (or of the error to beat): the others are
-    worse than one of those by more than rounding, so the argmin, its ties and the returned error
-    are those of the plain sweep over every candidate. Where the screen does not apply (bfloat16,
-    float16, an all-zero row) every candidate is computed.
+    products; the alpha sweep from ``alpha = 1`` down, each stopped once provably worse than the
+    best so far) and compute :func:`smoothing_error` only for the candidates within
+    :data:`SCREEN_MARGIN` of the best estimate (or of the error to beat): the others are worse
+    than one of those by more than rounding, so the argmin, its ties and the returned error are
+    those of the plain sweep over every candidate. Where the screen does not apply (bfloat16,
+    float16, not on CPU, an all-zero row) every candidate is computed.
 
     :returns: ``(alpha, beta, error)``.
     """
     search = SmoothingSearch(act, weight)
     grid = _grid()
-    alpha_index, best = _sweep(search, [(alpha, 1.0 - alpha) for alpha in grid], float("inf"))
+    alphas = [(alpha, 1.0 - alpha) for alpha in grid]
+    alpha_index, best = _sweep(search, alphas, float("inf"), reversed(range(len(grid))))
     best_alpha = 0.0 if alpha_index is None else grid[alpha_index]
-    beta_index, best = _sweep(search, [(best_alpha, beta) for beta in grid], best)
+    betas = [(best_alpha, beta) for beta in grid]
+    beta_index, best = _sweep(search, betas, best, range(len(grid)))
     return best_alpha, 0.0 if beta_index is None else grid[beta_index], best
 
 
 def _sweep(
-    search: SmoothingSearch, candidates: list[tuple[float, float]], best: float
+    search: SmoothingSearch,
+    candidates: list[tuple[float, float]],
+    best: float,
+    screen_order: Iterable[int],
 ) -> tuple[int | None, float]:
     """msModelSlim's sweep: the last candidate whose error is at most the best so far (starting
-    from ``best``), and its error; ``None`` and ``best`` when none is. Candidates the screen
-    shows to be worse than another (or than ``best``) by more than :data:`SCREEN_MARGIN` are
-    skipped: they can neither be the last minimum nor displace it."""
+    from ``best``), and its error; ``None`` and ``best`` when none is.
+
+    Screened, in ``screen_order``: a candidate whose estimate (or lower bound) exceeds the limit
+    ``(1 + SCREEN_MARGIN) * min(best, the estimates so far)`` is worse than that one by more than
+    rounding; the limit only falls, so it exceeds the final one too, and can neither be the last
+    minimum nor displace it. The others get their :func:`smoothing_error`.
+    """
     kept = [True] * len(candidates)
     if search.screens:
-        estimates = [search.estimate(alpha, beta) for alpha, beta in candidates]
-        if all(math.isfinite(e) for e in estimates):
-            bound = min(min(estimates), best) * (1 + SCREEN_MARGIN)
-            kept = [e <= bound for e in estimates]
+        estimates = [math.nan] * len(candidates)
+        limit = best * (1 + SCREEN_MARGIN)
+        for index in screen_order:
+            estimates[index] = search.estimate(*candidates[index], limit)
+            if not math.isfinite(estimates[index]):
+                break
+            limit = min(limit, estimates[index] * (1 + SCREEN_MARGIN))
+        else:
+            kept = [estimate <= limit for estimate in estimates]
     pick = None
     for index, (alpha, beta) in enumerate(candidates):
         if kept[index]:
