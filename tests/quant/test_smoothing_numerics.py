@@ -304,6 +304,18 @@ def test_estimate_is_the_error_up_to_float32_rounding() -> None:
     assert 1e-5 * 100 <= SCREEN_MARGIN
 
 
+def test_estimate_stops_at_the_limit_with_a_lower_bound() -> None:
+    """Past ``limit`` the estimate returns the partial sum over the first row blocks: above the
+    limit, at most the whole estimate; asked again with no limit, it computes the whole."""
+    act = _heavy_outliers(256, 32, seed=8)
+    weight = torch.randn(40, 32, generator=torch.Generator().manual_seed(9)) * 0.05
+    whole = SmoothingSearch(act, weight).estimate(0.0, 0.0)
+    search = SmoothingSearch(act, weight)
+    partial = search.estimate(0.0, 0.0, limit=whole * 0.1)
+    assert whole * 0.1 < partial < whole
+    assert search.estimate(0.0, 0.0) == whole
+
+
 def test_an_all_zero_row_computes_every_candidate() -> None:
     """A zero row makes every error NaN (0/0 codes, as msModelSlim's): no screen, the plain
     sweep's answer (nothing is at most the initial infinity)."""
