@@ -1,24 +1,30 @@
-"""The alpha/beta search of ``flex_smooth_quant`` alone: the shared search
-(:class:`msquant.quant.smoothing.SmoothingSearch`, what runs) against the plain definition (every
-candidate through :func:`msquant.quant.smoothing.smoothing_error`), interleaved subgraph by
-subgraph on the rows the search sees in a real run, with their answers compared (docs/accuracy.md,
-"Smoothing").
+"""The alpha/beta search of ``flex_smooth_quant`` alone, on the rows it sees in a real run: the
+screened search (:func:`msquant.quant.smoothing.search_alpha_beta`, what runs) against every
+candidate computed (:class:`msquant.quant.smoothing.SmoothingSearch`, the search before the
+screen) and against one bare forward of the same layers over the same calibration samples; the
+answers are also checked against the plain definition (every candidate through
+:func:`msquant.quant.smoothing.smoothing_error`) (docs/performance.md, "flex_smooth_quant's
+search").
 
 The rows come from a ``flex_smooth_quant`` + W8A8_DYNAMIC run of the model's first ``--layers``
 decoder layers (a copy of the model folder with fewer layers, written under ``--work``) on the
-bench's calibration texts (``python bench/activation_texts.py DIR``).
+bench's calibration texts (``python bench/activation_texts.py DIR``). The three are timed
+interleaved, ``--rounds`` times (the order rotating), and their minimum and median printed with
+the machine's load average: the machine may be shared.
 
 Usage::
 
     python bench/smoothing_search.py --model_dir models/SmolLM2-135M-Instruct --texts /tmp/texts \\
-        [--layers 3] [--work /tmp/smoothing_search]
+        [--layers 3] [--rounds 5] [--work /tmp/smoothing_search]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,12 +34,18 @@ from safetensors.torch import load_file, save_file
 
 import msquant
 import msquant.processors.smoothing.folding as folding
-from msquant.quant.smoothing import SEARCH_STEP, search_alpha_beta, smoothing_error
+from msquant.quant.smoothing import (
+    SEARCH_STEP,
+    SmoothingSearch,
+    search_alpha_beta,
+    smoothing_error,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 Search = Callable[[torch.Tensor, torch.Tensor], tuple[float, float, float]]
 #: the search grid 0, 0.05, ..., 1
 GRID = [round(i * SEARCH_STEP, 2) for i in range(round(1 / SEARCH_STEP) + 1)]
+MAX_CALIB_TOKENS = 512
 
 
 def one_by_one(act: torch.Tensor, weight: torch.Tensor) -> tuple[float, float, float]:
@@ -50,6 +62,44 @@ def one_by_one(act: torch.Tensor, weight: torch.Tensor) -> tuple[float, float, f
         if error <= best:
             best_beta, best = beta, error
     return best_alpha, best_beta, best
+
+
+def every_candidate(act: torch.Tensor, weight: torch.Tensor) -> tuple[float, float, float]:
+    """The two sweeps with every candidate computed by one SmoothingSearch (the search before the
+    screen: shared statistics and buffers, 41 float products)."""
+    search = SmoothingSearch(act, weight)
+    best_alpha, best = 0.0, float("inf")
+    for alpha in GRID:
+        error = search.error(alpha, 1.0 - alpha)
+        if error <= best:
+            best_alpha, best = alpha, error
+    best_beta = 0.0
+    for beta in GRID:
+        error = search.error(best_alpha, beta)
+        if error <= best:
+            best_beta, best = beta, error
+    return best_alpha, best_beta, best
+
+
+def bare_forward(model: Path, texts: Path) -> Callable[[], None]:
+    """One float32 forward of ``model`` over the run's calibration samples (each on its own, cut
+    at 512 tokens as the run's ``max_calib_tokens``), as a callable to time."""
+    from transformers import AutoModelForCausalLM
+
+    from msquant.load.calibration import read_calibration_texts, tokenize_samples
+    from msquant.load.model_folder import load_tokenizer
+
+    samples = tokenize_samples(
+        read_calibration_texts(texts / "calib.txt"), load_tokenizer(model), MAX_CALIB_TOKENS
+    )
+    network = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+    def forward() -> None:
+        with torch.no_grad():
+            for ids in samples:
+                network(input_ids=ids, use_cache=False)
+
+    return forward
 
 
 def truncated_model(model_dir: Path, layers: int, out: Path) -> Path:
@@ -88,7 +138,7 @@ def recorded_searches(model: Path, texts: Path, save: Path) -> list[tuple[torch.
             save,
             REPO / "yaml_examples" / "w8a8_dynamic_flex_smooth.yaml",
             calib_path=texts / "calib.txt",
-            max_calib_tokens=512,
+            max_calib_tokens=MAX_CALIB_TOKENS,
             progress=False,
         )
     finally:
@@ -101,25 +151,51 @@ def main() -> None:
     parser.add_argument("--model_dir", type=Path, default=REPO / "models/SmolLM2-135M-Instruct")
     parser.add_argument("--texts", type=Path, required=True)
     parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--work", type=Path, default=Path("/tmp/smoothing_search"))
     args = parser.parse_args()
     model = truncated_model(args.model_dir, args.layers, args.work / "model")
     cases = recorded_searches(model, args.texts, args.work / "export")
-    searches: dict[str, Search] = {"one by one": one_by_one, "shared": search_alpha_beta}
-    totals = {name: [0.0, 0.0] for name in searches}
     for act, weight in cases:
-        answers = []
-        for name, search in searches.items():
-            wall, cpu = time.perf_counter(), time.process_time()
-            answers.append(search(act, weight))
-            totals[name][0] += time.perf_counter() - wall
-            totals[name][1] += time.process_time() - cpu
-        if answers[0] != answers[1]:
+        answers = {search_alpha_beta(act, weight), every_candidate(act, weight)}
+        if answers != {one_by_one(act, weight)}:
             raise SystemExit(f"the searches disagree on {tuple(weight.shape)}: {answers}")
-    rows = ", ".join(str(act.shape[0]) for act, _ in cases[:1])
-    print(f"{len(cases)} searches ({args.layers} layers, {rows} rows each), same answers")
-    for name, (wall, cpu) in totals.items():
-        print(f"{name:<12} wall {wall:8.1f} s   process CPU {cpu:8.1f} s")
+    forward = bare_forward(model, args.texts)
+
+    def searching(search: Search) -> Callable[[], None]:
+        def run() -> None:
+            for act, weight in cases:
+                search(act, weight)
+
+        return run
+
+    timed = {
+        "screened": searching(search_alpha_beta),
+        "every candidate": searching(every_candidate),
+        "bare forward": forward,
+    }
+    times: dict[str, list[float]] = {name: [] for name in timed}
+    names = list(timed)
+    for round_ in range(args.rounds):
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            start = time.perf_counter()
+            timed[name]()
+            times[name].append(time.perf_counter() - start)
+    rows = cases[0][0].shape[0]
+    print(
+        f"{len(cases)} searches ({args.layers} layers, {rows} rows each), same answers as every "
+        f"candidate through smoothing_error; {args.rounds} rounds, torch threads "
+        f"{torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} (end)"
+    )
+    for name, values in times.items():
+        print(f"{name:<16} min {min(values):7.2f} s   median {statistics.median(values):7.2f} s")
+    pairs = (("screened", "every candidate"), ("screened", "bare forward"))
+    for a, b in (*pairs, ("every candidate", "bare forward")):
+        ratios = [x / y for x, y in zip(times[a], times[b], strict=True)]
+        print(
+            f"{a} / {b}: min {min(ratios):.3f}  median {statistics.median(ratios):.3f} "
+            f"(per round); {min(times[a]) / min(times[b]):.3f} (min / min)"
+        )
 
 
 if __name__ == "__main__":

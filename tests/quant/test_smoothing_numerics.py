@@ -4,10 +4,13 @@ function, and int8 per-token activations get far more accurate on activations wi
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from msquant.quant.smoothing import (
+    SCREEN_MARGIN,
     SmoothingSearch,
     _grid,
     _quant_int8_sym_rows_,
@@ -204,10 +207,7 @@ def test_search_alpha_beta_equals_the_candidate_by_candidate_search(seed: int) -
     assert search_alpha_beta(act, weight) == _search_one_by_one(act, weight)
 
 
-def test_shared_search_computes_each_pair_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The beta sweep meets (alpha, 1 - alpha) again: 41 products for 42 grid points."""
-    act = _outlier_activations(seed=7)
-    weight = torch.randn(24, 32, generator=torch.Generator().manual_seed(8)) * 0.05
+def _count_computed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, float]]:
     computed: list[tuple[float, float]] = []
     original = SmoothingSearch._compute
 
@@ -216,10 +216,114 @@ def test_shared_search_computes_each_pair_once(monkeypatch: pytest.MonkeyPatch) 
         return original(self, alpha, beta)
 
     monkeypatch.setattr(SmoothingSearch, "_compute", counting)
-    alpha, beta, _ = search_alpha_beta(act, weight)
+    return computed
+
+
+def test_screened_search_computes_few_pairs_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 on CPU: the screen leaves a few of the 41 candidates to compute in float32, each
+    once, the chosen pair among them; the answer is the plain sweep's."""
+    act = _outlier_activations(seed=7)
+    weight = torch.randn(24, 32, generator=torch.Generator().manual_seed(8)) * 0.05
+    computed = _count_computed(monkeypatch)
+    alpha, beta, error = search_alpha_beta(act, weight)
     assert len(computed) == len(set(computed))
-    assert (alpha, 1.0 - alpha) in computed
-    assert len(computed) == 2 * len(_grid()) - 1
+    assert (alpha, beta) in computed
+    assert 1 <= len(computed) <= 6
+    assert (alpha, beta, error) == _search_one_by_one(act, weight)
+
+
+def test_bfloat16_search_computes_every_pair_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No screen in bfloat16 (its products round far beyond the margin): every pair of the two
+    sweeps computed, once (the beta sweep's (alpha, 1 - alpha), where it is the same float, is
+    not computed again)."""
+    act = _outlier_activations(seed=7).to(torch.bfloat16)
+    weight = (torch.randn(24, 32, generator=torch.Generator().manual_seed(8)) * 0.05).to(
+        torch.bfloat16
+    )
+    computed = _count_computed(monkeypatch)
+    alpha, _, _ = search_alpha_beta(act, weight)
+    pairs = {(a, 1.0 - a) for a in _grid()} | {(alpha, b) for b in _grid()}
+    assert len(computed) == len(set(computed))
+    assert set(computed) == pairs
+
+
+def _heavy_outliers(tokens: int, channels: int, seed: int) -> torch.Tensor:
+    """Activations with a few channels hundreds of times larger and heavy-tailed tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, channels, generator=generator)
+    x *= torch.rand(tokens, 1, generator=generator) * 4
+    columns = torch.randperm(channels, generator=generator)[:3]
+    x[:, columns] *= torch.tensor([300.0, 80.0, 20.0])
+    x[torch.randint(0, tokens, (5,), generator=generator)] *= 50.0
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("rows", "seed"),
+    [("random", 0), ("random", 1), ("outliers", 2), ("outliers", 3), ("outliers", 4)],
+)
+def test_search_alpha_beta_equals_the_plain_sweep(rows: str, seed: int, dtype: torch.dtype) -> None:
+    """The screened search picks the same (alpha, beta) with the same error, bit for bit, as
+    every candidate through smoothing_error, on random and on outlier-heavy rows (float32
+    screens, bfloat16 computes every candidate)."""
+    tokens, channels, out = (160 + 37 * seed, 48 + 8 * seed, 40 + 24 * seed)
+    act = (
+        torch.randn(tokens, channels, generator=torch.Generator().manual_seed(seed))
+        if rows == "random"
+        else _heavy_outliers(tokens, channels, seed)
+    ).to(dtype)
+    weight = torch.randn(out, channels, generator=torch.Generator().manual_seed(50 + seed)) * 0.05
+    weight[:, seed] *= 40.0  # a weight outlier column
+    weight = weight.to(dtype)
+    assert search_alpha_beta(act, weight) == _search_one_by_one(act, weight)
+
+
+def test_exact_ties_resolve_as_the_plain_sweep() -> None:
+    """Every column maximum 1: every candidate's scale is 1 and all 41 errors are equal; the
+    plain sweep then keeps the last grid point of each sweep, and so does the screened one."""
+    generator = torch.Generator().manual_seed(9)
+    act = torch.rand(64, 16, generator=generator) * 2 - 1
+    act[0] = 1.0
+    weight = torch.rand(24, 16, generator=generator) * 2 - 1
+    weight[0] = -1.0
+    assert search_alpha_beta(act, weight) == _search_one_by_one(act, weight)
+    assert search_alpha_beta(act, weight)[:2] == (1.0, 1.0)
+
+
+def test_estimate_is_the_error_up_to_float32_rounding() -> None:
+    """The screen's premise: the exact-product estimate is within float32 rounding of the float32
+    objective (far inside SCREEN_MARGIN), for smoothed and unsmoothed candidates."""
+    act = _heavy_outliers(300, 64, seed=5)
+    weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(6)) * 0.05
+    search = SmoothingSearch(act, weight)
+    for alpha in _grid()[::2]:
+        for beta in (0.0, 1.0 - alpha, 1.0):
+            error, estimate = search.error(alpha, beta), search.estimate(alpha, beta)
+            assert estimate == pytest.approx(error, rel=1e-5)
+    assert 1e-5 * 100 <= SCREEN_MARGIN
+
+
+def test_estimate_stops_at_the_limit_with_a_lower_bound() -> None:
+    """Past ``limit`` the estimate returns the partial sum over the first row blocks: above the
+    limit, at most the whole estimate; asked again with no limit, it computes the whole."""
+    act = _heavy_outliers(256, 32, seed=8)
+    weight = torch.randn(40, 32, generator=torch.Generator().manual_seed(9)) * 0.05
+    whole = SmoothingSearch(act, weight).estimate(0.0, 0.0)
+    search = SmoothingSearch(act, weight)
+    partial = search.estimate(0.0, 0.0, limit=whole * 0.1)
+    assert whole * 0.1 < partial < whole
+    assert search.estimate(0.0, 0.0) == whole
+
+
+def test_an_all_zero_row_computes_every_candidate() -> None:
+    """A zero row makes every error NaN (0/0 codes, as msModelSlim's): no screen, the plain
+    sweep's answer (nothing is at most the initial infinity)."""
+    act = _outlier_activations(64, 32, seed=3)
+    act[5] = 0.0
+    weight = torch.randn(8, 32, generator=torch.Generator().manual_seed(4))
+    assert math.isnan(SmoothingSearch(act, weight).estimate(0.5, 0.5))
+    assert search_alpha_beta(act, weight) == _search_one_by_one(act, weight) == (0.0, 0.0, math.inf)
 
 
 def test_in_place_row_quantization_equals_quant_int8_sym_rows() -> None:
