@@ -360,6 +360,22 @@ def export_dir(cache: Path, arch: str, scheme: str) -> Path:
     return cache / "exports" / f"{arch}-{scheme}"
 
 
+def msquant_export(cache: Path, arch: str, scheme_name: str, save: Path) -> Path:
+    """msquant's export of ``scheme_name`` on the tiny ``arch`` model (the config and model the
+    oracle gave msModelSlim), run under the adapter name msModelSlim ran with (``--model_type``:
+    it decides what a smoothing entry smooths)."""
+    import msquant
+
+    msquant.quantize(
+        cache / "models" / arch,
+        save,
+        cache / "configs" / f"{scheme_name}.yaml",
+        progress=False,
+        model_type=str(ARCHS[arch].get("model_type", "default")),
+    )
+    return save
+
+
 def ensure_export(cache: Path, venv: Path, arch: str, scheme_name: str) -> Path:
     """The msModelSlim export of ``scheme_name`` on the tiny ``arch`` model, made if missing."""
     save = export_dir(cache, arch, scheme_name)

@@ -40,15 +40,7 @@ CASES = [
 
 
 def _export(scheme: str, save: Path) -> None:
-    import msquant
-
-    msquant.quantize(
-        CACHE / "models" / ARCH,
-        save,
-        CACHE / "configs" / f"{scheme}.yaml",
-        progress=False,
-        model_type=str(oracle.ARCHS[ARCH]["model_type"]),
-    )
+    oracle.msquant_export(CACHE, ARCH, scheme, save)
 
 
 @pytest.mark.parametrize("scheme", CASES)

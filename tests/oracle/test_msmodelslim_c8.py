@@ -40,20 +40,13 @@ CALIBRATED = ("kv_cache_scale", "input_scale", "input_offset", "deq_scale", "qua
 
 
 def _both(scheme: str, save: Path) -> tuple[dict, dict, dict, dict]:
-    import msquant
-
     venv = oracle.require_venv(VENV)
     theirs, their_description = oracle.load_ascend_export(
         oracle.ensure_export(CACHE, venv, ARCH, scheme)
     )
-    msquant.quantize(
-        CACHE / "models" / ARCH,
-        save,
-        CACHE / "configs" / f"{scheme}.yaml",
-        progress=False,
-        model_type=str(oracle.ARCHS[ARCH]["model_type"]),
+    ours, our_description = oracle.load_ascend_export(
+        oracle.msquant_export(CACHE, ARCH, scheme, save)
     )
-    ours, our_description = oracle.load_ascend_export(save)
     return theirs, their_description, ours, our_description
 
 

@@ -90,15 +90,8 @@ CASES = [
 
 @pytest.mark.parametrize(("arch", "scheme"), CASES)
 def test_ssz_export_equals_msmodelslims(arch: str, scheme: str, tmp_path: Path) -> None:
-    import msquant
-
     theirs_dir = oracle.ensure_export(CACHE, _venv(), arch, scheme)
-    config = CACHE / "configs" / f"{scheme}.yaml"
-    save = tmp_path / "out"
-    # msModelSlim runs with the arch's adapter (--model_type), which decides what a smoothing
-    # entry (the flex_awq_ssz schemes) smooths: msquant is told the same
-    model_type = str(oracle.ARCHS[arch].get("model_type", "default"))
-    msquant.quantize(CACHE / "models" / arch, save, config, progress=False, model_type=model_type)
+    save = oracle.msquant_export(CACHE, arch, scheme, tmp_path / "out")
     ours = load_file(str(save / "quant_model_weights.safetensors"))
     theirs = load_file(str(theirs_dir / "quant_model_weights.safetensors"))
     assert {k: (t.dtype, t.shape) for k, t in ours.items()} == {
