@@ -16,6 +16,8 @@ Files written (msModelSlim 26.1 layout):
 * with ``dynamic_cache`` (int8 KV cache): ``<attention>.k_proj.kv_cache_scale`` /
   ``kv_cache_offset`` and the ``v_proj`` ones, typed ``C8``, and the globals ``kv_cache_type`` and
   ``kv_quant_type``, both ``C8`` (docs/ascend-format.md, "C8");
+* with ``float_sparse``: the pruned linears' ``weight`` (and ``bias``) in the model's dtype,
+  typed ``W16A16S`` (docs/ascend-format.md, "W16A16S");
 * the model's config/tokenizer files, ``quantization_config`` removed from ``config.json``, and the
   config used as ``{model_type}_best_practice.yaml``.
 
@@ -101,6 +103,7 @@ from msquant.processors.formats.ascend.fa_quant import (
     FA_QUANT_STATIC,
     FAQuantRecord,
 )
+from msquant.processors.formats.ascend.layer_types import W16A16S
 from msquant.processors.formats.ascend.packer import FLOAT, ascend_module_tensors, quant_type
 
 __all__ = ["AscendV1SaverConfig", "AscendV1Saver", "AscendSaverState"]
@@ -188,7 +191,7 @@ class AscendV1Saver(Saver):
     writes_activations = True
     activation_schemes = ("W8A8", "W8A8_MIX", "W8A8_DYNAMIC", "W4A8_DYNAMIC")
     #: The int8 KV cache's scales and offsets (``dynamic_cache``).
-    tensor_kinds = (KV_CACHE_TYPE,)
+    tensor_kinds = (KV_CACHE_TYPE, W16A16S)
 
     def check_model(self, model: nn.Module, layers: list[DecoderLayer]) -> list[str]:
         model_type = str(getattr(getattr(model, "config", None), "model_type", "unknown"))

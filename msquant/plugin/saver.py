@@ -175,8 +175,10 @@ class Saver(Processor):
             self.state.head = layer.name
         self.check_layer(ctx, layer)
         self.write_quantized(ctx, layer.module, layer.name)
-        self.write_tensors(layer.module.state_dict(prefix=f"{layer.name}."))
+        # before the layer's own tensors: a processor's typed tensor may stand for a model
+        # tensor of the same name (float_sparse's W16A16S weights)
         self.write_extra(ctx)
+        self.write_tensors(layer.module.state_dict(prefix=f"{layer.name}."))
 
     def finalize(self, ctx: RunContext) -> None:
         self.finish_layers(ctx)

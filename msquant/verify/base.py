@@ -200,6 +200,11 @@ class ExportReader(ABC):
             return []
         return [name for name in self.store.names() if name not in self.packed]
 
+    def altered_float_tensors(self) -> set[str]:
+        """Float tensors whose values the export's format says a processor changed on purpose
+        (e.g. pruned weights): not compared with the original model's (default: none)."""
+        return set()
+
     def expect(
         self,
         name: str,

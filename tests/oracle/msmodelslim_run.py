@@ -209,6 +209,17 @@ C8_SCHEMES: dict[str, Scheme] = {
 }  # fmt: skip
 
 
+#: ``float_sparse`` (W16A16S, issue 25): ``qwen3-32b-dense-w16a16s.yaml``'s entry.
+SPARSE_SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme("float_sparse", {}, "W16A16S", process=(
+            {"type": "float_sparse", "sparse_ratio": 0.4, "include": ["*"], "exclude": []},
+        )),
+    )
+}  # fmt: skip
+
+
 #: ``flex_awq_ssz`` (issue 25) before W4A8_DYNAMIC ssz weights, as msModelSlim's W4A8 best
 #: practices (DeepSeek-V3.2, GLM-5) write it: its ``qconfig`` is the one its search measures.
 _AWQ_QCONFIG = SSZ_SCHEMES["w4a8_dynamic_ssz"].qconfig
@@ -238,7 +249,7 @@ for _smoothing, _entry in AWQ_SMOOTHINGS.items():
 
 def all_schemes() -> dict[str, Scheme]:
     """Every scheme the oracle can run."""
-    return {**SCHEMES, **SSZ_SCHEMES, **C8_SCHEMES}
+    return {**SCHEMES, **SSZ_SCHEMES, **C8_SCHEMES, **SPARSE_SCHEMES}
 
 
 def config_for(scheme: Scheme, dataset: Path) -> dict[str, Any]:

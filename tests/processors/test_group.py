@@ -191,7 +191,7 @@ def test_nested_schema_errors_name_the_yaml_path() -> None:
     assert found["spec.process[2].configs[1].includ"].startswith("unknown key; valid keys here:")
     assert (
         "unknown processor type 'quarot_x'; registered process types: dynamic_cache, fa3_quant, "
-        "flex_awq_ssz, flex_smooth_quant, group, iter_smooth, linear_quant, online_quarot, quarot, "
+        "flex_awq_ssz, flex_smooth_quant, float_sparse, group, iter_smooth, linear_quant, online_quarot, quarot, "
         "smooth_quant" in (found["spec.process[2].configs[2].type"])
     )
     assert "missing key 'type'" in found["spec.process[2].configs[3].type"]

@@ -188,7 +188,8 @@ def test_prior_errors_name_the_stage_entry() -> None:
         "spec.prior[1].process[0].qconfig.act",
     }
     assert (
-        "registered process types: dynamic_cache, fa3_quant, flex_awq_ssz, flex_smooth_quant, group, "
+        "registered process types: dynamic_cache, fa3_quant, flex_awq_ssz, flex_smooth_quant, "
+        "float_sparse, group, "
         "iter_smooth, linear_quant, online_quarot, quarot, smooth_quant"
         in found["spec.prior[1].process[1].type"]
     )

@@ -12,9 +12,13 @@ __all__ = [
     "TYPE_BITS",
     "TYPE_PARTS",
     "W8A8_PARTS",
+    "W16A16S",
 ]
 
 FLOAT = "FLOAT"  # the description type of a float tensor, also its scheme in the fused check
+#: A pruned float linear (``float_sparse``): its ``weight`` and ``bias`` in the model's dtype,
+#: zeros where pruned; read like FLOAT tensors.
+W16A16S = "W16A16S"
 
 GLOBAL_KEYS = ("version", "model_quant_type", "metadata", "group_size", "optional")
 TYPE_BITS = {

@@ -75,6 +75,7 @@ from msquant.processors.formats.ascend.layer_types import (
     PARTS,
     TYPE_BITS,
     TYPE_PARTS,
+    W16A16S,
 )
 
 __all__ = ["AscendReader", "GLOBAL_KEYS", "TYPE_BITS"]
@@ -191,14 +192,14 @@ class AscendReader(ExportReader):
     def _quantized_from_description(self) -> list[str]:
         modules = []
         for key, kind in self.types.items():
-            if not key.endswith(".weight") or kind == FLOAT:
-                continue
+            if not key.endswith(".weight") or kind in (FLOAT, W16A16S):
+                continue  # W16A16S: a pruned float weight (_check_sparse)
             if kind in TYPE_BITS:
                 modules.append(key[: -len(".weight")])
             else:
                 self.findings.error(
                     f"{key}: quant type {kind} is not supported by msquant verify "
-                    f"(it reads {', '.join(TYPE_BITS)} and FLOAT)"
+                    f"(it reads {', '.join(TYPE_BITS)}, {W16A16S} and FLOAT)"
                 )
         return sorted(modules)
 
@@ -232,6 +233,7 @@ class AscendReader(ExportReader):
             if bias in self.types and self.types[bias] != FLOAT:
                 self.findings.error(f"{name} types {bias} as {self.types[bias]}, expected FLOAT")
         self._check_kv_cache(stored)
+        self._check_sparse(stored)
         for key in sorted(set(self.types) | stored):
             module, _, leaf = key.rpartition(".")
             if leaf in KV_CACHE_LEAVES:
@@ -252,12 +254,45 @@ class AscendReader(ExportReader):
                 module not in modules
                 and not key.endswith(".weight")
                 and self.types.get(key, FLOAT) not in (FLOAT, FA_QUANT)
+                and not (leaf == "bias" and self.types.get(f"{module}.weight") == W16A16S)
             ):
                 self.findings.error(
                     f"{name} types {key} as {self.types[key]}, but only the weight and "
                     f"parameters ({', '.join(PARAMETER_LEAVES)}) of a quantized layer may carry "
                     "a quant type"
                 )
+
+    def altered_float_tensors(self) -> set[str]:
+        """The W16A16S tensors: pruned by ``float_sparse``, not the original model's values."""
+        return {key for key, kind in self.types.items() if kind == W16A16S}
+
+    def _check_sparse(self, stored: set[str]) -> None:
+        """W16A16S (``float_sparse``): a pruned linear's ``weight`` is a 2-d float tensor (its
+        ``bias``, if any, a 1-d float tensor typed alike); the share of zeros of each weight is
+        reported, and a weight without any zero is a warning (msModelSlim's mask zeroes
+        ``int(sparse_ratio * numel)`` entries of each weight)."""
+        name = self.description_path.name
+        for key in sorted(k for k in self.altered_float_tensors() if k in stored):
+            module, _, leaf = key.rpartition(".")
+            info = self.store.infos[key] if self.store is not None else None
+            if leaf not in ("weight", "bias") or info is None:
+                self.findings.error(
+                    f"{name} types {key} as {W16A16S}: only a linear's weight and bias may be"
+                )
+                continue
+            if leaf == "bias" and self.types.get(f"{module}.weight") != W16A16S:
+                self.findings.error(f"{name} types {key} as {W16A16S} but not {module}.weight")
+                continue
+            assert self.store is not None
+            tensor = self.store.get(key)
+            if not tensor.is_floating_point() or tensor.dim() != (2 if leaf == "weight" else 1):
+                self.findings.error(
+                    f"{key} ({W16A16S}): expected a {'2' if leaf == 'weight' else '1'}-d float "
+                    f"tensor, stored {tensor.dtype} {list(tensor.shape)}"
+                )
+            elif leaf == "weight":
+                if not bool((tensor == 0).any()):
+                    self.findings.note(f"typed {W16A16S} but holding no zero (not pruned?)", key)
 
     def _check_kv_cache(self, stored: set[str]) -> None:
         """The int8 KV cache (C8, ``dynamic_cache``): ``<attention>.k_proj`` / ``v_proj``'s
@@ -330,7 +365,9 @@ class AscendReader(ExportReader):
         for key in ("metadata", "optional"):
             if key in self.description and not isinstance(self.description[key], dict):
                 self.findings.error(f"{name}: {key} must be an object")
-        present = {self.types[f"{m}.weight"] for m in self.modules} or {FLOAT}
+        present = {self.types[f"{m}.weight"] for m in self.modules}
+        present |= {W16A16S} if self.altered_float_tensors() else set()
+        present = present or {FLOAT}
         model_type = self.description.get("model_quant_type")
         if (
             "model_quant_type" in self.description
