@@ -84,6 +84,7 @@ class FloatSparseProcessor(Processor):
         self._hooks: list[RemovableHandle] = []
         self._pruned: list[str] = []
         self._seen: set[str] = set()
+        self._exported: list[str] = []
 
     @classmethod
     def check_config(cls, config: ProcessorConfig) -> list[ConfigIssue]:
@@ -116,6 +117,13 @@ class FloatSparseProcessor(Processor):
                 "processor, which does not support distributed runs); run it in one process"
             )
         self._seen.clear()
+
+    def before_layer(self, ctx: RunContext, layer: DecoderLayer) -> None:
+        """Drop the previous layer's tensors from ``ctx.export_tensors``: every saver wrote them
+        in its ``after_layer``, and a streamed run must be able to release their storage."""
+        for key in self._exported:
+            ctx.export_tensors.pop(key, None)
+        self._exported.clear()
 
     def before_pass(self, ctx: RunContext, layer: DecoderLayer, index: int) -> None:
         if index != 0:
@@ -156,6 +164,7 @@ class FloatSparseProcessor(Processor):
                 if tensor is not None:
                     # under the model's name: it replaces the model's tensor in the export
                     ctx.export_tensors[f"{name}.{leaf}"] = (W16A16S, tensor)
+                    self._exported.append(f"{name}.{leaf}")
             self._pruned.append(name)
         self._stats.clear()
 

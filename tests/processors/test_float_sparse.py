@@ -248,3 +248,46 @@ def test_saver_without_w16a16s_refuses(
         msquant.QuantizationError, match=r"W16A16S tensor, which this format does not store"
     ):
         msquant.quantize(model_dir, tmp_path / "out", cfg, calib_path=CALIB_TXT, progress=False)
+
+
+def test_qwen2_biases_typed_w16a16s_unchanged(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """msModelSlim's W16A16S linear keeps its bias (typed W16A16S, as its saver writes it)."""
+    model_dir = tiny_model_factory("qwen2")
+    out = tmp_path / "out"
+    msquant.quantize(model_dir, out, _sparse_config(0.5), calib_path=CALIB_TXT, progress=False)
+    tensors = load_file(str(out / "quant_model_weights.safetensors"))
+    description = json.loads((out / "quant_model_description.json").read_text())
+    original = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    biases = [k for k in description if k.endswith("q_proj.bias")]
+    assert biases
+    for key in biases:
+        assert description[key] == "W16A16S"
+        assert torch.equal(tensors[key], original[key])
+    assert verify_export(out).ok
+
+
+def test_a_later_entry_quantizing_pruned_linears_is_refused(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    model_dir = tiny_model_factory("qwen3")
+    cfg = _sparse_config()
+    cfg["spec"]["process"].append(
+        {
+            "type": "linear_quant",
+            "qconfig": {
+                "weight": {
+                    "scope": "per_channel",
+                    "dtype": "int8",
+                    "symmetric": True,
+                    "method": "minmax",
+                }
+            },
+            "include": ["*"],
+        }
+    )
+    with pytest.raises(
+        msquant.QuantizationError, match=r"float_sparse: model\.layers\.0\..* replaced by a later"
+    ):
+        msquant.quantize(model_dir, tmp_path / "out", cfg, calib_path=CALIB_TXT, progress=False)
