@@ -4,13 +4,13 @@ when the run names msModelSlim's adapter (``--model_type``), as msModelSlim woul
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from msquant.config.presets import PRACTICE_FILES, practice_file, preset_config
 from msquant.errors import MsquantInputError
+from msquant.verify.base import export_config
 
 __all__ = ["quant_type_config"]
 
@@ -20,11 +20,8 @@ logger = logging.getLogger(__name__)
 def config_model_type(model_path: str | Path) -> str | None:
     """``model_type`` of the folder's ``config.json``; ``None`` when it cannot be read (the
     model's loading then says why)."""
-    try:
-        data = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    value = data.get("model_type") if isinstance(data, dict) else None
+    data = export_config(Path(model_path))
+    value = data.get("model_type") if data is not None else None
     return value if isinstance(value, str) else None
 
 
