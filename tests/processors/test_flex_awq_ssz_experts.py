@@ -16,12 +16,10 @@ import torch
 from torch import nn
 
 import msquant
-from msquant.backends import get_backend
 from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
 from msquant.model.layers import find_decoder_layers
-from msquant.model.subgraphs import EXPERT_MLP_FLOW, default_subgraphs
-from msquant.plugin import RunContext, adapter_for
+from msquant.plugin import RunContext, adapter_for, get_backend
 from msquant.processors.smoothing.awq_processor import FlexAwqSszProcessor
 from msquant.processors.smoothing.awq_search import ALPHA_GRID
 from msquant.processors.smoothing.config import FlexAwqSszConfig
@@ -78,15 +76,19 @@ def test_moe_layers_name_each_experts_up_down(
     model = _load(tiny_model_factory(arch, num_layers=2))
     layer = find_decoder_layers(model)[1]
     pairs = [
-        (s.source.removeprefix("model.layers.1."), s.targets, s.exact_by)
-        for s in default_subgraphs(model, layer)
+        (
+            s.source.removeprefix("model.layers.1."),
+            s.targets,
+            s.exact_by and "ExpertMLP" in s.exact_by,
+        )
+        for s in adapter_for(model).smoothing_subgraphs(model, layer)
         if s.kind == "up-down"
     ]
     routed = [
         (
             f"mlp.experts.{e}.up_proj",
             (f"model.layers.1.mlp.experts.{e}.down_proj",),
-            EXPERT_MLP_FLOW,
+            True,
         )
         for e in range(8)
     ]
