@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import vllm_engine
 from architectures import PACKED_MODULES, EngineModule
-from loading import Resolution, param_infos
 from engine_layers import noop
+from loading import Resolution, param_infos
 from wheels import (
     EngineImporter,
     Release,
