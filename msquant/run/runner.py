@@ -32,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from msquant.errors import QuantizationError
+from msquant.load.streaming import collect_new_objects_only
 from msquant.model.layers import DecoderLayer
 from msquant.plugin.context import RunContext
 from msquant.plugin.processor import Processor, flatten_processors
@@ -96,7 +97,8 @@ def run_layer_wise(
             checkpoints.keeps_floats = ctx.streamed is None
     ctx.probe = probe
     try:
-        _run_layers(ctx, processors, samples, progress, checkpoints, probe)
+        with collect_new_objects_only():
+            _run_layers(ctx, processors, samples, progress, checkpoints, probe)
     finally:
         ctx.probe = None
 
