@@ -27,14 +27,14 @@ SGLANG_BITS_WARNING = (
 PACKING_WARNING = (
     "{kinds} layers are packed densely across int32 words, the layout of compressed-tensors 0.18 "
     "and later; compressed-tensors 0.17 and earlier pack {widths}-bit weights otherwise, and vLLM "
-    "0.33 pins compressed-tensors 0.17.0: a loader that unpacks with compressed-tensors 0.17 "
+    "0.33 / 0.34 pin compressed-tensors 0.17.0: a loader that unpacks with compressed-tensors 0.17 "
     "(transformers with it fails to load this export) needs compressed-tensors >= 0.18 installed; "
-    "vLLM 0.33 creates parameters of the dense shapes for these widths (its kernels were not run "
+    "vLLM 0.33 / 0.34 creates parameters of the dense shapes for these widths (its kernels were not run "
     "on them here); 4 or 8 bits avoid both: {names}"
 )
 
 VLLM_ASYM_ZERO_POINT = (
-    "static asymmetric activations: vLLM 0.33's CUTLASS int8 kernel rebuilds each layer's input "
+    "static asymmetric activations: vLLM 0.33 / 0.34's CUTLASS int8 kernel rebuilds each layer's input "
     "zero point from its range with a truncating conversion, which can move it one step toward "
     "0 (observed on 1 of 8 layers of a tiny Llama: that layer's output then differs by about "
     "one activation step); symmetric static or per-token activations avoid it: {names}"
@@ -108,7 +108,7 @@ def _listing(names: list[str], shown: int = 6) -> str:
 
 
 def consumer_warnings(schemes: Mapping[str, WeightScheme]) -> list[str]:
-    """What SGLang and compressed-tensors 0.17 (pinned by vLLM 0.33) do not load among the
+    """What SGLang and compressed-tensors 0.17 (pinned by vLLM 0.33 / 0.34) do not load among the
     quantized modules ``schemes`` (name -> scheme, in model order)."""
     warnings = []
     odd = {name: s for name, s in schemes.items() if s.num_bits not in SGLANG_BITS}
