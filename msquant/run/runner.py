@@ -258,11 +258,7 @@ def layer_segments(processors: Sequence[Processor]) -> list[list[Processor]]:
     there is one segment, every processor."""
     segments: list[list[Processor]] = [[]]
     for processor in processors:
-        if (
-            processor.requires_calibration
-            and processor.calibrates_after_previous
-            and segments[-1]
-        ):
+        if processor.requires_calibration and processor.calibrates_after_previous and segments[-1]:
             segments.append([])
         segments[-1].append(processor)
     return segments

@@ -41,9 +41,7 @@ MLA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 #: What msquant writes and msModelSlim's saver leaves out (transformers' router buffer).
 ROUTER_BIAS = "mlp.gate.e_score_correction_bias"
 CASES = [
-    (arch, scheme)
-    for arch in ("deepseek_v3_moe", "qwen3")
-    for scheme in oracle.W4A8_NAME_SCHEMES
+    (arch, scheme) for arch in ("deepseek_v3_moe", "qwen3") for scheme in oracle.W4A8_NAME_SCHEMES
 ]
 
 
@@ -65,9 +63,7 @@ def test_w4a8_scale_bias_by_name(arch: str, scheme: str, tmp_path: Path) -> None
         if ours[name].shape != theirs[name].shape or not torch.equal(ours[name], theirs[name])
     )
     expected = sorted(
-        name
-        for name in theirs
-        if name.endswith(".scale_bias") and name.split(".")[-2] in MLA
+        name for name in theirs if name.endswith(".scale_bias") and name.split(".")[-2] in MLA
     )
     assert differing == expected
     assert bool(expected) == (arch == "deepseek_v3_moe")

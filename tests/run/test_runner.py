@@ -358,3 +358,27 @@ def test_a_processor_after_previous_observes_the_finished_layer(
         torch.testing.assert_close(observer.outputs[1][i], changed[i][2], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(observer.inputs[2][i], changed[i][2], rtol=1e-5, atol=1e-5)
         assert not torch.allclose(changed[i][2], floating[i][2], rtol=1e-3, atol=1e-3)
+
+
+def test_glm5_layers_handing_state_on_are_refused(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """GLM-5 (transformers' ``glm_moe_dsa``): each decoder layer returns its DSA indexer's
+    top-k token indices beside the hidden states, and the model hands them to the next layer (a
+    ``shared`` indexer layer reuses them); msquant runs layers one at a time and refuses, saying
+    why, before calibrating."""
+    model_dir = tiny_model_factory("glm_moe_dsa", num_layers=4)
+    config = {
+        "apiversion": "modelslim_v1",
+        "spec": {
+            "process": [{"type": "linear_quant", "qconfig": {
+                "act": {"scope": "per_tensor", "dtype": "int8", "symmetric": False,
+                        "method": "minmax"},
+                "weight": {"scope": "per_channel", "dtype": "int8", "symmetric": True,
+                           "method": "minmax"},
+            }, "include": ["*self_attn*"], "exclude": ["*kv_b_proj", "*indexer*"]}],
+            "save": [{"type": "ascendv1_saver", "part_file_size": 0}],
+        },
+    }  # fmt: skip
+    with pytest.raises(msquant.ModelLoadError, match="GlmMoeDsaDecoderLayer returns more than its"):
+        msquant.quantize(model_dir, tmp_path / "out", config, calib_path=CALIB, progress=False)
