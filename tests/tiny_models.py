@@ -79,20 +79,19 @@ def build_tiny_model(
     build_tokenizer(directory)
     params = dict(ARCHS[arch])
     model_type = params.pop("model_type")
+    base: dict[str, Any] = dict(num_attention_heads=4, num_key_value_heads=2)
     config = AutoConfig.for_model(
         model_type,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=512,
         tie_word_embeddings=tie_word_embeddings,
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=0,
-        **{**params, **overrides},
+        **{**base, **params, **overrides},
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
@@ -159,6 +158,29 @@ MOE_ARCHS: dict[str, dict[str, Any]] = {
         n_group=1,
         topk_group=1,
         first_k_dense_replace=1,
+    ),
+    # GLM-5 (transformers' ``glm_moe_dsa``): MLA with a query LoRA, the DSA indexer
+    # (``self_attn.indexer``: wq_b, wk, k_norm, weights_proj), the first 3 layers dense, as GLM-5;
+    # its attention takes as many key/value heads as query heads
+    "glm_moe_dsa": dict(
+        model_type="glm_moe_dsa",
+        num_key_value_heads=4,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=3,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        head_dim=8,
+        index_head_dim=16,
+        index_n_heads=2,
+        index_topk=8,
     ),
     # like Mixtral, MiniMax-M2's experts are ``intermediate_size`` wide: pass ``intermediate_size=32``
     "minimax_m2": dict(

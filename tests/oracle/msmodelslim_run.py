@@ -302,9 +302,27 @@ MOE_SCHEMES: dict[str, Scheme] = {
 }  # fmt: skip
 
 
+#: W4A8_DYNAMIC ``ssz`` weights on the attention linears, and on every linear (issue 25): how
+#: ``scale_bias`` is written for linears whose names are not those of Llama's attention and MLP
+#: (DeepSeek's MLA ``q_a_proj`` / ``q_b_proj`` / ``kv_a_proj_with_mqa`` / ``kv_b_proj``).
+_W4A8_SSZ_ATTENTION = {"type": "linear_quant", "qconfig": _AWQ_QCONFIG, "include": ["*self_attn*"]}
+W4A8_NAME_SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme("w4a8_ssz_attention", {}, "FLOAT", process=(_W4A8_SSZ_ATTENTION,)),
+        Scheme("w4a8_ssz_all", {}, "FLOAT", process=(
+            {"type": "linear_quant", "qconfig": _AWQ_QCONFIG, "include": ["*"]},
+        )),
+    )
+}  # fmt: skip
+
+
 def all_schemes() -> dict[str, Scheme]:
     """Every scheme the oracle can run."""
-    return {**SCHEMES, **SSZ_SCHEMES, **C8_SCHEMES, **SPARSE_SCHEMES, **MOE_SCHEMES}
+    return {
+        **SCHEMES, **SSZ_SCHEMES, **C8_SCHEMES, **SPARSE_SCHEMES, **MOE_SCHEMES,
+        **W4A8_NAME_SCHEMES,
+    }  # fmt: skip
 
 
 def config_for(scheme: Scheme, dataset: Path) -> dict[str, Any]:

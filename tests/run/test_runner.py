@@ -313,3 +313,72 @@ def test_quantized_calibration_needs_a_calibrating_processor() -> None:
     idle.calibrate_on_quantized = True
     assert calibrates_on_quantized([Probe(ProbeConfig()), asking])
     assert not calibrates_on_quantized([Probe(ProbeConfig()), idle])
+
+
+def test_layer_segments_split_before_a_processor_observing_the_finished_layer() -> None:
+    """A calibrating processor that sets ``calibrates_after_previous`` starts a segment, unless it
+    is first or calibrates nothing."""
+    from msquant.run.runner import layer_segments
+
+    def probe(after_previous: bool, calibrates: bool = True) -> Probe:
+        made = Probe(ProbeConfig())
+        made.calibrates_after_previous, made.requires_calibration = after_previous, calibrates
+        return made
+
+    first, observer, idle, plain = probe(False), probe(True), probe(True, False), probe(False)
+    assert layer_segments([first, observer, plain]) == [[first], [observer, plain]]
+    assert layer_segments([observer, first]) == [[observer, first]]
+    assert layer_segments([first, idle]) == [[first, idle]]
+    assert layer_segments([first, plain]) == [[first, plain]]
+
+
+def test_a_processor_after_previous_observes_the_finished_layer(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """With ``calibrates_after_previous``, the observer's hooks (registered in its
+    ``before_layer``) see layer 1 after the processor before it changed it in ``after_layer``, and
+    layer 2 is calibrated on those changed outputs (msModelSlim's order); the processor before it
+    still sees the float layer."""
+    model_dir = tiny_model_factory("llama", num_layers=3)
+    model = load_causal_lm(model_dir)
+    samples = tokenize_samples(read_calibration_texts(CALIB)[:2], load_tokenizer(model_dir))
+    changing = ChangingProbe(on_quantized=False, in_pass=False)
+    observer = Probe(ProbeConfig())
+    observer.calibrates_after_previous = True
+    with torch.no_grad():
+        floating = [model(input_ids=s, output_hidden_states=True).hidden_states for s in samples]
+    ctx = RunContext(model, model_dir, tmp_path, get_backend("cpu"), find_decoder_layers(model))
+    run_layer_wise(ctx, [changing, observer], samples, progress=False)
+    with torch.no_grad():
+        changed = [model(input_ids=s, output_hidden_states=True).hidden_states for s in samples]
+    assert observer.events[1:4] == ["before:0", "after:0", "before:1"]
+    assert changing.events[1:3] == ["before:0", "after:0"]
+    for i in range(len(samples)):
+        torch.testing.assert_close(changing.outputs[1][i], floating[i][2], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(observer.outputs[1][i], changed[i][2], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(observer.inputs[2][i], changed[i][2], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(changed[i][2], floating[i][2], rtol=1e-3, atol=1e-3)
+
+
+def test_glm5_layers_handing_state_on_are_refused(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """GLM-5 (transformers' ``glm_moe_dsa``): each decoder layer returns its DSA indexer's
+    top-k token indices beside the hidden states, and the model hands them to the next layer (a
+    ``shared`` indexer layer reuses them); msquant runs layers one at a time and refuses, saying
+    why, before calibrating."""
+    model_dir = tiny_model_factory("glm_moe_dsa", num_layers=4)
+    config = {
+        "apiversion": "modelslim_v1",
+        "spec": {
+            "process": [{"type": "linear_quant", "qconfig": {
+                "act": {"scope": "per_tensor", "dtype": "int8", "symmetric": False,
+                        "method": "minmax"},
+                "weight": {"scope": "per_channel", "dtype": "int8", "symmetric": True,
+                           "method": "minmax"},
+            }, "include": ["*self_attn*"], "exclude": ["*kv_b_proj", "*indexer*"]}],
+            "save": [{"type": "ascendv1_saver", "part_file_size": 0}],
+        },
+    }  # fmt: skip
+    with pytest.raises(msquant.ModelLoadError, match="GlmMoeDsaDecoderLayer returns more than its"):
+        msquant.quantize(model_dir, tmp_path / "out", config, calib_path=CALIB, progress=False)
