@@ -63,7 +63,10 @@ VLLM_BITS = (
     "compressed-tensors for vLLM"
 )
 VLLM_DESC_ACT = "vLLM 0.33 / 0.34 refuses desc_act=true with group_size != -1 (group activation ordering was removed)"
-DESC_ACT_TRIVIAL = "g_idx is trivial but desc_act is true: write desc_act false (vLLM 0.33 / 0.34 refuses desc_act=true)"
+DESC_ACT_TRIVIAL = (
+    "g_idx is trivial but desc_act is true: write desc_act false "
+    "(vLLM 0.33 / 0.34 refuses desc_act=true)"
+)
 MARLIN_GROUP_NOTE = (
     "Marlin GPTQ kernels take group_size -1, 32, 64 or 128 only: vLLM 0.33 / 0.34 refuses these layers "
     "and SGLang has no other CUDA GPTQ kernel"
