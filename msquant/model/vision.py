@@ -16,11 +16,60 @@ rotation, whose projector output would have to be rotated as well.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
-__all__ = ["is_vision_language", "text_decoder_name", "vision_parts"]
+__all__ = [
+    "is_vision_language",
+    "other_parts",
+    "part_prefix",
+    "quantized_part",
+    "text_decoder_name",
+    "vision_parts",
+]
+
+#: The sub-model of a checkpoint that msquant loads and quantizes, by the checkpoint's
+#: ``model_type``: Qwen2.5-Omni and Qwen3-Omni hold a "thinker" (audio tower, vision tower,
+#: text decoder: an image-text-to-text model of its own) beside a "talker" and a speech decoder
+#: (``token2wav`` / ``code2wav``). msModelSlim 26.1.0 loads and quantizes the thinker only and
+#: writes only its tensors, under the checkpoint's ``thinker.`` names
+#: (``model/qwen2_5_omni_thinker`` and ``model/qwen3_omni_moe`` adapters: ``init_model`` builds
+#: the thinker class from ``thinker_config``, ``ascendv1_save_postprocess`` adds the prefix), which
+#: is what vLLM serves (its Omni thinker skips ``talker.`` / ``token2wav.`` tensors).
+SUB_MODELS: dict[str, str] = {"qwen2_5_omni": "thinker_config", "qwen3_omni_moe": "thinker_config"}
+
+
+def quantized_part(config: Any) -> tuple[Any, str | None]:
+    """``(config of the part msquant quantizes, its attribute name in config)``: the thinker's
+    config of an Omni checkpoint (:data:`SUB_MODELS`), else ``(config, None)``."""
+    key = SUB_MODELS.get(getattr(config, "model_type", ""))
+    part = getattr(config, key, None) if key else None
+    if part is None:
+        return config, None
+    return part, key
+
+
+def other_parts(config_json: Mapping[str, Any]) -> list[str]:
+    """The checkpoint-name prefixes of the parts of an Omni-like checkpoint msquant neither
+    quantizes nor exports (``talker``, ``token2wav`` / ``code2wav``), from its ``config.json``
+    mapping; empty for any other model."""
+    part = SUB_MODELS.get(str(config_json.get("model_type")))
+    if part is None:
+        return []
+    return sorted(
+        key.removesuffix("_config")
+        for key, value in config_json.items()
+        if key.endswith("_config") and key != part and isinstance(value, dict)
+    )
+
+
+def part_prefix(config_json: Mapping[str, Any]) -> str:
+    """The checkpoint-name prefix of the part msquant quantizes (``thinker.`` for an Omni
+    model, from its ``config.json`` mapping); empty for any other model."""
+    part = SUB_MODELS.get(str(config_json.get("model_type")))
+    return f"{part.removesuffix('_config')}." if part else ""
 
 
 def is_vision_language(config: Any) -> bool:
