@@ -396,14 +396,14 @@ OMNI_CLASSES = {
 }
 
 
-def build_tiny_vlm(directory: Path, arch: str, seed: int = 0) -> Path:
-    """Write a random-weight vision-language model of ``arch`` (:data:`VLM_ARCHS`) with a trained
-    tokenizer into ``directory``."""
+def build_tiny_vlm(directory: Path, arch: str, seed: int = 0, **overrides: Any) -> Path:
+    """Write a random-weight vision-language model of ``arch`` (:data:`VLM_ARCHS`, updated with
+    ``overrides``) with a trained tokenizer into ``directory``."""
     from transformers import AutoModelForImageTextToText
 
     directory.mkdir(parents=True, exist_ok=True)
     build_tokenizer(directory)
-    config = AutoConfig.for_model(arch, **VLM_ARCHS[arch])
+    config = AutoConfig.for_model(arch, **{**VLM_ARCHS[arch], **overrides})
     torch.manual_seed(seed)
     if arch in OMNI_CLASSES:  # no auto class builds the whole checkpoint (thinker and talker)
         import transformers

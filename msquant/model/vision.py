@@ -17,6 +17,7 @@ rotation, whose projector output would have to be rotated as well.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
@@ -25,6 +26,7 @@ __all__ = [
     "is_vision_language",
     "other_parts",
     "part_prefix",
+    "stream_feeders",
     "quantized_part",
     "text_decoder_name",
     "vision_parts",
@@ -63,6 +65,45 @@ def other_parts(config_json: Mapping[str, Any]) -> list[str]:
         for key, value in config_json.items()
         if key.endswith("_config") and key != part and isinstance(value, dict)
     )
+
+
+#: Per ``model_type``: the linears (``fnmatch`` patterns of transformers' names) whose output
+#: joins the text decoder's residual stream, and nothing else of the vision side does: the
+#: projector's last linear (its output replaces the image tokens' embeddings) and Qwen3-VL's
+#: deepstack mergers (added to the hidden states after the first layers). A rotation of the
+#: stream rotates them on their output. msModelSlim 26.1.0's quarot does the same
+#: (``model/qwen3_vl/model_adapter.py`` and ``qwen3_vl_moe``: ``merger.linear_fc2`` and
+#: ``deepstack_merger_list.*.linear_fc2``; ``internvl3_5``: ``mlp1.3``, transformers'
+#: ``multi_modal_projector.linear_2``). Only families whose rotated model was shown to compute
+#: the original logits on text and image inputs are listed (tests/processors/test_quarot_vlm.py).
+STREAM_FEEDERS: dict[str, tuple[str, ...]] = {
+    "qwen3_vl": (
+        "model.visual.merger.linear_fc2",
+        "model.visual.deepstack_merger_list.*.linear_fc2",
+    ),
+    "qwen3_vl_moe": (
+        "model.visual.merger.linear_fc2",
+        "model.visual.deepstack_merger_list.*.linear_fc2",
+    ),
+    "qwen3_5": ("model.visual.merger.linear_fc2",),
+    "qwen3_5_moe": ("model.visual.merger.linear_fc2",),
+    "internvl": ("model.multi_modal_projector.linear_2",),
+}
+
+
+def stream_feeders(model: nn.Module) -> list[str] | None:
+    """Full names of the linears of a vision-language model whose output joins its text
+    decoder's residual stream (:data:`STREAM_FEEDERS`), in model order; None for a model whose
+    family is not listed there."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    patterns = STREAM_FEEDERS.get(str(model_type))
+    if patterns is None:
+        return None
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and any(fnmatchcase(name, p) for p in patterns)
+    ]
 
 
 def part_prefix(config_json: Mapping[str, Any]) -> str:
