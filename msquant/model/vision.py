@@ -10,8 +10,11 @@ their weights are exported unchanged (as float). msModelSlim walks the vision to
 projector too, each as one unit, and quantizes the linear layers its scopes reach there, with
 image calibration data. msquant quantizes the linears a config selects there only when their
 scheme needs no calibration data (:mod:`msquant.run.vision_stage`); a config selecting them with
-one that does is refused (:mod:`msquant.planning.vision_scopes`), as is a residual-stream
-rotation, whose projector output would have to be rotated as well.
+one that does is refused (:mod:`msquant.planning.vision_scopes`). A rotation of the residual
+stream also rotates the projector linears whose output joins it (:data:`STREAM_FEEDERS`), for
+the families where that is known; it is refused for the others. An Omni checkpoint (thinker,
+talker, speech decoder) is loaded as its thinker, the part msModelSlim quantizes
+(:data:`SUB_MODELS`).
 """
 
 from __future__ import annotations
