@@ -174,3 +174,16 @@ def test_glm4v_moe_practice_needs_image_calibration(tmp_path: Path) -> None:
     assert all(v == "FLOAT" for k, v in description.items() if k.startswith("model.visual."))
     report = msquant.verify_export(save, model_path=model)
     assert report.ok, report.errors
+
+
+def test_static_scheme_on_the_audio_tower_is_refused(omni25: Path, tmp_path: Path) -> None:
+    """The audio tower (2 layers x 6 linears and its output ``proj``) is handled like the vision
+    tower: msModelSlim calibrates it with audio, msquant calibrates on text only, so a static
+    scheme there is refused, naming its layers."""
+    process = [{"type": "linear_quant", "qconfig": W8A8_STATIC, "include": ["*audio_tower*"]}]
+    with pytest.raises(msquant.QuantizationError) as err:
+        msquant.quantize(omni25, tmp_path / "x", vlm_config(process), calib_path=CORPUS)
+    message = str(err.value)
+    assert "spec.process[0] selects 13 linear layer(s) outside the text decoder" in message
+    assert "model.audio_tower.layers.0.self_attn.q_proj" in message
+    assert not (tmp_path / "x").exists()
