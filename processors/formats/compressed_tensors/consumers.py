@@ -4,6 +4,7 @@ and how transformers loads it, as messages (pure; the saver logs them)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from importlib.metadata import PackageNotFoundError, version
 
 from msquant.processors.formats.compressed_tensors.config import WeightScheme
 
@@ -38,6 +39,14 @@ VLLM_ASYM_ZERO_POINT = (
     "0 (observed on 1 of 8 layers of a tiny Llama: that layer's output then differs by about "
     "one activation step); symmetric static or per-token activations avoid it: {names}"
 )
+TRANSFORMERS_W8A8_EXPERTS = (
+    "int8 W8A8 MoE experts: transformers {version} (5.24 and 5.25 checked) fuses each MoE block's "
+    "experts into one experts.gate_up_proj / experts.down_proj when it loads a checkpoint, and "
+    "its compressed-tensors conversion finds none of these experts' tensors to fuse "
+    "(RuntimeError: issues during automatic conversion of the weights), so "
+    "AutoModelForCausalLM.from_pretrained cannot load this export; vLLM can (SGLang cannot on a "
+    "GPU); for transformers keep the experts float (exclude ['*mlp.experts.*']): {names}"
+)
 TRANSFORMERS_DYNAMIC = (
     "per-token activations: transformers (compressed-tensors) simulates them with its own step "
     "max|x| / 127.5, vLLM's kernels and msquant eval with max|x| / 127, so its logits differ "
@@ -46,15 +55,31 @@ TRANSFORMERS_DYNAMIC = (
 
 
 def activation_warnings(schemes: Mapping[str, WeightScheme]) -> list[str]:
-    """What vLLM 0.33 loads differently among the int8 W8A8 modules (static activations on MoE
-    experts are refused by ``linear_quant`` itself; vLLM's int8 MoE method is per-token only).
+    """What vLLM 0.33 / 0.34 loads differently among the int8 W8A8 modules (static activations on
+    MoE experts are refused by ``linear_quant`` itself; vLLM's int8 MoE method is per-token only),
+    and what transformers cannot load (int8 W8A8 MoE experts).
     What SGLang does with them is warned about at plan time
     (:mod:`msquant.processors.sglang_limits`: static scales unused, MoE experts refused on GPUs)."""
     warnings = []
     asym = [n for n, s in schemes.items() if s.input_strategy == "tensor" and not s.input_symmetric]
     if asym:
         warnings.append(VLLM_ASYM_ZERO_POINT.format(names=_listing(asym)))
+    experts = [n for n, s in schemes.items() if s.input_strategy is not None and ".experts." in n]
+    if experts:
+        warnings.append(
+            TRANSFORMERS_W8A8_EXPERTS.format(
+                version=_transformers_version(), names=_listing(experts)
+            )
+        )
     return warnings
+
+
+def _transformers_version() -> str:
+    """The installed transformers' version (the loader the warning is about)."""
+    try:
+        return version("transformers")
+    except PackageNotFoundError:  # not installed here: the message still holds for 5.24 / 5.25
+        return "5.x"
 
 
 def transformers_loading_note(schemes: Iterable[WeightScheme]) -> str:
