@@ -85,6 +85,10 @@ VLM_FAMILIES: dict[str, tuple[str, str]] = {
     "internvl3_5": ("InternVL (transformers' class, Qwen3 text)", "internvl"),
     "internvl3_5_moe": ("InternVL (transformers' class, Qwen3 text)", "internvl"),
     "kimi_k2_5": ("Kimi-K2.5", "kimi_k25"),
+    "glm4_6v": ("GLM-4.xV-MoE", "glm4v_moe"),
+    # the whole Omni checkpoint (thinker, talker, speech decoder); msquant quantizes the thinker
+    "qwen2_5_omni_thinker": ("Qwen2.5-Omni", "qwen2_5_omni"),
+    "qwen3_omni_moe": ("Qwen3-Omni-MoE", "qwen3_omni_moe"),
 }
 #: The dense files of the ``qwen3_5_moe`` folder (Qwen3.5 / 3.6 dense models).
 VLM_FILES: dict[str, tuple[str, str]] = {

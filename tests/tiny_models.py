@@ -216,6 +216,20 @@ _DELTANET = dict(
     linear_value_head_dim=16,
 )
 _MOE = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+#: image / video token ids inside the tiny vocabulary (the real ones are beyond it)
+_SPECIAL_IDS = dict(
+    image_token_id=VOCAB_SIZE - 9, video_token_id=VOCAB_SIZE - 8, image_start_token_id=VOCAB_SIZE - 7,
+    image_end_token_id=VOCAB_SIZE - 6, video_start_token_id=VOCAB_SIZE - 5,
+    video_end_token_id=VOCAB_SIZE - 4,
+)  # fmt: skip
+_OMNI_IDS = dict(
+    audio_token_index=VOCAB_SIZE - 10, image_token_index=VOCAB_SIZE - 9,
+    video_token_index=VOCAB_SIZE - 8, audio_start_token_id=VOCAB_SIZE - 7,
+)  # fmt: skip
+_OMNI_AUDIO = dict(
+    num_mel_bins=16, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32,
+    output_dim=64, max_source_positions=64, n_window=4,
+)  # fmt: skip
 VLM_ARCHS: dict[str, dict[str, Any]] = {
     "qwen3_vl": dict(
         text_config=dict(_TEXT, rope_parameters=_MROPE),
@@ -255,19 +269,170 @@ VLM_ARCHS: dict[str, dict[str, Any]] = {
         ),
         projection_hidden_size=64,
     ),
+    # GLM-4.5V / 4.6V: GLM-4-MoE's text model (partial rotary, layer 0 dense) beside a GLM vision
+    # tower whose merger ends in a gated MLP (``merger.gate_proj`` / ``up_proj`` / ``down_proj``)
+    "glm4v_moe": dict(
+        text_config=dict(
+            _TEXT,
+            **{k: v for k, v in MOE_ARCHS["glm4_moe"].items() if k != "model_type"},
+            # half of head_dim 16 rotates: the sections span its 4 frequencies
+            rope_parameters=dict(_MROPE, partial_rotary_factor=0.5, mrope_section=[1, 1, 2]),
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            image_size=28,
+            patch_size=14,
+        ),
+        **_SPECIAL_IDS,
+    ),
+    # Qwen2.5-Omni and Qwen3-Omni: the whole checkpoint (``thinker.*`` beside ``talker.*`` and the
+    # speech decoder ``token2wav.*`` / ``code2wav.*``), built by :data:`OMNI_CLASSES`
+    "qwen2_5_omni": dict(
+        thinker_config=dict(
+            audio_config=_OMNI_AUDIO,
+            vision_config=dict(_QWEN_VISION, fullatt_block_indexes=[1], window_size=28),
+            text_config=dict(_TEXT, rope_parameters=_MROPE),
+            **_OMNI_IDS,
+        ),
+        talker_config=dict(
+            vocab_size=64,
+            embedding_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            rope_parameters=_MROPE,
+            tts_text_start_token_id=1,
+            tts_text_end_token_id=2,
+            tts_text_pad_token_id=3,
+            tts_codec_start_token_id=4,
+            tts_codec_end_token_id=5,
+            tts_codec_pad_token_id=6,
+            tts_codec_mask_token_id=7,
+            vision_start_token_id=8,
+            vision_end_token_id=9,
+            **_OMNI_IDS,
+        ),
+        token2wav_config=dict(
+            dit_config=dict(
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                ff_mult=2,
+                emb_dim=16,
+                head_dim=16,
+                num_embeds=64,
+                mel_dim=8,
+                enc_emb_dim=8,
+                enc_dim=16,
+                enc_channels=[16, 16, 16, 16, 32],
+                enc_attention_channels=8,
+                enc_se_channels=8,
+                look_ahead_layers=[1],
+                look_backward_layers=[0],
+            ),
+            bigvgan_config=dict(
+                mel_dim=8,
+                upsample_initial_channel=16,
+                upsample_rates=[2, 2],
+                upsample_kernel_sizes=[4, 4],
+                resblock_kernel_sizes=[3],
+                resblock_dilation_sizes=[[1, 3, 5]],
+            ),
+        ),
+    ),
+    "qwen3_omni_moe": dict(
+        thinker_config=dict(
+            audio_config=dict(_OMNI_AUDIO, downsample_hidden_size=8, n_window_infer=8),
+            vision_config=dict(
+                _QWEN_VISION,
+                patch_size=14,
+                num_position_embeddings=16,
+                deepstack_visual_indexes=[0],
+            ),
+            text_config=dict(_TEXT, rope_parameters=_MROPE, **_MOE),
+            **{k.replace("index", "id"): v for k, v in _OMNI_IDS.items()},
+        ),
+        talker_config=dict(
+            text_config=dict(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=16,
+                moe_intermediate_size=16,
+                num_local_experts=2,
+                num_experts_per_tok=1,
+                shared_expert_intermediate_size=16,
+            ),
+            code_predictor_config=dict(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=16,
+                num_code_groups=2,
+            ),
+            num_code_groups=2,
+            thinker_hidden_size=64,
+            codec_eos_token_id=10,
+            codec_nothink_id=11,
+            codec_think_bos_id=12,
+            codec_think_eos_id=13,
+            codec_pad_id=14,
+            codec_bos_id=15,
+            accept_hidden_layer=1,
+            spatial_merge_size=2,
+        ),
+        code2wav_config=dict(
+            codebook_size=64,
+            hidden_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_quantizers=2,
+            upsample_rates=[2, 2],
+            upsampling_ratios=[2],
+            decoder_dim=16,
+            sliding_window=8,
+        ),
+    ),
 }
 
 
-def build_tiny_vlm(directory: Path, arch: str, seed: int = 0) -> Path:
-    """Write a random-weight vision-language model of ``arch`` (:data:`VLM_ARCHS`) with a trained
-    tokenizer into ``directory``."""
+#: The Omni models' whole-checkpoint classes (:func:`build_tiny_vlm`).
+OMNI_CLASSES = {
+    "qwen2_5_omni": "Qwen2_5OmniForConditionalGeneration",
+    "qwen3_omni_moe": "Qwen3OmniMoeForConditionalGeneration",
+}
+
+
+def build_tiny_vlm(directory: Path, arch: str, seed: int = 0, **overrides: Any) -> Path:
+    """Write a random-weight vision-language model of ``arch`` (:data:`VLM_ARCHS`, updated with
+    ``overrides``) with a trained tokenizer into ``directory``."""
     from transformers import AutoModelForImageTextToText
 
     directory.mkdir(parents=True, exist_ok=True)
     build_tokenizer(directory)
-    config = AutoConfig.for_model(arch, **VLM_ARCHS[arch])
+    config = AutoConfig.for_model(arch, **{**VLM_ARCHS[arch], **overrides})
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config).eval()
+    if arch in OMNI_CLASSES:  # no auto class builds the whole checkpoint (thinker and talker)
+        import transformers
+
+        model = getattr(transformers, OMNI_CLASSES[arch])(config).eval()
+    else:
+        model = AutoModelForImageTextToText.from_config(config).eval()
     model.save_pretrained(str(directory))
     return directory
 
