@@ -71,8 +71,13 @@ FILE_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         dict(FAMILIES["deepseek_v3_2"][1], num_layers=4),
     ),
     **{
-        f"glm_5/{name}": ("GLM-4-MoE (for GLM-5), 4 layers", dict(arch="glm4_moe", num_layers=4))
-        for name in ("glm_5_w4a8.yaml", "glm_5_1_w4a8.yaml", "glm_5_1_w4a8c8.yaml")
+        f"glm_5/{name}": ("GLM-5 (glm_moe_dsa), 6 layers", dict(arch="glm_moe_dsa", num_layers=6))
+        for name in (
+            "glm_5_w4a8.yaml",
+            "glm_5_1_w4a8.yaml",
+            "glm_5_1_w4a8c8.yaml",
+            "glm_5_1_w8a8c8.yaml",
+        )
     },
 }
 
