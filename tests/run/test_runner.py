@@ -16,7 +16,7 @@ from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
 from msquant.model.layers import find_decoder_layers
 from msquant.plugin import DecoderLayer, Processor, ProcessorConfig, RunContext, get_backend
-from msquant.run.capture import batch_samples
+from msquant.run.capture import batch_samples, capture_layer_inputs
 from msquant.run.runner import run_layer_wise
 
 CALIB = Path(__file__).parents[1] / "data" / "calib.txt"
@@ -471,3 +471,60 @@ def test_glm5_w8a8_dynamic_exports_and_verifies(
     report = msquant.verify_export(out, model_path=model_dir)
     assert report.ok, report.to_dict()
     assert report.forward is not None and report.forward.ok, report.forward
+
+
+class _StateLayer(nn.Module):
+    """A toy decoder layer returning ``(hidden, state)``, adding the state it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(
+        self, hidden: torch.Tensor, state: torch.Tensor | None = None, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.proj(hidden) + (0 if state is None else state)
+        return out, out.mean(-1, keepdim=True)
+
+
+class _StateBody(nn.Module):
+    """A toy model body: ``hand_on`` passes each layer's state to the next layer's call;
+    ``sum`` adds the states up itself; ``drop`` ignores them."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.embed = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList([_StateLayer() for _ in range(3)])
+
+    def forward(self, input_ids: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        hidden, state, total = self.embed(input_ids), None, 0
+        for layer in self.layers:
+            hidden, returned = layer(hidden, state=state if self.how == "hand_on" else None)
+            state = returned
+            if self.how == "sum":
+                total = total + returned
+        return hidden
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [("sum", "into its own work"), ("drop", "to no later layer")],
+)
+def test_state_a_body_does_not_hand_to_a_layer_is_refused(how: str, message: str) -> None:
+    """A layer's extra output the body uses itself, or drops, is refused at capture, naming the
+    layer's class; one it hands to the next layer's call is carried (the output matches the
+    whole body's)."""
+    ids = [torch.randint(0, 16, (1, 5), generator=torch.Generator().manual_seed(0))]
+    body = _StateBody(how)
+    with pytest.raises(msquant.ModelLoadError, match=f"_StateLayer returns more .* {message}"):
+        capture_layer_inputs(body, find_decoder_layers(body), ids)
+    body = _StateBody("hand_on")
+    layers = find_decoder_layers(body)
+    activations = capture_layer_inputs(body, layers, ids)
+    assert activations.hands_state_on
+    assert [c.handed for c in activations.calls[0]] == [{}, {"state": (0, 1)}, {"state": (1, 1)}]
+    for layer in layers:
+        activations.advance(layer, get_backend("cpu"))
+    with torch.no_grad():
+        torch.testing.assert_close(activations.hidden[0], body(ids[0]), rtol=0, atol=0)
