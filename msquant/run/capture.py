@@ -6,6 +6,14 @@ costs the embeddings and the per-layer inputs the model computes itself (attenti
 differ between full and sliding-window layers, rotary embeddings, positions), never a layer's work.
 The hidden states entering layer 0 are then pushed through the real layers one at a time.
 
+A layer may return more than its hidden states for the model body to hand to a later layer (GLM-5's
+decoder layers return the DSA indexer's top-k token indices, which the body passes to the next
+layer as ``prev_topk_indices``). Where the first layer returns something beside its hidden states,
+the recorders return a :class:`HandedOn` marker there; the argument of a later call the body puts
+it into is recorded (:attr:`LayerCall.handed`), and the layer-wise run puts in what that layer
+returned in the same forward whose hidden states it commits to the next layer. What the body does
+otherwise with such an output (computes with it, drops it, nests it) is refused.
+
 Samples of equal length are stacked into batches of up to ``max_batch_tokens`` tokens (no padding,
 so no token is added and every Hessian sees exactly the calibration tokens): one ``[8, 512]``
 forward costs a quarter of eight ``[1, 512]`` forwards on a CPU, since small matrix products and
