@@ -54,10 +54,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 FAMILIES["glm_5"] = ("GLM-4-MoE (for GLM-5)", FAMILIES["glm4_moe"][1])
 #: Files needing a model other than their family's: the DeepSeek-V3 ``w4a8c8`` files rotate with
 #: quarot block_size 32 (v_head_dim 32, as V4's) and exclude layers 0-2 from fa3_quant (4 layers:
-#: layer 3's MLA gets FA3 scales). The W4A8 files of DeepSeek-V3.2 and GLM-5 / 5.1 smooth the
-#: routed experts of layers 3 on with ``flex_awq_ssz`` (4 layers, the first dense; GLM-5.1's
-#: ``w4a8c8`` leaves layers 0-4 out of fa3_quant, so its FA3 entry has nothing to do there: the
-#: GLM-4-MoE stand-in's attention is not GLM-5's, which fa3_quant reads).
+#: layer 3's MLA gets FA3 scales). The W4A8 file of DeepSeek-V3.2 smooths the routed experts of
+#: layers 3 on with ``flex_awq_ssz`` (4 layers, the first dense). The four GLM-5 / 5.1 files that
+#: need more than the GLM-4-MoE stand-in run on a 6-layer tiny GLM-5 (``glm_moe_dsa``, layers
+#: 0-2 dense, its DSA indexer read by fa3_quant): ``flex_awq_ssz`` smooths layers 3-5's experts,
+#: and fa3_quant (layers 0-4 excluded) quantizes layer 5's indexer.
 FILE_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     **{
         f"deepseek_v3/{name}": (
@@ -71,8 +72,13 @@ FILE_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         dict(FAMILIES["deepseek_v3_2"][1], num_layers=4),
     ),
     **{
-        f"glm_5/{name}": ("GLM-4-MoE (for GLM-5), 4 layers", dict(arch="glm4_moe", num_layers=4))
-        for name in ("glm_5_w4a8.yaml", "glm_5_1_w4a8.yaml", "glm_5_1_w4a8c8.yaml")
+        f"glm_5/{name}": ("GLM-5 (glm_moe_dsa), 6 layers", dict(arch="glm_moe_dsa", num_layers=6))
+        for name in (
+            "glm_5_w4a8.yaml",
+            "glm_5_1_w4a8.yaml",
+            "glm_5_1_w4a8c8.yaml",
+            "glm_5_1_w8a8c8.yaml",
+        )
     },
 }
 

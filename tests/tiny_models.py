@@ -161,7 +161,8 @@ MOE_ARCHS: dict[str, dict[str, Any]] = {
     ),
     # GLM-5 (transformers' ``glm_moe_dsa``): MLA with a query LoRA, the DSA indexer
     # (``self_attn.indexer``: wq_b, wk, k_norm, weights_proj), the first 3 layers dense, as GLM-5;
-    # its attention takes as many key/value heads as query heads
+    # its attention takes as many key/value heads as query heads; every second layer from the
+    # third on is a ``shared`` indexer layer, reusing the top-k indices the layer before hands on
     "glm_moe_dsa": dict(
         model_type="glm_moe_dsa",
         num_key_value_heads=4,
@@ -181,6 +182,7 @@ MOE_ARCHS: dict[str, dict[str, Any]] = {
         index_head_dim=16,
         index_n_heads=2,
         index_topk=8,
+        index_topk_freq=2,
     ),
     # like Mixtral, MiniMax-M2's experts are ``intermediate_size`` wide: pass ``intermediate_size=32``
     "minimax_m2": dict(
