@@ -501,3 +501,31 @@ def vl_moe_expert_weights(directory: Path) -> dict[str, torch.Tensor]:
             weights[f"{module}.{e}.up_proj"] = up.t()
             weights[f"{module}.{e}.down_proj"] = down[e].t()
     return weights
+
+
+def fuse_experts_on_disk(directory: Path) -> None:
+    """Rewrite the per-expert tensors of ``directory``'s ``model.safetensors``
+    (``mlp.experts.<e>.gate_proj.weight`` ...) as one fused pair per layer in transformers 5's
+    layout (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``), which
+    transformers loads as it is (a checkpoint written from the fused parameters)."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    file = directory / "model.safetensors"
+    tensors = load_file(str(file))
+    groups: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for name in list(tensors):
+        found = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
+        if found:
+            key = (int(found.group(2)), found.group(3))
+            groups.setdefault(found.group(1), {})[key] = tensors.pop(name)
+    for module, weights in groups.items():
+        count = 1 + max(e for e, _ in weights)
+        tensors[f"{module}.gate_up_proj"] = torch.stack(
+            [torch.cat([weights[(e, "gate_proj")], weights[(e, "up_proj")]]) for e in range(count)]
+        )
+        tensors[f"{module}.down_proj"] = torch.stack(
+            [weights[(e, "down_proj")] for e in range(count)]
+        )
+    save_file(tensors, str(file), metadata={"format": "pt"})

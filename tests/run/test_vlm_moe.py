@@ -19,7 +19,14 @@ import pytest
 import torch
 from conftest import NEEDS_MOE_TRANSFORMERS
 from safetensors.torch import load_file
-from tiny_models import CORPUS, VL_MOE_EXPERTS, build_tiny_vl_moe, vl_moe_expert_weights
+from tiny_models import (
+    CORPUS,
+    VL_MOE_EXPERTS,
+    build_tiny_vl_moe,
+    build_tiny_vlm,
+    fuse_experts_on_disk,
+    vl_moe_expert_weights,
+)
 
 import msquant
 
@@ -116,3 +123,31 @@ def test_streamed_and_whole_model_runs_write_the_same_export(tmp_path: Path) -> 
     assert streamed.keys() == whole.keys()
     for name in streamed:
         assert torch.equal(streamed[name], whole[name]), name
+
+
+def test_fused_on_disk_experts_of_a_per_expert_family(tmp_path: Path) -> None:
+    """Qwen3.5-MoE, whose checkpoints transformers saves one tensor per expert, from a
+    checkpoint holding its experts fused (transformers loads both): the streamed run cuts the
+    experts out of the fused tensors, exports them per expert, and verify compares them with
+    their slices of the original."""
+    checkpoint = build_tiny_vlm(tmp_path / "model", "qwen3_5_moe")
+    per_expert = exported(checkpoint)
+    fuse_experts_on_disk(checkpoint)
+    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in exported(checkpoint)
+    save = tmp_path / "export"
+    config = text_only(SCHEMES["W8A8_DYNAMIC"], "layer_wise")
+    config["spec"]["process"][0]["include"].append("*linear_attn*")
+    config["spec"]["process"][0]["exclude"].append("*shared_expert_gate")
+    msquant.quantize(
+        checkpoint, save, config, calib_path=CORPUS, max_calib_tokens=16, progress=False
+    )
+    out = exported(save)
+    experts = [n for n in per_expert if ".mlp.experts." in n]
+    assert len(experts) == 2 * 3 * 4
+    for name in experts:  # the per-expert names, int8 codes of the original expert weight
+        step = per_expert[name].double().abs().amax(dim=1, keepdim=True) / 127
+        codes = out[name].double()
+        assert ((codes * step - per_expert[name].double()).abs() <= step * (0.5 + 1e-6)).all()
+    report = msquant.verify_export(save, model_path=checkpoint)
+    assert report.ok, report.errors
+    assert report.forward is not None
