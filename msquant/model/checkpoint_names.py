@@ -238,8 +238,8 @@ def _expert_disk_names(
         if located is None or role is None or not disk.endswith(".weight"):
             raise ModelLoadError(
                 f"{name} ({experts.source_class}): transformers saves it as {disk} with shape "
-                f"{tuple(tensor.shape)}, neither one tensor per expert projection nor one fused "
-                "parameter in the model's layout; msquant cannot name its per-expert layers on disk"
+                f"{tuple(tensor.shape)}, neither one tensor per expert projection nor one whole "
+                "fused parameter; msquant cannot name its per-expert layers on disk"
             )
         rows_expected = experts.hidden_dim if role == "down_proj" else inter
         if tensor.shape[0] != rows_expected:
