@@ -16,6 +16,7 @@ import torch
 
 from msquant.errors import ModelLoadError
 from msquant.quant.quantized_weight import QuantizedWeight
+from msquant.verify.fused_experts import split_fused_experts
 from msquant.verify.layer import DecodedLayer
 from msquant.verify.report import Findings, LayerReport
 from msquant.verify.tensors import TensorStore, open_weights
@@ -142,7 +143,8 @@ def compare_float_tensor(
 
 
 def open_original(model_path: str | Path) -> TensorStore:
-    """The original model's weights (``model.safetensors`` or shards + index).
+    """The original model's weights (``model.safetensors`` or shards + index), experts it
+    stores fused listed one tensor per expert projection (:func:`split_fused_experts`).
 
     :raises ModelLoadError: when the folder or its weights cannot be read.
     """
@@ -157,7 +159,7 @@ def open_original(model_path: str | Path) -> TensorStore:
         raise ModelLoadError(
             f"cannot read the original weights in {directory}: " + "; ".join(findings.errors)
         )
-    return store
+    return split_fused_experts(store)  # experts stored fused: compared expert by expert
 
 
 def missing_modules(
