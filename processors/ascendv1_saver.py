@@ -189,7 +189,17 @@ class AscendV1Saver(Saver):
     default_saver = True
     #: W8A8 and W8A8_DYNAMIC (msModelSlim's layout).
     writes_activations = True
-    activation_schemes = ("W8A8", "W8A8_MIX", "W8A8_DYNAMIC", "W4A8_DYNAMIC")
+    activation_schemes = (
+        "W8A8",
+        "W8A8_MIX",
+        "W8A8_DYNAMIC",
+        "W4A8_DYNAMIC",
+        "W8A8_MXFP8",
+        "W4A4_MXFP4",
+        "W4A8_MXFP",
+    )
+    #: Integer codes and the MX value types (:mod:`msquant.processors.formats.ascend.mx`).
+    value_families = ("int", "mx")
     #: The int8 KV cache's scales and offsets (``dynamic_cache``).
     tensor_kinds = (KV_CACHE_TYPE, W16A16S)
 
@@ -217,7 +227,10 @@ class AscendV1Saver(Saver):
             ),
             (VLLM_ASCEND_W4A16, [row for row in linears if row.bits == 4 and row.act is None]),
             (VLLM_ASCEND_W4A8, [row for row in linears if row.act == "W4A8_DYNAMIC"]),
-            (VLLM_ASCEND_PER_GROUP, [row for row in linears if row.bits == 8 and _grouped(row)]),
+            (
+                VLLM_ASCEND_PER_GROUP,
+                [row for row in linears if row.bits == 8 and row.act is None and _grouped(row)],
+            ),
             (VLLM_ASCEND_ASYM, [row for row in rows if row.sym is False]),
         ]
         if model_float_dtype(model) == torch.float32:

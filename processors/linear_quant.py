@@ -92,6 +92,7 @@ from msquant.plugin import (
     OutputHeadStage,
     Processor,
     ProcessorConfig,
+    QScope,
     QuantizationError,
     QuantizedLinear,
     QuantizedWeight,
@@ -456,6 +457,9 @@ class LinearQuantProcessor(Processor):
             return self._act_calibration.take(name)
         if self.act_scheme in ("W8A8_DYNAMIC", "W4A8_DYNAMIC"):
             return ActivationQuant("per_token")
+        act = self.config.qconfig.act
+        if act.scope is QScope.PER_BLOCK:  # MX: dynamic, of the act dtype's value type
+            return ActivationQuant("per_block", value_type=act.dtype.value_type.name)
         return None
 
     def _module_report(self, name: str, scheme: ResolvedScheme) -> ModuleReport:
@@ -466,4 +470,5 @@ class LinearQuantProcessor(Processor):
             bits=scheme.bits,
             group_size=scheme.group_size,
             symmetric=scheme.sym,
+            value_type=scheme.values.name,
         )

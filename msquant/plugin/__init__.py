@@ -217,6 +217,10 @@ from msquant.quant.int_quant import (
 from msquant.quant.int_quant import (
     quantize as quantize_codes,
 )
+from msquant.quant.minifloat import (
+    pack_nibbles,
+    unpack_nibbles,
+)
 from msquant.quant.minmax import (
     check_weight,
     divisors,
@@ -226,6 +230,9 @@ from msquant.quant.mse_clip import (
     MSEOptions,
     mse_minmax_qparams,
     mse_qparams,
+)
+from msquant.quant.mx_quant import (
+    E8M0_BIAS,
 )
 from msquant.quant.output_error import (
     relative_output_errors,
@@ -279,6 +286,10 @@ from msquant.quant.smoothing import (
     ov_scales_mean,
     search_alpha_beta,
     update_channel_max,
+)
+from msquant.quant.value_types import (
+    ValueType,
+    value_type_named,
 )
 from msquant.quant.w8a8_params import (
     decode_deq_scale,
@@ -386,6 +397,11 @@ __all__ = [
     "parse_device",
     # numerics and quantized representation
     "QuantizedWeight",
+    "ValueType",
+    "value_type_named",
+    "pack_nibbles",
+    "unpack_nibbles",
+    "E8M0_BIAS",
     "QuantizedLinear",
     "OnlineMinMax",
     "decode_deq_scale",

@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from msquant.quant.value_types import VALUE_TYPES, ValueType
+
 __all__ = ["QDType", "QScope", "WeightQConfig", "ActQConfig", "LinearQConfig"]
 
 
@@ -26,12 +28,20 @@ class QDType(str, Enum):
     FP8_E4M3 = "fp8_e4m3"
 
     @property
+    def value_type(self) -> ValueType:
+        """The value type of a quantized dtype (:mod:`msquant.quant.value_types`).
+
+        :raises ValueError: for ``float`` and dtypes without a value type yet (``fp8_e4m3``).
+        """
+        if self.value not in VALUE_TYPES:
+            raise ValueError(f"{self.value} has no quantized value type in msquant")
+        return VALUE_TYPES[self.value]
+
+    @property
     def bits(self) -> int:
-        """Bit width of an integer type; raises for non-integer types."""
-        widths = {QDType.INT8: 8, QDType.INT4: 4}
-        if self not in widths:
-            raise ValueError(f"{self.value} is not an integer type")
-        return widths[self]
+        """Code width of a quantized type (8 for int8 and mxfp8, 4 for int4 and mxfp4); raises
+        for types without a value type."""
+        return self.value_type.bits
 
 
 class QScope(str, Enum):

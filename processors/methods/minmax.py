@@ -1,14 +1,22 @@
 """``method: minmax``: round-to-nearest with min/max scales (msModelSlim's numerics), optionally
-with the MSE scale search and GPTQModel's symmetric grid."""
+with the MSE scale search and GPTQModel's symmetric grid; for the MX value types (``mxfp8`` /
+``mxfp4``, ``scope: per_block``) the value type's own block quantization
+(:meth:`msquant.plugin.ValueType.quantize`), as msModelSlim's ``minmax`` does for them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Literal
+
 import torch
+from pydantic import Field
 
 from msquant.plugin import (
     DYNAMIC_KEYS,
     GPTQ_ONLY_KEYS,
     BaseScheme,
+    ConfigIssue,
+    DynamicRule,
     MethodOptions,
     QDType,
     QScope,
@@ -28,6 +36,9 @@ from msquant.processors.methods.options import (
     round_to_nearest,
 )
 
+#: The block value types ``minmax`` quantizes with ``scope: per_block``.
+MX_DTYPES = (QDType.MXFP8, QDType.MXFP4)
+
 __all__ = ["MinMaxExt", "MinMaxMethod"]
 
 
@@ -41,6 +52,11 @@ class MinMaxExt(MethodOptions):
     mse_norm: MseNorm = 2.4
     full_range: FullRange = False
     expert_min_tokens: ExpertMinTokens = EXPERT_MIN_TOKENS
+    axes: Literal[-1] = Field(
+        -1,
+        description="MX (per_block) only: the dimension blocks of 32 run along; -1, the input "
+        "features (msModelSlim's default, the only one its linear layers use).",
+    )
 
 
 class MinMaxMethod(QuantMethod):
@@ -48,14 +64,35 @@ class MinMaxMethod(QuantMethod):
 
     name = "minmax"
     options_class = MinMaxExt
-    dtypes = frozenset({QDType.INT8, QDType.INT4})
-    scopes = frozenset({QScope.PER_CHANNEL, QScope.PER_GROUP})
+    dtypes = frozenset({QDType.INT8, QDType.INT4, *MX_DTYPES})
+    scopes = frozenset({QScope.PER_CHANNEL, QScope.PER_GROUP, QScope.PER_BLOCK})
     summary = "round-to-nearest with min/max scales"
     rule_keys = tuple(key for key in DYNAMIC_KEYS if key not in GPTQ_ONLY_KEYS)
     options: MinMaxExt
 
+    def config_issues(self, rules: Sequence[DynamicRule]) -> list[ConfigIssue]:
+        """``per_block`` goes with the MX dtypes and they with it (their block is fixed)."""
+        weight = self.weight
+        if (weight.scope is QScope.PER_BLOCK) == (weight.dtype in MX_DTYPES):
+            return []
+        return [
+            ConfigIssue(
+                "qconfig.weight",
+                f"(dtype {weight.dtype.value}, scope {weight.scope.value}): scope per_block is "
+                "for the MX dtypes (mxfp8, mxfp4) and they take only per_block",
+            )
+        ]
+
     def base_scheme(self) -> BaseScheme:
         options = self.options
+        values = self.weight.dtype.value_type
+        if values.self_scaled:
+            return BaseScheme(
+                bits=values.bits,
+                group_size=values.block_size,
+                sym=True,
+                value_type=values.name,
+            )
         return BaseScheme(
             bits=self.bits,
             group_size=self.group_size,
@@ -68,6 +105,9 @@ class MinMaxMethod(QuantMethod):
         self, weight: torch.Tensor, scheme: ResolvedScheme, name: str
     ) -> QuantizedWeight:
         options = self.options
+        values = scheme.values
+        if values.self_scaled:
+            return values.quantize(weight)
         return round_to_nearest(
             weight, scheme, name, options.mse_grid, options.mse_maxshrink, options.full_range
         )

@@ -28,6 +28,9 @@ TYPE_BITS = {
     "W8A8": 8,
     "W8A8_MIX": 8,
     "W4A8_DYNAMIC": 4,
+    "W8A8_MXFP8": 8,
+    "W4A4_MXFP4": 4,
+    "W4A8_MXFP": 4,
 }
 PARTS = ("weight", "weight_scale", "weight_offset")
 W8A8_PARTS = ("weight", "input_scale", "input_offset", "deq_scale", "quant_bias")
@@ -39,6 +42,10 @@ TYPE_PARTS = {
     "W8A8": W8A8_PARTS,
     "W8A8_MIX": (*W8A8_PARTS, "weight_scale", "weight_offset"),
     "W4A8_DYNAMIC": (*PARTS, "scale_bias"),
+    # MX (:mod:`.mx`): float8 / packed float4 elements and E8M0 block exponents, no offset
+    "W8A8_MXFP8": ("weight", "weight_scale"),
+    "W4A4_MXFP4": ("weight", "weight_scale"),
+    "W4A8_MXFP": ("weight", "weight_scale"),
 }
 #: Every tensor name ending that belongs to a quantized linear's parameters.
 PARAMETER_LEAVES = tuple(dict.fromkeys(p for parts in TYPE_PARTS.values() for p in parts[1:]))
