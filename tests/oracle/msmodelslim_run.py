@@ -283,6 +283,10 @@ MX_SCHEMES: dict[str, Scheme] = {
 }  # fmt: skip
 
 
+#: The description types of the MX layers.
+MX_QUANT_TYPES = ("W8A8_MXFP8", "W4A4_MXFP4", "W4A8_MXFP")
+
+
 def all_schemes() -> dict[str, Scheme]:
     """Every scheme the oracle can run."""
     return {**SCHEMES, **SSZ_SCHEMES, **C8_SCHEMES, **SPARSE_SCHEMES, **MX_SCHEMES}
