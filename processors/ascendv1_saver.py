@@ -104,6 +104,7 @@ from msquant.processors.formats.ascend.fa_quant import (
     FAQuantRecord,
 )
 from msquant.processors.formats.ascend.layer_types import W16A16S
+from msquant.processors.formats.ascend.mx import MX_TYPES
 from msquant.processors.formats.ascend.packer import FLOAT, ascend_module_tensors, quant_type
 
 __all__ = ["AscendV1SaverConfig", "AscendV1Saver", "AscendSaverState"]
@@ -194,9 +195,7 @@ class AscendV1Saver(Saver):
         "W8A8_MIX",
         "W8A8_DYNAMIC",
         "W4A8_DYNAMIC",
-        "W8A8_MXFP8",
-        "W4A4_MXFP4",
-        "W4A8_MXFP",
+        *MX_TYPES,
     )
     #: Integer codes and the MX value types (:mod:`msquant.processors.formats.ascend.mx`).
     value_families = ("int", "mx")

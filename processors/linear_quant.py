@@ -109,7 +109,12 @@ from msquant.plugin import (
     resolve_module_scheme,
     unmatched_patterns,
 )
-from msquant.processors.linear_quant_act import STATIC_SCHEMES, StaticActCalibration, act_scheme
+from msquant.processors.linear_quant_act import (
+    STATIC_SCHEMES,
+    StaticActCalibration,
+    act_scheme,
+    mx_activation,
+)
 from msquant.processors.linear_quant_calibration import HessianCollector, plan_passes
 from msquant.processors.linear_quant_checks import divisor_problem, fused_problems, head_problems
 from msquant.processors.linear_quant_config import METHODS, LinearQuantConfig, config_issues
@@ -459,7 +464,7 @@ class LinearQuantProcessor(Processor):
             return ActivationQuant("per_token")
         act = self.config.qconfig.act
         if act.scope is QScope.PER_BLOCK:  # MX: dynamic, of the act dtype's value type
-            return ActivationQuant("per_block", value_type=act.dtype.value_type.name)
+            return mx_activation(act)
         return None
 
     def _module_report(self, name: str, scheme: ResolvedScheme) -> ModuleReport:

@@ -68,16 +68,19 @@ from msquant.plugin import (
 
 __all__ = [
     "ACT_SCHEMES",
+    "MX_DTYPES",
     "STATIC_SCHEMES",
     "ActScheme",
     "StaticActCalibration",
     "act_issues",
     "act_scheme",
+    "mx_activation",
+    "mx_issues",
 ]
 
-ActScheme = Literal[
-    "W8A8", "W8A8_MIX", "W8A8_DYNAMIC", "W4A8_DYNAMIC", "W8A8_MXFP8", "W4A4_MXFP4", "W4A8_MXFP"
-]
+#: The integer activation schemes; MX ones are named by :meth:`ActivationQuant.scheme_name`
+#: (W8A8_MXFP8, W4A4_MXFP4, W4A8_MXFP).
+ActScheme = Literal["W8A8", "W8A8_MIX", "W8A8_DYNAMIC", "W4A8_DYNAMIC"]
 #: The schemes whose activation range is calibrated (static per-tensor parameters stored).
 STATIC_SCHEMES = ("W8A8", "W8A8_MIX")
 
@@ -93,13 +96,9 @@ ACT_SCHEMES = (
     "method: minmax} with weight {dtype: mxfp8 or mxfp4, scope: per_block, symmetric: true, "
     "method: minmax} (W8A8_MXFP8, W4A4_MXFP4, and W4A8_MXFP = mxfp4 weight with mxfp8 act)"
 )
-#: The MX dtypes (block value types) and the (weight, act) pairs msModelSlim has a layer for.
-MX_DTYPES = (QDType.MXFP8, QDType.MXFP4)
-MX_SCHEMES: dict[tuple[QDType, QDType], ActScheme] = {
-    (QDType.MXFP8, QDType.MXFP8): "W8A8_MXFP8",
-    (QDType.MXFP4, QDType.MXFP4): "W4A4_MXFP4",
-    (QDType.MXFP4, QDType.MXFP8): "W4A8_MXFP",
-}
+#: The MX dtypes (value types computing their own block scales). Which (weight, act) pairs a
+#: format stores, its saver says (``activation_schemes``): the plan refuses the others.
+MX_DTYPES = tuple(dtype for dtype in QDType if dtype.self_scaled)
 
 #: The prefill path of W8A8_MIX: each token on its own symmetric grid.
 PER_TOKEN = ActivationQuant("per_token")
@@ -108,13 +107,13 @@ PER_TOKEN = ActivationQuant("per_token")
 ROUNDING_METHODS = ("minmax", "ssz")
 
 
-def act_scheme(act: ActQConfig, weight: WeightQConfig) -> ActScheme | None:
+def act_scheme(act: ActQConfig, weight: WeightQConfig) -> str | None:
     """The scheme ``qconfig.act`` (with these weights) asks for (None: float activations);
     assumes :func:`act_issues` found nothing."""
     if act.dtype is QDType.FLOAT:
         return None
     if act.dtype in MX_DTYPES:
-        return MX_SCHEMES[(weight.dtype, act.dtype)]
+        return mx_activation(act).scheme_name(weight.dtype.bits)
     if act.scope is QScope.PER_TENSOR:
         return "W8A8"
     if act.scope is QScope.PD_MIX:
@@ -218,10 +217,17 @@ def _describe(config: ActQConfig | WeightQConfig) -> str:
     )
 
 
+def mx_activation(act: ActQConfig) -> ActivationQuant:
+    """The dynamic per-block activation scheme of an MX ``qconfig.act``."""
+    return ActivationQuant("per_block", value_type=act.dtype.value_type.name)
+
+
 def mx_issues(act: ActQConfig, weight: WeightQConfig) -> list[ConfigIssue]:
     """Why an MX ``qconfig`` (either side ``mxfp8`` / ``mxfp4``) is not implemented, if it is
-    not: both sides MX ``per_block`` symmetric ``minmax``, a (weight, act) pair msModelSlim has
-    a layer for, blocks along the last axis (``ext.axes: -1``)."""
+    not: both sides MX ``per_block`` symmetric ``minmax``,
+    blocks along the last axis (``ext.axes: -1``). Which (weight, act) pairs a format stores is the
+    saver's to say (the plan refuses the others: the Ascend format has W8A8_MXFP8, W4A4_MXFP4 and
+    W4A8_MXFP, msModelSlim's layers)."""
     issues = []
     if not (
         act.dtype in MX_DTYPES
@@ -247,15 +253,6 @@ def mx_issues(act: ActQConfig, weight: WeightQConfig) -> list[ConfigIssue]:
                 "qconfig.weight",
                 f"weight {_describe(weight)} with act {_describe(act)} is not implemented; "
                 f"implemented: {ACT_SCHEMES}",
-            )
-        )
-    if not issues and (weight.dtype, act.dtype) not in MX_SCHEMES:
-        issues.append(
-            ConfigIssue(
-                "qconfig",
-                f"{weight.dtype.value} weights with {act.dtype.value} activations: msModelSlim "
-                "has no such layer (W8A8_MXFP8, W4A4_MXFP4, W4A8_MXFP = mxfp4 weights with "
-                "mxfp8 activations)",
             )
         )
     unknown = sorted(set(act.ext) - {"axes"})

@@ -195,6 +195,11 @@ _DELTANET = dict(
 )
 _MOE = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
 VLM_ARCHS: dict[str, dict[str, Any]] = {
+    # Qwen2.5-VL: windowed vision attention (block 1 full), gated vision MLP, mRoPE text
+    "qwen2_5_vl": dict(
+        text_config=dict(_TEXT, rope_parameters=_MROPE),
+        vision_config=dict(_QWEN_VISION, fullatt_block_indexes=[1], window_size=32),
+    ),
     "qwen3_vl": dict(
         text_config=dict(_TEXT, rope_parameters=_MROPE),
         vision_config=dict(_QWEN_VISION, deepstack_visual_indexes=[0]),

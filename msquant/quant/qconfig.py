@@ -38,6 +38,12 @@ class QDType(str, Enum):
         return VALUE_TYPES[self.value]
 
     @property
+    def self_scaled(self) -> bool:
+        """Whether the dtype's value type computes its own scales (the MX block types, which
+        go with ``scope: per_block``)."""
+        return self.value in VALUE_TYPES and VALUE_TYPES[self.value].self_scaled
+
+    @property
     def bits(self) -> int:
         """Code width of a quantized type (8 for int8 and mxfp8, 4 for int4 and mxfp4); raises
         for types without a value type."""
@@ -79,7 +85,8 @@ class WeightQConfig(BaseModel):
 class ActQConfig(BaseModel):
     """How activations are quantized (``qconfig.act``): float (the default, weight-only), or
     int8 ``per_tensor`` (static, W8A8) / ``per_token`` (dynamic, W8A8_DYNAMIC) with method
-    ``minmax``; which combinations a processor implements, it checks (``linear_quant``)."""
+    ``minmax``, or ``mxfp8`` / ``mxfp4`` ``per_block`` (dynamic MX blocks of 32, ``ext: {axes:
+    -1}``); which combinations a processor implements, it checks (``linear_quant``)."""
 
     model_config = ConfigDict(extra="forbid", use_enum_values=False)
 

@@ -62,6 +62,13 @@ class QuantizedWeight:
                     f"{name} must be float32 {expected}, got {tensor.dtype} {tuple(tensor.shape)}"
                 )
 
+    @classmethod
+    def self_scaled(cls, weight: torch.Tensor, value_type: ValueType) -> QuantizedWeight:
+        """``weight`` quantized by a value type that computes its own scales (MX,
+        :attr:`ValueType.self_scaled`): symmetric, groups of its block."""
+        codes, scale, offset = value_type.quantize(weight)
+        return cls(codes, scale, offset, value_type.bits, True, value_type.block_size, value_type)
+
     @property
     def shape(self) -> tuple[int, int]:
         """``(out_features, in_features)`` of the weight."""

@@ -24,15 +24,12 @@ that cannot store one refuses it by name (``Saver.stores_value_type``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from msquant.quant.minifloat import E2M1, E4M3, ElementFormat
 from msquant.quant.mx_quant import BLOCK_SIZE, mx_fake_quantize, mx_quantize
-
-if TYPE_CHECKING:
-    from msquant.quant.quantized_weight import QuantizedWeight
 
 __all__ = [
     "VALUE_TYPES",
@@ -94,9 +91,11 @@ class ValueType(ABC):
         scope = "per-channel" if group_size is None else f"group {group_size}"
         return f"{self.name} {scope} {'sym' if symmetric else 'asym'}"
 
-    def quantize(self, weight: torch.Tensor) -> QuantizedWeight:
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Quantize a 2-D weight by the value type's own rule (value types whose scales follow
-        from the values alone, e.g. MX).
+        from the values alone, e.g. MX): ``(codes, scale, offset)``, groups of
+        :attr:`block_size` (:meth:`msquant.quant.quantized_weight.QuantizedWeight.self_scaled`
+        wraps them).
 
         :raises NotImplementedError: for value types whose scales a method computes (int).
         """
@@ -137,9 +136,12 @@ class MXValues(ValueType):
     block_size = BLOCK_SIZE
     self_scaled = True
 
-    def __init__(self, name: str, element: ElementFormat) -> None:
+    def __init__(self, name: str, element: ElementFormat, rule: str = "mxfp8") -> None:
+        """:param rule: msModelSlim's rule for the exponents and the rounding
+        (:data:`msquant.quant.mx_quant.MX_RULES`: ``mxfp8``, ``mxfp4``)."""
         super().__init__(name, element.bits, torch.uint8)
         self.element = element
+        self.rule = rule
         self._table = element.decode(torch.arange(256) & ((1 << element.bits) - 1)).float()
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
@@ -164,46 +166,37 @@ class MXValues(ValueType):
         weights measure about 0.03, MXFP4 about 0.11)."""
         return 2.0**-self.element.mantissa_bits
 
-    def quantize(self, weight: torch.Tensor) -> QuantizedWeight:
-        """msModelSlim's MX weight quantization (:func:`msquant.quant.mx_quant.mx_quantize`).
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """msModelSlim's MX weight quantization (:func:`msquant.quant.mx_quant.mx_quantize`):
+        e4m3 / e2m1 codes, ``scale = 2^e`` per block, offset 0.
 
         :raises ValueError: when ``in_features`` is not a multiple of 32 (msModelSlim pads the
             last block; no Ascend kernel reads such a layer) or a block's exponent overflows
             (non-finite weights).
         """
-        from msquant.quant.quantized_weight import QuantizedWeight
-
-        out_features, in_features = weight.shape
+        _, in_features = weight.shape
         if in_features % BLOCK_SIZE:
             raise ValueError(
                 f"{self.name} blocks are {BLOCK_SIZE} input columns; in_features {in_features} "
                 "is not a multiple"
             )
-        elements, exponents = mx_quantize(weight.detach(), self.element)
+        elements, exponents = mx_quantize(weight.detach(), self.element, self.rule)
         if not bool(torch.isfinite(exponents).all()):
             raise ValueError(
                 f"{self.name}: a block's shared exponent overflows (weights not finite)"
             )
         scale = torch.pow(2.0, exponents)
-        return QuantizedWeight(
-            self.element.encode(elements),
-            scale,
-            torch.zeros_like(scale),
-            self.bits,
-            True,
-            BLOCK_SIZE,
-            self,
-        )
+        return self.element.encode(elements), scale, torch.zeros_like(scale)
 
     def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
-        return mx_fake_quantize(x, self.element)
+        return mx_fake_quantize(x, self.element, self.rule)
 
 
 #: Every value type by name (``qconfig``'s dtype spelling).
 VALUE_TYPES: dict[str, ValueType] = {
     **{f"int{bits}": IntValues(bits) for bits in range(2, 9)},
     "mxfp8": MXValues("mxfp8", E4M3),
-    "mxfp4": MXValues("mxfp4", E2M1),
+    "mxfp4": MXValues("mxfp4", E2M1, rule="mxfp4"),
 }
 
 

@@ -6,10 +6,9 @@ with the MSE scale search and GPTQModel's symmetric grid; for the MX value types
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, StrictInt, field_validator
 
 from msquant.plugin import (
     DYNAMIC_KEYS,
@@ -36,8 +35,9 @@ from msquant.processors.methods.options import (
     round_to_nearest,
 )
 
-#: The block value types ``minmax`` quantizes with ``scope: per_block``.
-MX_DTYPES = (QDType.MXFP8, QDType.MXFP4)
+#: The block value types ``minmax`` quantizes with ``scope: per_block`` (every dtype whose value
+#: type computes its own scales: mxfp8, mxfp4).
+MX_DTYPES = tuple(dtype for dtype in QDType if dtype.self_scaled)
 
 __all__ = ["MinMaxExt", "MinMaxMethod"]
 
@@ -52,11 +52,22 @@ class MinMaxExt(MethodOptions):
     mse_norm: MseNorm = 2.4
     full_range: FullRange = False
     expert_min_tokens: ExpertMinTokens = EXPERT_MIN_TOKENS
-    axes: Literal[-1] = Field(
+    axes: StrictInt = Field(
         -1,
-        description="MX (per_block) only: the dimension blocks of 32 run along; -1, the input "
-        "features (msModelSlim's default, the only one its linear layers use).",
+        description="MX (per_block) only: the dimension blocks of 32 run along; -1 (the input "
+        "features: msModelSlim's default, the only one its linear layers use) is the one "
+        "implemented.",
     )
+
+    @field_validator("axes")
+    @classmethod
+    def _last_axis(cls, value: int) -> int:
+        if value != -1:
+            raise ValueError(
+                f"MX blocks run along the input features (axes: -1); axes {value} is not "
+                "implemented"
+            )
+        return value
 
 
 class MinMaxMethod(QuantMethod):
@@ -79,7 +90,8 @@ class MinMaxMethod(QuantMethod):
             ConfigIssue(
                 "qconfig.weight",
                 f"(dtype {weight.dtype.value}, scope {weight.scope.value}): scope per_block is "
-                "for the MX dtypes (mxfp8, mxfp4) and they take only per_block",
+                f"for the MX dtypes ({', '.join(d.value for d in MX_DTYPES)}) and they take "
+                "only per_block",
             )
         ]
 
@@ -107,7 +119,7 @@ class MinMaxMethod(QuantMethod):
         options = self.options
         values = scheme.values
         if values.self_scaled:
-            return values.quantize(weight)
+            return QuantizedWeight.self_scaled(weight, values)
         return round_to_nearest(
             weight, scheme, name, options.mse_grid, options.mse_maxshrink, options.full_range
         )

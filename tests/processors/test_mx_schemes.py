@@ -2,9 +2,9 @@
 activations, exported in msModelSlim's Ascend layout (W8A8_MXFP8, W4A4_MXFP4, W4A8_MXFP), read
 back and verified, simulated in ``msquant eval``; refusals of what is not implemented.
 
-Numbers are checked against :mod:`msquant.quant.mx_quant` (itself checked against a float64
-re-derivation in tests/quant/test_mx_numerics.py); that they and the layout are msModelSlim's is
-the opt-in oracle's job (tests/oracle/test_msmodelslim_mx.py).
+Numbers are checked against the value types' own quantization (:mod:`msquant.quant.mx_quant`,
+itself checked against a float64 re-derivation in tests/quant/test_mx_numerics.py); that they
+and the layout are msModelSlim's is the opt-in oracle's job (tests/oracle/test_msmodelslim_mx.py).
 """
 
 from __future__ import annotations
@@ -25,13 +25,17 @@ import msquant
 from msquant import ConfigError, QuantizationError, load_config_text, verify_export
 from msquant.evaluate.models import load_model_for_eval
 from msquant.planning.render import render_plan
-from msquant.plugin import ActivationQuant, QuantizedLinear, default_registry, value_type_named
-from msquant.quant.minifloat import E2M1, E4M3, unpack_nibbles
-from msquant.quant.mx_quant import mx_dequantize, mx_fake_quantize, mx_quantize
+from msquant.plugin import (
+    ActivationQuant,
+    QuantizedLinear,
+    QuantizedWeight,
+    default_registry,
+    unpack_nibbles,
+    value_type_named,
+)
 from msquant.run.checkpoint.store import LayerStore
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ELEMENTS = {"mxfp8": E4M3, "mxfp4": E2M1}
 #: scheme -> (weight dtype, act dtype)
 SCHEMES = {
     "W8A8_MXFP8": ("mxfp8", "mxfp8"),
@@ -99,7 +103,6 @@ def test_mx_configs_validate() -> None:
             "qconfig.act",
             "act {dtype: int8, scope: per_token",
         ),
-        (mx("mxfp8"), mx("mxfp4"), {}, "qconfig", "msModelSlim has no such layer"),
         (mx("mxfp8"), mx("mxfp8", axes=0), {}, "qconfig.act.ext.axes", "got 0"),
         (mx("mxfp8"), mx("mxfp8", block=16), {}, "qconfig.act.ext", "['block']"),
         (
@@ -157,7 +160,7 @@ def test_mx_export_layout_numerics_and_verify(
     save = tmp_path / "out"
     tensors, types = run(model_dir, save, scheme_config(scheme))
     weight_type, act_type = SCHEMES[scheme]
-    element = ELEMENTS[weight_type]
+    values = value_type_named(weight_type)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
     linears = {
         name: module
@@ -180,10 +183,10 @@ def test_mx_export_layout_numerics_and_verify(
             elements = stored.float()
         else:
             assert stored.dtype == torch.uint8 and stored.shape == (out_features, in_features // 2)
-            elements = E2M1.decode(unpack_nibbles(stored)).float()
-        want_elements, want_exponents = mx_quantize(module.weight.data, element)
-        assert torch.equal(elements, want_elements), name
-        assert torch.equal(stored_scale.to(torch.int64) - 127, want_exponents.to(torch.int64))
+            elements = values.decode(unpack_nibbles(stored))
+        codes, scale, _ = values.quantize(module.weight.data)
+        assert torch.equal(elements, values.decode(codes)), name
+        assert torch.equal(torch.pow(2.0, stored_scale.double() - 127).float(), scale), name
         if module.bias is not None:
             assert types[f"{name}.bias"] == "FLOAT"
             assert torch.equal(tensors[f"{name}.bias"], module.bias.data.float())
@@ -193,17 +196,17 @@ def test_mx_export_layout_numerics_and_verify(
     assert report.ok, report.errors
     entry = report.layer("model.layers.0.mlp.down_proj")
     assert entry.relative_error is not None
-    assert entry.relative_error < value_type_named(weight_type).error_bound() / 2
+    assert entry.relative_error < values.error_bound() / 2
 
     # msquant eval's model: dequantized weights, activations MX-quantized per block of 32
     eval_model, kind = load_model_for_eval(save)
     assert kind == "ascend"
     name = "model.layers.1.self_attn.q_proj"
     layer = eval_model.get_submodule(name)
-    weight = mx_dequantize(*mx_quantize(linears[name].weight.data, element))
+    weight = QuantizedWeight.self_scaled(linears[name].weight.data, values).dequantize()
     torch.manual_seed(1)
     x = torch.randn(2, 5, layer.in_features)
-    fake = mx_fake_quantize(x, ELEMENTS[act_type])
+    fake = value_type_named(act_type).fake_quantize(x)
     with torch.no_grad():
         got = layer(x)
     want = torch.nn.functional.linear(fake, weight, linears[name].bias)
@@ -252,6 +255,16 @@ def test_plan_names_the_value_type(tiny_llama: Path) -> None:
     assert row[1:6] == ["mxfp4", "32", "yes", "minmax", "W4A4_MXFP4"]
 
 
+def test_pairs_without_an_ascend_layer_are_refused_before_weights_load(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    cfg = config(mx("mxfp8"), mx("mxfp4"))  # msModelSlim has no W8A4 MX layer
+    with pytest.raises(
+        msquant.MsquantInputError, match="ascendv1_saver does not store activation scheme W8A4_MXFP"
+    ):
+        msquant.quantize(tiny_llama, tmp_path / "out", cfg, progress=False)
+
+
 def test_formats_without_mx_refuse_it_before_weights_load(tiny_llama: Path, tmp_path: Path) -> None:
     cfg = scheme_config("W8A8_MXFP8", saver="gptq_saver")
     with pytest.raises(
@@ -262,7 +275,7 @@ def test_formats_without_mx_refuse_it_before_weights_load(tiny_llama: Path, tmp_
 
 def _mx_linear(act: ActivationQuant | None) -> QuantizedLinear:
     torch.manual_seed(0)
-    qweight = value_type_named("mxfp8").quantize(torch.randn(6, 64))
+    qweight = QuantizedWeight.self_scaled(torch.randn(6, 64), value_type_named("mxfp8"))
     return QuantizedLinear(qweight, torch.randn(6), "minmax", act=act)
 
 

@@ -22,6 +22,8 @@ from msquant.quant.mx_quant import (
     mx_quantize,
 )
 
+#: msModelSlim's rule of each element format (MXFP8: e4m3, MXFP4: e2m1).
+RULES = {"e4m3": "mxfp8", "e2m1": "mxfp4"}
 #: OCP FP4 E2M1: the value of each code (sign in bit 3).
 E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -119,7 +121,7 @@ def test_quantize_matches_the_float64_reference(element, magnitude: float) -> No
     weight = torch.randn(6, 4 * BLOCK_SIZE) * magnitude
     weight[1, :BLOCK_SIZE] = 0.0  # an all-zero block
     weight[2, 3] *= 50  # an outlier block
-    elements, exponents = mx_quantize(weight, element)
+    elements, exponents = mx_quantize(weight, element, RULES[element.name])
     assert elements.dtype == torch.float32 and exponents.dtype == torch.float32
     assert elements.shape == weight.shape and exponents.shape == (6, 4)
     for row in range(6):
@@ -140,9 +142,11 @@ def test_quantize_matches_the_float64_reference(element, magnitude: float) -> No
 def test_zero_blocks_take_the_floor_exponent() -> None:
     zeros = torch.zeros(1, BLOCK_SIZE)
     assert mx_exponents(zeros.abs().amax(-1), E4M3).tolist() == [-127.0]  # 2^-126 -> -134 -> -127
-    assert mx_exponents(zeros.abs().amax(-1), E2M1).tolist() == [-22.0]  # log2(9.6e-7) -> -20
+    assert mx_exponents(zeros.abs().amax(-1), E2M1, "mxfp4").tolist() == [
+        -22.0
+    ]  # log2(9.6e-7) -> -20
     for element in (E4M3, E2M1):
-        elements, _ = mx_quantize(zeros, element)
+        elements, _ = mx_quantize(zeros, element, RULES[element.name])
         assert not bool(elements.any())
 
 
@@ -161,7 +165,7 @@ def test_e2m1_ties_round_half_away_from_zero() -> None:
     # amax 6 -> e = floor(log2(6 / 0.875)) - 2 = 0
     block = torch.zeros(1, BLOCK_SIZE)
     block[0, :6] = torch.tensor([6.0, 2.5, 5.0, 0.25, -0.75, -1e-3])
-    elements, exponents = mx_quantize(block, E2M1)
+    elements, exponents = mx_quantize(block, E2M1, "mxfp4")
     assert exponents.tolist() == [[0.0]]
     assert elements[0, :6].tolist() == [6.0, 3.0, 6.0, 0.5, -1.0, -0.0]
     assert torch.signbit(elements[0, 5])  # a negative value rounding to 0 keeps its sign
@@ -181,7 +185,7 @@ def test_e2m1_block_maximum_stays_below_7_and_rounds_to_6() -> None:
     # amax 6.9 -> e = floor(log2(7.886)) - 2 = 0: 6.9 rounds to 6 (the grid's top), never above
     block = torch.zeros(1, BLOCK_SIZE)
     block[0, 0] = 6.9
-    elements, exponents = mx_quantize(block, E2M1)
+    elements, exponents = mx_quantize(block, E2M1, "mxfp4")
     assert exponents.tolist() == [[0.0]] and float(elements[0, 0]) == 6.0
 
 
@@ -190,6 +194,11 @@ def test_e4m3_exponent_of_an_infinite_block_is_nan() -> None:
     block[0, 0] = float("inf")
     _, exponents = mx_quantize(block, E4M3)
     assert math.isnan(float(exponents[0, 0]))
+
+
+def test_unknown_rules_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown MX rule 'ocp'; known: mxfp8, mxfp4"):
+        mx_quantize(torch.ones(1, 32), E4M3, "ocp")
 
 
 def test_log2_rounding_is_msmodelslims_not_exact() -> None:
@@ -208,12 +217,12 @@ def test_padding_and_fake_quantize_agree_with_the_padded_tensor() -> None:
     x = torch.randn(3, 2, 40)
     padded = torch.nn.functional.pad(x, (0, 24))
     for element in (E4M3, E2M1):
-        elements, exponents = mx_quantize(x, element)
+        elements, exponents = mx_quantize(x, element, RULES[element.name])
         assert exponents.shape == (3, 2, 2)
-        full, full_exponents = mx_quantize(padded, element)
+        full, full_exponents = mx_quantize(padded, element, RULES[element.name])
         assert torch.equal(exponents, full_exponents)
         assert torch.equal(elements, full[..., :40])
-        fake = mx_fake_quantize(x, element)
+        fake = mx_fake_quantize(x, element, RULES[element.name])
         assert torch.equal(fake, mx_dequantize(elements, exponents))
 
 
@@ -221,9 +230,9 @@ def test_fake_quantize_keeps_bfloat16_and_computes_exponents_in_it() -> None:
     torch.manual_seed(2)
     x = torch.randn(4, 64).to(torch.bfloat16)
     for element in (E4M3, E2M1):
-        fake = mx_fake_quantize(x, element)
+        fake = mx_fake_quantize(x, element, RULES[element.name])
         assert fake.dtype == torch.bfloat16
-        elements, exponents = mx_quantize(x, element)
+        elements, exponents = mx_quantize(x, element, RULES[element.name])
         assert torch.equal(fake, mx_dequantize(elements, exponents).to(torch.bfloat16))
     # a bf16 maximum just below 2^5: its log2 rounds to 5.0 in bf16 (float32 would give 4.99...)
     amax = torch.tensor([32.0], dtype=torch.bfloat16).nextafter(

@@ -33,7 +33,7 @@ def test_mx_weight_codes_scales_and_dequantize() -> None:
     torch.manual_seed(0)
     weight = torch.randn(4, 96)
     values = value_type_named("mxfp8")
-    qweight = values.quantize(weight)
+    qweight = QuantizedWeight.self_scaled(weight, values)
     assert isinstance(values, MXValues) and qweight.value_type is values
     assert qweight.codes.dtype == torch.uint8 and qweight.scale.shape == (4, 3)
     assert (qweight.bits, qweight.group_size, qweight.symmetric) == (8, 32, True)

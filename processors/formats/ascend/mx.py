@@ -15,6 +15,9 @@ quantized per block at run time, nothing about them is stored):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 
 from msquant.plugin import (
@@ -32,6 +35,9 @@ from msquant.plugin import (
 __all__ = [
     "MX_PARTS",
     "MX_TYPES",
+    "STORAGE",
+    "Storage",
+    "stored_columns",
     "decode_mx",
     "e8m0_bytes",
     "e8m0_scale",
@@ -46,12 +52,36 @@ MX_TYPES = {
 }
 #: The stored tensors of an MX linear (the bias aside).
 MX_PARTS = ("weight", "weight_scale")
-#: How each MX value type's codes are stored: the codes -> the stored tensor, its inverse, and
-#: the input features the stored tensor's columns hold each.
-_STORAGE = {
-    "mxfp8": (lambda codes: codes.view(torch.float8_e4m3fn), lambda w: w.view(torch.uint8), 1),
-    "mxfp4": (pack_nibbles, unpack_nibbles, 2),
+
+
+class Storage(NamedTuple):
+    """How the Ascend format stores an MX value type's codes ``[out, in]``."""
+
+    #: codes (uint8) -> the stored weight.
+    store: Callable[[torch.Tensor], torch.Tensor]
+    #: the stored weight -> codes (uint8).
+    load: Callable[[torch.Tensor], torch.Tensor]
+    #: the stored weight's dtype.
+    dtype: torch.dtype
+    #: input features per stored column (2: two codes per byte).
+    per_column: int
+
+
+#: The storage of each MX value type (by name).
+STORAGE = {
+    "mxfp8": Storage(
+        lambda codes: codes.view(torch.float8_e4m3fn),
+        lambda weight: weight.view(torch.uint8),
+        torch.float8_e4m3fn,
+        1,
+    ),
+    "mxfp4": Storage(pack_nibbles, unpack_nibbles, torch.uint8, 2),
 }
+
+
+def stored_columns(kind: str) -> int:
+    """Input features per stored weight column of the MX type ``kind``."""
+    return STORAGE[MX_TYPES[kind][0]].per_column
 
 
 def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
@@ -77,7 +107,7 @@ def mx_module_tensors(name: str, module: QuantizedLinear, kind: str) -> dict[str
 
     :raises QuantizationError: when MXFP4's ``in_features`` is odd (two codes per byte).
     """
-    store, _, per_column = _STORAGE[module.value_type.name]
+    store, _, _, per_column = STORAGE[module.value_type.name]
     if module.in_features % per_column:
         raise QuantizationError(
             f"{name}: {kind} packs {per_column} codes per byte along in_features, which is "
@@ -98,8 +128,7 @@ def decode_mx(
     """The decoded MX linear ``name`` of type ``kind`` from its stored ``weight`` and
     ``weight_scale``, or what is wrong with them (shape or dtype)."""
     values: ValueType = value_type_named(MX_TYPES[kind][0])
-    _, load, per_column = _STORAGE[values.name]
-    expected = torch.float8_e4m3fn if per_column == 1 else torch.uint8
+    _, load, expected, per_column = STORAGE[values.name]
     if weight.dim() != 2 or weight.dtype != expected:
         return (
             f"{name}.weight: {kind} stores {str(expected).removeprefix('torch.')} "

@@ -80,7 +80,7 @@ from msquant.processors.formats.ascend.layer_types import (
     TYPE_PARTS,
     W16A16S,
 )
-from msquant.processors.formats.ascend.mx import MX_TYPES, decode_mx
+from msquant.processors.formats.ascend.mx import MX_TYPES, decode_mx, stored_columns
 
 __all__ = ["AscendReader", "GLOBAL_KEYS", "TYPE_BITS"]
 
@@ -435,7 +435,9 @@ class AscendReader(ExportReader):
         shapes = self._shapes(module)
         if shapes is None or len(shapes[0]) != 2:
             return None
-        return shapes[0][1] * (2 if kind in ("W4A16", "W4A4_MXFP4", "W4A8_MXFP") else 1)
+        if kind in MX_TYPES:
+            return shapes[0][1] * stored_columns(kind)
+        return shapes[0][1] * (2 if kind == "W4A16" else 1)
 
     def _group_size(self, module: str, kind: str) -> int | None:
         shapes = self._shapes(module)
