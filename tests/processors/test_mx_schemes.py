@@ -197,6 +197,12 @@ def test_mx_export_layout_numerics_and_verify(
     entry = report.layer("model.layers.0.mlp.down_proj")
     assert entry.relative_error is not None
     assert entry.relative_error < values.error_bound() / 2
+    assert entry.value_type == weight_type
+    # the forward check's reference is the original rounded by the same value type: an honest
+    # export computes exactly that
+    forward = report.forward
+    assert forward is not None and forward.scheme == f"{weight_type} weights"
+    assert abs(forward.relative_error - forward.rounded_error) < 1e-4
 
     # msquant eval's model: dequantized weights, activations MX-quantized per block of 32
     eval_model, kind = load_model_for_eval(save)
@@ -305,3 +311,20 @@ def test_checkpoint_store_keeps_mx_layers(tmp_path: Path) -> None:
         assert rebuilt.weight.dtype == torch.uint8
         if not weightless:
             assert torch.equal(rebuilt.dequantized_weight(), module.dequantized_weight())
+
+
+def test_verify_names_an_int_layer_typed_mx(tiny_llama: Path, tmp_path: Path) -> None:
+    weight = {"dtype": "int8", "scope": "per_channel", "symmetric": True, "method": "minmax"}
+    save = tmp_path / "out"
+    run(tiny_llama, save, config(weight, None))
+    (save / "msquant_export.json").unlink()
+    path = save / "quant_model_description.json"
+    description = json.loads(path.read_text(encoding="utf-8"))
+    name = "model.layers.0.mlp.down_proj"
+    for part in ("weight", "weight_scale", "weight_offset"):
+        description[f"{name}.{part}"] = "W8A8_MXFP8"
+    path.write_text(json.dumps(description), encoding="utf-8")
+    report = verify_export(save)
+    assert not report.ok
+    assert f"{name}.weight: dtype I8, expected float8_e4m3fn" in report.errors, report.errors
+    assert any(f"{name}.weight_offset: unexpected tensor" in e for e in report.errors)

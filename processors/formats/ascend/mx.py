@@ -37,6 +37,7 @@ __all__ = [
     "MX_TYPES",
     "STORAGE",
     "Storage",
+    "mx_dtypes",
     "stored_columns",
     "decode_mx",
     "e8m0_bytes",
@@ -77,6 +78,11 @@ STORAGE = {
     ),
     "mxfp4": Storage(pack_nibbles, unpack_nibbles, torch.uint8, 2),
 }
+
+
+def mx_dtypes(kind: str) -> tuple[torch.dtype, torch.dtype]:
+    """The stored dtypes of the MX type ``kind``'s :data:`MX_PARTS` (weight, weight_scale)."""
+    return STORAGE[MX_TYPES[kind][0]].dtype, torch.uint8
 
 
 def stored_columns(kind: str) -> int:

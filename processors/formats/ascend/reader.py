@@ -80,7 +80,13 @@ from msquant.processors.formats.ascend.layer_types import (
     TYPE_PARTS,
     W16A16S,
 )
-from msquant.processors.formats.ascend.mx import MX_TYPES, decode_mx, stored_columns
+from msquant.processors.formats.ascend.mx import (
+    MX_PARTS,
+    MX_TYPES,
+    decode_mx,
+    mx_dtypes,
+    stored_columns,
+)
 
 __all__ = ["AscendReader", "GLOBAL_KEYS", "TYPE_BITS"]
 
@@ -469,7 +475,11 @@ class AscendReader(ExportReader):
         return self._decode_checked(module, kind, bits, names)
 
     def _decode_mx(self, module: str, kind: str) -> DecodedLayer | None:
-        if self.store is None:
+        present = [
+            self.expect(f"{module}.{part}", (dtype,), None)
+            for part, dtype in zip(MX_PARTS, mx_dtypes(kind), strict=True)
+        ]
+        if not all(present) or self.store is None:
             return None
         decoded = decode_mx(
             module,
