@@ -242,12 +242,8 @@ def mx_issues(act: ActQConfig, weight: WeightQConfig) -> list[ConfigIssue]:
                 f"implemented: {ACT_SCHEMES}",
             )
         )
-    if not (
-        weight.dtype in MX_DTYPES
-        and weight.scope is QScope.PER_BLOCK
-        and weight.symmetric
-        and weight.method == "minmax"
-    ):
+    # the (dtype, scope) pairing itself is the method's check (minmax: per_block with MX only)
+    if not (weight.dtype in MX_DTYPES and weight.symmetric and weight.method == "minmax"):
         issues.append(
             ConfigIssue(
                 "qconfig.weight",

@@ -38,6 +38,8 @@ from msquant.processors.methods.options import (
 #: The block value types ``minmax`` quantizes with ``scope: per_block`` (every dtype whose value
 #: type computes its own scales: mxfp8, mxfp4).
 MX_DTYPES = tuple(dtype for dtype in QDType if dtype.self_scaled)
+#: The scopes of integer weights.
+INT_SCOPES = (QScope.PER_CHANNEL, QScope.PER_GROUP)
 
 __all__ = ["MinMaxExt", "MinMaxMethod"]
 
@@ -86,12 +88,16 @@ class MinMaxMethod(QuantMethod):
         weight = self.weight
         if (weight.scope is QScope.PER_BLOCK) == (weight.dtype in MX_DTYPES):
             return []
+        combos = sorted(
+            [(d.value, s.value) for d in (QDType.INT8, QDType.INT4) for s in INT_SCOPES]
+            + [(d.value, QScope.PER_BLOCK.value) for d in MX_DTYPES]
+        )
         return [
             ConfigIssue(
                 "qconfig.weight",
-                f"(dtype {weight.dtype.value}, scope {weight.scope.value}): scope per_block is "
-                f"for the MX dtypes ({', '.join(d.value for d in MX_DTYPES)}) and they take "
-                "only per_block",
+                f"(dtype {weight.dtype.value}, scope {weight.scope.value}) is not implemented "
+                "for method minmax (scope per_block is for the MX dtypes, which take only it); "
+                f"implemented (dtype, scope): {', '.join(f'({d}, {s})' for d, s in combos)}",
             )
         ]
 

@@ -229,7 +229,7 @@ def test_verify_catches_corrupted_mx_tensors(tiny_llama: Path, tmp_path: Path) -
     for change, needle in (
         ("scale", f"{name}.weight: relative error 0.99"),
         ("nan", f"{name}.weight: 1 NaN e4m3 code(s)"),
-        ("dtype", f"{name}.weight: W8A8_MXFP8 stores float8_e4m3fn"),
+        ("dtype", f"{name}.weight: dtype F32, expected float8_e4m3fn"),
     ):
         copy = tmp_path / change
         shutil.copytree(save, copy)
