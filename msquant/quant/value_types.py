@@ -115,8 +115,8 @@ class IntValues(ValueType):
     family = "int"
 
     def __init__(self, bits: int) -> None:
-        if not 2 <= bits <= 8:
-            raise ValueError(f"integer codes are 2 to 8 bits wide, got {bits}")
+        """:param bits: the width; the registry holds 2-8 (what the methods produce), other widths
+        are representable (formats refuse them with their own message)."""
         super().__init__(f"int{bits}", bits, torch.int8)
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
@@ -214,5 +214,5 @@ def value_type_named(name: str) -> ValueType:
 
 
 def int_value_type(bits: int) -> ValueType:
-    """The integer value type of width ``bits``."""
-    return value_type_named(f"int{bits}")
+    """The integer value type of width ``bits`` (the registered one for 2-8)."""
+    return VALUE_TYPES.get(f"int{bits}") or IntValues(bits)
