@@ -1,10 +1,14 @@
-"""llm-compressor's GPTQ on given calibration token ids (run by bench/accuracy.py in llm-compressor's
-own virtual environment; not part of msquant, imports nothing of it).
+"""llm-compressor's oneshot on given calibration token ids (run by bench/accuracy.py and bench/e2e.py
+in llm-compressor's own virtual environment; not part of msquant, imports nothing of it).
 
-Its defaults (GPTQModifier: dampening 0.01, block 128, act-order "static", the sequential
-pipeline that calibrates each layer on the quantized previous layers' outputs) with an int4
-symmetric group scheme on every Linear but lm_head. Writes a compressed-tensors export to
-``--out`` and prints one JSON line: the seconds of ``oneshot`` and of ``oneshot`` plus the save.
+``--scheme w4_gptq`` (default): its GPTQ defaults (GPTQModifier: dampening 0.01, block 128,
+act-order "static", the sequential pipeline that calibrates each layer on the quantized previous
+layers' outputs) with an int ``--bits`` symmetric group scheme on every Linear but lm_head.
+``--scheme w8a8_smoothquant``: its SmoothQuantModifier (strength 0.8, its default mappings for the
+model's family) then a QuantizationModifier with int8 per-channel symmetric weights (round to
+nearest) and int8 dynamic per-token symmetric activations on every Linear but lm_head, the recipe
+of its W8A8 int8 examples. Writes a compressed-tensors export to ``--out`` and prints one JSON
+line: the seconds of ``oneshot`` (model load included) and of ``oneshot`` plus the save.
 """
 
 from __future__ import annotations
@@ -18,23 +22,13 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from datasets import Dataset
 from llmcompressor import oneshot
-from llmcompressor.modifiers.quantization import GPTQModifier
+from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+from llmcompressor.modifiers.smoothquant import SmoothQuantModifier
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model_dir", type=Path, required=True)
-    parser.add_argument("--ids", type=Path, required=True, help="JSON list of token id lists")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--group_size", type=int, default=64)
-    parser.add_argument("--bits", type=int, default=4)
-    args = parser.parse_args()
-    ids = json.loads(args.ids.read_text())
-    data = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
-    started = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+def gptq(args: argparse.Namespace) -> list[object]:
+    """GPTQ with an int group scheme on every Linear but lm_head."""
     scheme = QuantizationScheme(
         targets=["Linear"],
         weights=QuantizationArgs(
@@ -45,7 +39,40 @@ def main() -> None:
             group_size=args.group_size,
         ),
     )
-    recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    return [GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])]
+
+
+def w8a8_smoothquant() -> list[object]:
+    """SmoothQuant (strength 0.8), then int8 weights per channel and int8 dynamic per-token
+    activations, both symmetric, on every Linear but lm_head."""
+    scheme = QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel"),
+        input_activations=QuantizationArgs(
+            num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True
+        ),
+    )
+    return [
+        SmoothQuantModifier(smoothing_strength=0.8),
+        QuantizationModifier(config_groups={"group_0": scheme}, ignore=["lm_head"]),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model_dir", type=Path, required=True)
+    parser.add_argument("--ids", type=Path, required=True, help="JSON list of token id lists")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--group_size", type=int, default=64)
+    parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--scheme", choices=("w4_gptq", "w8a8_smoothquant"), default="w4_gptq")
+    args = parser.parse_args()
+    ids = json.loads(args.ids.read_text())
+    data = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    recipe = w8a8_smoothquant() if args.scheme == "w8a8_smoothquant" else gptq(args)
     oneshot(
         model=model,
         dataset=data,

@@ -54,7 +54,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 FAMILIES["glm_5"] = ("GLM-4-MoE (for GLM-5)", FAMILIES["glm4_moe"][1])
 #: Files needing a model other than their family's: the DeepSeek-V3 ``w4a8c8`` files rotate with
 #: quarot block_size 32 (v_head_dim 32, as V4's) and exclude layers 0-2 from fa3_quant (4 layers:
-#: layer 3's MLA gets FA3 scales).
+#: layer 3's MLA gets FA3 scales). The W4A8 file of DeepSeek-V3.2 smooths the routed experts of
+#: layers 3 on with ``flex_awq_ssz`` (4 layers, the first dense). The four GLM-5 / 5.1 files that
+#: need more than the GLM-4-MoE stand-in run on a 6-layer tiny GLM-5 (``glm_moe_dsa``, layers
+#: 0-2 dense, its DSA indexer read by fa3_quant): ``flex_awq_ssz`` smooths layers 3-5's experts,
+#: and fa3_quant (layers 0-4 excluded) quantizes layer 5's indexer.
 FILE_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     **{
         f"deepseek_v3/{name}": (
@@ -62,6 +66,19 @@ FILE_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             dict(FAMILIES["deepseek_v4"][1], num_layers=4),
         )
         for name in ("deepseekr1_w4a8c8_per_channel.yaml", "deepseekv3_w4a8c8_per_channel.yaml")
+    },
+    "deepseek_v3_2/deepseek_w4a8.yaml": (
+        "DeepSeek-V3 (for V3.2), 4 layers",
+        dict(FAMILIES["deepseek_v3_2"][1], num_layers=4),
+    ),
+    **{
+        f"glm_5/{name}": ("GLM-5 (glm_moe_dsa), 6 layers", dict(arch="glm_moe_dsa", num_layers=6))
+        for name in (
+            "glm_5_w4a8.yaml",
+            "glm_5_1_w4a8.yaml",
+            "glm_5_1_w4a8c8.yaml",
+            "glm_5_1_w8a8c8.yaml",
+        )
     },
 }
 
@@ -75,6 +92,10 @@ VLM_FAMILIES: dict[str, tuple[str, str]] = {
     "internvl3_5": ("InternVL (transformers' class, Qwen3 text)", "internvl"),
     "internvl3_5_moe": ("InternVL (transformers' class, Qwen3 text)", "internvl"),
     "kimi_k2_5": ("Kimi-K2.5", "kimi_k25"),
+    "glm4_6v": ("GLM-4.xV-MoE", "glm4v_moe"),
+    # the whole Omni checkpoint (thinker, talker, speech decoder); msquant quantizes the thinker
+    "qwen2_5_omni_thinker": ("Qwen2.5-Omni", "qwen2_5_omni"),
+    "qwen3_omni_moe": ("Qwen3-Omni-MoE", "qwen3_omni_moe"),
 }
 #: The dense files of the ``qwen3_5_moe`` folder (Qwen3.5 / 3.6 dense models).
 VLM_FILES: dict[str, tuple[str, str]] = {

@@ -137,11 +137,18 @@ VLLM_ASCEND_W4A16 = (
     "releases: {names}"
 )
 VLLM_ASCEND_W4A8 = (
-    "vLLM-Ascend serves per-channel W4A8_DYNAMIC for MoE experts only (its deprecated "
-    "W4A8_DYNAMIC linear scheme needs per-group weights: it divides by the description's "
-    "group_size, 0 here, when it creates the parameters), so these dense W4A8_DYNAMIC layers do "
-    "not load there; msModelSlim's W4A8 practices quantize "
+    "vLLM-Ascend serves W4A8_DYNAMIC for MoE experts only: 0.30.0rc2 removed the W4A8_DYNAMIC "
+    "linear scheme (NotImplementedError), and 0.26.0rc1's deprecated one needs per-group weights "
+    "(it divides by the description's group_size, 0 here, when it creates the parameters), so "
+    "these dense W4A8_DYNAMIC layers do not load in either; msModelSlim's W4A8 practices quantize "
     "attention and dense MLPs W8A8_DYNAMIC (int8 weights) and the experts W4A8_DYNAMIC: {names}"
+)
+VLLM_ASCEND_W4A8_MOE_GROUPED = (
+    "W4A8_DYNAMIC MoE experts beside per-group layers: the description's one global group_size "
+    "is then the largest group size ({group}), which vLLM-Ascend reads as the experts' own: "
+    "0.30.0rc2 refuses them (ValueError: per-group W4A8_DYNAMIC MoE is no longer supported) and "
+    "0.26.0rc1 builds them per-group and finds no weight_scale_second / weight_offset_second; "
+    "for vLLM-Ascend quantize every layer per-channel: {names}"
 )
 VLLM_ASCEND_W8A8_DEQ = (
     "W8A8 layers of a float32 model: deq_scale is stored as int64 (float32 bits), msModelSlim's "
@@ -232,6 +239,17 @@ class AscendV1Saver(Saver):
             ),
             (VLLM_ASCEND_ASYM, [row for row in rows if row.sym is False]),
         ]
+        grouped = sorted({row.group_size for row in rows if _grouped(row) and row.group_size})
+        w4a8_experts = [
+            row for row in rows if row.act == "W4A8_DYNAMIC" and parse_expert_linear(row.module)
+        ]
+        if grouped and w4a8_experts:
+            found.append(
+                (
+                    VLLM_ASCEND_W4A8_MOE_GROUPED.replace("{group}", str(grouped[-1])),
+                    w4a8_experts,
+                )
+            )
         if model_float_dtype(model) == torch.float32:
             found.append((VLLM_ASCEND_W8A8_DEQ, [row for row in rows if row.act == "W8A8"]))
         return PlanReview(

@@ -60,18 +60,18 @@ Layers that vLLM fuses (q/k/v, gate/up) must share one scheme, or the export is 
 
 A head quantized with ``linear_quant``'s ``lm_head: true`` is packed like any linear (written when
 the runner's head stage reaches this saver) and always named in the targets of its config group
-(before ``Linear`` when it shares the most common scheme): vLLM 0.33 and SGLang give the head, a
+(before ``Linear`` when it shares the most common scheme): vLLM 0.33 / 0.34 and SGLang give the head, a
 ``ParallelLMHead``, a compressed-tensors scheme only when a target names it, and transformers
 matches it either way. It is not in ``ignore``.
 
-Which consumer loads what (compressed-tensors 0.20.1, transformers 5.24, vLLM 0.33, SGLang 0.5.23):
+Which consumer loads what (compressed-tensors 0.20.1, transformers 5.24, vLLM 0.33 / 0.34, SGLang 0.5.23):
 
 * vLLM: symmetric and asymmetric, 2-8 bits, channel or group (``CompressedTensorsWNA16``), mixed
   precision included, a named quantized head included.
 * SGLang: weight-only 4 and 8 bits only (its WNA16 scheme refuses other widths); a warning lists
   the layers of other widths.
 * int3/5/6/7 are packed densely across int32 words, the layout of compressed-tensors 0.18 and
-  later; compressed-tensors 0.17 (the version vLLM 0.33 pins) packs those widths otherwise, and
+  later; compressed-tensors 0.17 (the version vLLM 0.33 / 0.34 pin) packs those widths otherwise, and
   transformers with it fails to load such an export. A warning says so (2, 4 and 8 bits pack the
   same in every version).
 * transformers (+ ``compressed-tensors``): symmetric with the default loader

@@ -60,7 +60,7 @@ error under ``strict: true``).
 
 Consumers (warnings at quant time name them; ``strict: true`` turns the vLLM ones into errors):
 
-* vLLM 0.33 and SGLang serve only 4/8-bit symmetric GPTQ (Marlin kernels); other results point
+* vLLM 0.33 / 0.34 and SGLang serve only 4/8-bit symmetric GPTQ (Marlin kernels); other results point
   to ``type: compressed_tensors``. Marlin takes group sizes -1/32/64/128 only (both engines
   refuse others); vLLM zero-pads layers whose widths are not whole Marlin tiles (out % 64,
   in % 128), SGLang runs Marlin on them unchecked, so such exports are not for SGLang.

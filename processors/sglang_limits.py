@@ -2,7 +2,7 @@
 classes' and quantization schemes' own limits.
 
 The GPTQ and compressed-tensors savers call these checks on the plan (before weights load) and
-warn; vLLM 0.33 loads every case below (and uses static activation scales). Each was established
+warn; vLLM 0.33 / 0.34 loads every case below (and uses static activation scales). Each was established
 by running SGLang's own code from its wheel on msquant's exports (``tests/consumers/
 test_sglang.py``, ``test_sglang_w8a8.py``):
 

@@ -79,20 +79,19 @@ def build_tiny_model(
     build_tokenizer(directory)
     params = dict(ARCHS[arch])
     model_type = params.pop("model_type")
+    base: dict[str, Any] = dict(num_attention_heads=4, num_key_value_heads=2)
     config = AutoConfig.for_model(
         model_type,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=512,
         tie_word_embeddings=tie_word_embeddings,
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=0,
-        **{**params, **overrides},
+        **{**base, **params, **overrides},
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
@@ -160,6 +159,31 @@ MOE_ARCHS: dict[str, dict[str, Any]] = {
         topk_group=1,
         first_k_dense_replace=1,
     ),
+    # GLM-5 (transformers' ``glm_moe_dsa``): MLA with a query LoRA, the DSA indexer
+    # (``self_attn.indexer``: wq_b, wk, k_norm, weights_proj), the first 3 layers dense, as GLM-5;
+    # its attention takes as many key/value heads as query heads; every second layer from the
+    # third on is a ``shared`` indexer layer, reusing the top-k indices the layer before hands on
+    "glm_moe_dsa": dict(
+        model_type="glm_moe_dsa",
+        num_key_value_heads=4,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=3,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        head_dim=8,
+        index_head_dim=16,
+        index_n_heads=2,
+        index_topk=8,
+        index_topk_freq=2,
+    ),
     # like Mixtral, MiniMax-M2's experts are ``intermediate_size`` wide: pass ``intermediate_size=32``
     "minimax_m2": dict(
         model_type="minimax_m2", head_dim=16, num_local_experts=4, num_experts_per_tok=2
@@ -194,6 +218,20 @@ _DELTANET = dict(
     linear_value_head_dim=16,
 )
 _MOE = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+#: image / video token ids inside the tiny vocabulary (the real ones are beyond it)
+_SPECIAL_IDS = dict(
+    image_token_id=VOCAB_SIZE - 9, video_token_id=VOCAB_SIZE - 8, image_start_token_id=VOCAB_SIZE - 7,
+    image_end_token_id=VOCAB_SIZE - 6, video_start_token_id=VOCAB_SIZE - 5,
+    video_end_token_id=VOCAB_SIZE - 4,
+)  # fmt: skip
+_OMNI_IDS = dict(
+    audio_token_index=VOCAB_SIZE - 10, image_token_index=VOCAB_SIZE - 9,
+    video_token_index=VOCAB_SIZE - 8, audio_start_token_id=VOCAB_SIZE - 7,
+)  # fmt: skip
+_OMNI_AUDIO = dict(
+    num_mel_bins=16, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32,
+    output_dim=64, max_source_positions=64, n_window=4,
+)  # fmt: skip
 VLM_ARCHS: dict[str, dict[str, Any]] = {
     # Qwen2.5-VL: windowed vision attention (block 1 full), gated vision MLP, mRoPE text
     "qwen2_5_vl": dict(
@@ -238,19 +276,170 @@ VLM_ARCHS: dict[str, dict[str, Any]] = {
         ),
         projection_hidden_size=64,
     ),
+    # GLM-4.5V / 4.6V: GLM-4-MoE's text model (partial rotary, layer 0 dense) beside a GLM vision
+    # tower whose merger ends in a gated MLP (``merger.gate_proj`` / ``up_proj`` / ``down_proj``)
+    "glm4v_moe": dict(
+        text_config=dict(
+            _TEXT,
+            **{k: v for k, v in MOE_ARCHS["glm4_moe"].items() if k != "model_type"},
+            # half of head_dim 16 rotates: the sections span its 4 frequencies
+            rope_parameters=dict(_MROPE, partial_rotary_factor=0.5, mrope_section=[1, 1, 2]),
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            image_size=28,
+            patch_size=14,
+        ),
+        **_SPECIAL_IDS,
+    ),
+    # Qwen2.5-Omni and Qwen3-Omni: the whole checkpoint (``thinker.*`` beside ``talker.*`` and the
+    # speech decoder ``token2wav.*`` / ``code2wav.*``), built by :data:`OMNI_CLASSES`
+    "qwen2_5_omni": dict(
+        thinker_config=dict(
+            audio_config=_OMNI_AUDIO,
+            vision_config=dict(_QWEN_VISION, fullatt_block_indexes=[1], window_size=28),
+            text_config=dict(_TEXT, rope_parameters=_MROPE),
+            **_OMNI_IDS,
+        ),
+        talker_config=dict(
+            vocab_size=64,
+            embedding_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            rope_parameters=_MROPE,
+            tts_text_start_token_id=1,
+            tts_text_end_token_id=2,
+            tts_text_pad_token_id=3,
+            tts_codec_start_token_id=4,
+            tts_codec_end_token_id=5,
+            tts_codec_pad_token_id=6,
+            tts_codec_mask_token_id=7,
+            vision_start_token_id=8,
+            vision_end_token_id=9,
+            **_OMNI_IDS,
+        ),
+        token2wav_config=dict(
+            dit_config=dict(
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                ff_mult=2,
+                emb_dim=16,
+                head_dim=16,
+                num_embeds=64,
+                mel_dim=8,
+                enc_emb_dim=8,
+                enc_dim=16,
+                enc_channels=[16, 16, 16, 16, 32],
+                enc_attention_channels=8,
+                enc_se_channels=8,
+                look_ahead_layers=[1],
+                look_backward_layers=[0],
+            ),
+            bigvgan_config=dict(
+                mel_dim=8,
+                upsample_initial_channel=16,
+                upsample_rates=[2, 2],
+                upsample_kernel_sizes=[4, 4],
+                resblock_kernel_sizes=[3],
+                resblock_dilation_sizes=[[1, 3, 5]],
+            ),
+        ),
+    ),
+    "qwen3_omni_moe": dict(
+        thinker_config=dict(
+            audio_config=dict(_OMNI_AUDIO, downsample_hidden_size=8, n_window_infer=8),
+            vision_config=dict(
+                _QWEN_VISION,
+                patch_size=14,
+                num_position_embeddings=16,
+                deepstack_visual_indexes=[0],
+            ),
+            text_config=dict(_TEXT, rope_parameters=_MROPE, **_MOE),
+            **{k.replace("index", "id"): v for k, v in _OMNI_IDS.items()},
+        ),
+        talker_config=dict(
+            text_config=dict(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=16,
+                moe_intermediate_size=16,
+                num_local_experts=2,
+                num_experts_per_tok=1,
+                shared_expert_intermediate_size=16,
+            ),
+            code_predictor_config=dict(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=16,
+                num_code_groups=2,
+            ),
+            num_code_groups=2,
+            thinker_hidden_size=64,
+            codec_eos_token_id=10,
+            codec_nothink_id=11,
+            codec_think_bos_id=12,
+            codec_think_eos_id=13,
+            codec_pad_id=14,
+            codec_bos_id=15,
+            accept_hidden_layer=1,
+            spatial_merge_size=2,
+        ),
+        code2wav_config=dict(
+            codebook_size=64,
+            hidden_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_quantizers=2,
+            upsample_rates=[2, 2],
+            upsampling_ratios=[2],
+            decoder_dim=16,
+            sliding_window=8,
+        ),
+    ),
 }
 
 
-def build_tiny_vlm(directory: Path, arch: str, seed: int = 0) -> Path:
-    """Write a random-weight vision-language model of ``arch`` (:data:`VLM_ARCHS`) with a trained
-    tokenizer into ``directory``."""
+#: The Omni models' whole-checkpoint classes (:func:`build_tiny_vlm`).
+OMNI_CLASSES = {
+    "qwen2_5_omni": "Qwen2_5OmniForConditionalGeneration",
+    "qwen3_omni_moe": "Qwen3OmniMoeForConditionalGeneration",
+}
+
+
+def build_tiny_vlm(directory: Path, arch: str, seed: int = 0, **overrides: Any) -> Path:
+    """Write a random-weight vision-language model of ``arch`` (:data:`VLM_ARCHS`, updated with
+    ``overrides``) with a trained tokenizer into ``directory``."""
     from transformers import AutoModelForImageTextToText
 
     directory.mkdir(parents=True, exist_ok=True)
     build_tokenizer(directory)
-    config = AutoConfig.for_model(arch, **VLM_ARCHS[arch])
+    config = AutoConfig.for_model(arch, **{**VLM_ARCHS[arch], **overrides})
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config).eval()
+    if arch in OMNI_CLASSES:  # no auto class builds the whole checkpoint (thinker and talker)
+        import transformers
+
+        model = getattr(transformers, OMNI_CLASSES[arch])(config).eval()
+    else:
+        model = AutoModelForImageTextToText.from_config(config).eval()
     model.save_pretrained(str(directory))
     return directory
 

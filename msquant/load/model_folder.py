@@ -22,7 +22,7 @@ from torch import nn
 from msquant.errors import ModelLoadError
 from msquant.load.integrity import check_loading_info
 from msquant.model.adapter_registry import adapter_for
-from msquant.model.vision import is_vision_language
+from msquant.model.vision import is_vision_language, other_parts, quantized_part
 
 __all__ = [
     "check_model_dir",
@@ -107,7 +107,23 @@ def _check_safetensors_header(file: Path) -> None:
 
 
 def load_model_config(path: Path, trust_remote_code: bool = False) -> Any:
-    """The model's ``transformers`` config."""
+    """The ``transformers`` config of the model msquant loads from ``path``: the checkpoint's
+    own, or the part of it that msquant quantizes (an Omni model's thinker,
+    :func:`msquant.model.vision.quantized_part`)."""
+    whole = _read_config(path, trust_remote_code)
+    config, part = quantized_part(whole)
+    if part is not None:
+        logger.info(
+            "%s holds a %s model; msquant loads and quantizes its %s (%s) and exports only its "
+            "tensors, as msModelSlim does: the checkpoint's other parts (%s) are not written",
+            path, whole.model_type, part.removesuffix("_config"), config.model_type,
+            ", ".join(other_parts(whole.to_dict())) or "none",
+        )  # fmt: skip
+    return config
+
+
+def _read_config(path: Path, trust_remote_code: bool) -> Any:
+    """config.json as transformers reads it (checked first for what fails deep inside)."""
     from transformers import AutoConfig
 
     _check_dtype(path)
@@ -221,11 +237,16 @@ def load_causal_lm(path: Path, trust_remote_code: bool = False, **placement: Any
     :param placement: ``device_map`` / ``offload_folder`` for ``from_pretrained`` (a streamed
         run leaves the decoder layers on disk, :mod:`msquant.load.streaming`).
     """
-    auto_class = model_class_for(load_model_config(path, trust_remote_code))
+    config = load_model_config(path, trust_remote_code)
+    # a part of the checkpoint (an Omni model's thinker) is built from its own config
+    whole = _read_config(path, trust_remote_code)
+    part = {"config": config} if config.model_type != whole.model_type else {}
+    auto_class = model_class_for(config)
     with _captured_load_report() as report:
         try:
             loaded: Any = auto_class.from_pretrained(
                 str(path),
+                **part,
                 dtype="auto",
                 use_safetensors=True,
                 trust_remote_code=trust_remote_code,

@@ -39,7 +39,7 @@ from msquant.model.moe import MoEInfo, moe_routers, unfuse_experts
 from msquant.model.norms import NormLayout
 from msquant.model.rotation_layout import RotationLayout, default_rotation_layout
 from msquant.model.subgraphs import SmoothingSubgraph, default_subgraphs
-from msquant.model.vision import vision_parts
+from msquant.model.vision import STREAM_FEEDERS, stream_feeders, vision_parts
 
 __all__ = ["ModelAdapter"]
 
@@ -104,16 +104,36 @@ class ModelAdapter:
         (:func:`~msquant.model.rotation_layout.default_rotation_layout`)."""
         head = self.output_head(model)
         parts = vision_parts(model, head[0] if head else None)
-        if parts:
+        feeders = stream_feeders(model) if parts else []
+        if feeders is None:
             names = ", ".join(name for name, _ in parts)
+            model_type = getattr(getattr(model, "config", None), "model_type", "?")
             return None, [
-                f"the model is a vision-language model: its {names} output joins the text "
-                "decoder's residual stream (image features replace image tokens' embeddings), "
-                "so a rotation of that stream must rotate their output too, which msquant does "
-                "not do; remove the rotation from the config (smoothing and quantization of the "
-                "text decoder do not need it)"
+                f"the model is a vision-language model ({model_type}): its {names} output "
+                "joins the text decoder's residual stream (image features replace image tokens' "
+                "embeddings), so a rotation of that stream must rotate the linears producing "
+                "it too; msquant knows them for "
+                f"{', '.join(sorted(STREAM_FEEDERS))} only; remove the rotation from the config "
+                "(smoothing and quantization of the text decoder do not need it)"
             ]
-        return default_rotation_layout(model, layers, self.norm_scale_offset, self.norm_layout)
+        layout, problems = default_rotation_layout(
+            model, layers, self.norm_scale_offset, self.norm_layout
+        )
+        if layout is None or not parts:
+            return layout, problems
+        hidden = layout.hidden_size
+        wrong = [
+            name
+            for name in feeders
+            if getattr(model.get_submodule(name), "out_features", None) != hidden
+        ]
+        if not feeders or wrong:
+            return None, [
+                f"the vision-language model's linears feeding the residual stream "
+                f"({', '.join(wrong) or 'none found'}) are not linears writing its width "
+                f"{hidden}: the rotation cannot rotate their output"
+            ]
+        return replace(layout, feeders=tuple(feeders)), []
 
     # -- fused matrices ---------------------------------------------------------------------
 

@@ -49,6 +49,19 @@ class CheckpointNames:
             and all(k == v for k, v in self.modules.items())
         )
 
+    def prefixed(self, prefix: str) -> CheckpointNames:
+        """The same names under ``prefix`` on disk (``thinker.``: an Omni model's thinker built
+        from its config, whose checkpoint holds it under that prefix; transformers adds the
+        prefix back on save only when it removed it on load)."""
+        if not prefix:
+            return self
+        return CheckpointNames(
+            tensors={k: prefix + v for k, v in self.tensors.items()},
+            modules={k: prefix + v for k, v in self.modules.items()},
+            converted=self.converted,
+            converted_shapes={prefix + k: v for k, v in self.converted_shapes.items()},
+        )
+
     def module_name(self, name: str) -> str:
         """Disk name of a module (e.g. ``model.layers.0.mlp.experts.3.gate_proj`` ->
         ``model.layers.0.block_sparse_moe.experts.3.w1`` for Mixtral).

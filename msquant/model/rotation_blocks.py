@@ -5,7 +5,8 @@ Known by their transformers module names (relative to the decoder layer):
 
 * attention: q/k/v attention (``self_attn.q/k/v_proj`` -> ``o_proj``; Llama, Qwen, Mistral,
   GLM-4-MoE, MiniMax-M2, Qwen3-Next's gated full attention), DeepSeek's multi-head latent
-  attention (``self_attn.q_a_proj`` or ``q_proj``, ``kv_a_proj_with_mqa`` -> ``o_proj``), and
+  attention (``self_attn.q_a_proj`` or ``q_proj``, ``kv_a_proj_with_mqa`` -> ``o_proj``; with a
+  DSA indexer, as DeepSeek-V3.2's and GLM-5's, also its ``indexer.wk`` and ``weights_proj``), and
   Gated DeltaNet linear attention (``linear_attn.in_proj_qkvz``, ``in_proj_ba``, or the four
   ``in_proj_qkv/z/b/a`` -> ``out_proj``);
 * MLP: dense (``mlp.gate/up_proj`` -> ``down_proj``) and mixture of experts (a block holding
@@ -52,6 +53,8 @@ class AttentionShape:
     readers: tuple[tuple[str, ...], ...]
     writer: str
     value: str | None = None
+    #: readers of the same normed stream that the block may have (read when present)
+    optional: tuple[str, ...] = ()
 
 
 ATTENTION_SHAPES: tuple[AttentionShape, ...] = (
@@ -66,6 +69,9 @@ ATTENTION_SHAPES: tuple[AttentionShape, ...] = (
         (("self_attn.q_a_proj", "self_attn.q_proj"), ("self_attn.kv_a_proj_with_mqa",)),
         "self_attn.o_proj",
         value="self_attn.kv_b_proj",
+        # the DSA indexer (DeepSeek-V3.2, GLM-5): its key and head-weight projections read the
+        # normed stream as q_a_proj does (its wq_b reads the query latent, which is not rotated)
+        optional=("self_attn.indexer.wk", "self_attn.indexer.weights_proj"),
     ),
     AttentionShape(
         "Gated DeltaNet linear attention",
@@ -136,6 +142,7 @@ def find_attention_block(
         if shape.writer not in found or any(name is None for name in chosen):
             continue
         readers = tuple(name for name in chosen if name is not None)
+        readers += tuple(name for name in shape.optional if name in found)
         widths = _per_head(found, shape, head_dim, heads)
         if shape.value is None or widths is None:
             return BlockLayout(shape.kind, readers, (shape.writer,))

@@ -80,6 +80,10 @@ class RotationLayout:
         (0 for RMSNorm; 1 for Qwen3-Next's, whose weight is stored as the gain minus one), as the
         model adapter declares it; None when it does not (the rotation measures each norm and
         folds ``offset + weight`` into the readers, then sets the weight to ``1 - offset``).
+    :param feeders: linears outside the text decoder whose output joins the stream: a
+        vision-language model's projector outputs, which replace the image tokens' embeddings
+        or are added to the stream (Qwen3-VL's deepstack mergers); rotated on their output
+        (``R.T @ W``, ``R.T @ b``) like the embedding is on its (:mod:`msquant.model.vision`).
     """
 
     hidden_size: int
@@ -90,6 +94,7 @@ class RotationLayout:
     tied: bool
     layers: tuple[LayerRotationLayout, ...]
     norm_offset: float | None = None
+    feeders: tuple[str, ...] = ()
 
     @property
     def rotates_heads(self) -> bool:

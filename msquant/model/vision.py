@@ -10,17 +10,110 @@ their weights are exported unchanged (as float). msModelSlim walks the vision to
 projector too, each as one unit, and quantizes the linear layers its scopes reach there, with
 image calibration data. msquant quantizes the linears a config selects there only when their
 scheme needs no calibration data (:mod:`msquant.run.vision_stage`); a config selecting them with
-one that does is refused (:mod:`msquant.planning.vision_scopes`), as is a residual-stream
-rotation, whose projector output would have to be rotated as well.
+one that does is refused (:mod:`msquant.planning.vision_scopes`). A rotation of the residual
+stream also rotates the projector linears whose output joins it (:data:`STREAM_FEEDERS`), for
+the families where that is known; it is refused for the others. An Omni checkpoint (thinker,
+talker, speech decoder) is loaded as its thinker, the part msModelSlim quantizes
+(:data:`SUB_MODELS`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
 
-__all__ = ["is_vision_language", "text_decoder_name", "vision_parts"]
+__all__ = [
+    "is_vision_language",
+    "other_parts",
+    "part_prefix",
+    "stream_feeders",
+    "quantized_part",
+    "text_decoder_name",
+    "vision_parts",
+]
+
+#: The sub-model of a checkpoint that msquant loads and quantizes, by the checkpoint's
+#: ``model_type``: Qwen2.5-Omni and Qwen3-Omni hold a "thinker" (audio tower, vision tower,
+#: text decoder: an image-text-to-text model of its own) beside a "talker" and a speech decoder
+#: (``token2wav`` / ``code2wav``). msModelSlim 26.1.0 loads and quantizes the thinker only and
+#: writes only its tensors, under the checkpoint's ``thinker.`` names
+#: (``model/qwen2_5_omni_thinker`` and ``model/qwen3_omni_moe`` adapters: ``init_model`` builds
+#: the thinker class from ``thinker_config``, ``ascendv1_save_postprocess`` adds the prefix), which
+#: is what vLLM serves (its Omni thinker skips ``talker.`` / ``token2wav.`` tensors).
+SUB_MODELS: dict[str, str] = {"qwen2_5_omni": "thinker_config", "qwen3_omni_moe": "thinker_config"}
+
+
+def quantized_part(config: Any) -> tuple[Any, str | None]:
+    """``(config of the part msquant quantizes, its attribute name in config)``: the thinker's
+    config of an Omni checkpoint (:data:`SUB_MODELS`), else ``(config, None)``."""
+    key = SUB_MODELS.get(getattr(config, "model_type", ""))
+    part = getattr(config, key, None) if key else None
+    if part is None:
+        return config, None
+    return part, key
+
+
+def other_parts(config_json: Mapping[str, Any]) -> list[str]:
+    """The checkpoint-name prefixes of the parts of an Omni-like checkpoint msquant neither
+    quantizes nor exports (``talker``, ``token2wav`` / ``code2wav``), from its ``config.json``
+    mapping; empty for any other model."""
+    part = SUB_MODELS.get(str(config_json.get("model_type")))
+    if part is None:
+        return []
+    return sorted(
+        key.removesuffix("_config")
+        for key, value in config_json.items()
+        if key.endswith("_config") and key != part and isinstance(value, dict)
+    )
+
+
+#: Per ``model_type``: the linears (``fnmatch`` patterns of transformers' names) whose output
+#: joins the text decoder's residual stream, and nothing else of the vision side does: the
+#: projector's last linear (its output replaces the image tokens' embeddings) and Qwen3-VL's
+#: deepstack mergers (added to the hidden states after the first layers). A rotation of the
+#: stream rotates them on their output. msModelSlim 26.1.0's quarot does the same
+#: (``model/qwen3_vl/model_adapter.py`` and ``qwen3_vl_moe``: ``merger.linear_fc2`` and
+#: ``deepstack_merger_list.*.linear_fc2``; ``internvl3_5``: ``mlp1.3``, transformers'
+#: ``multi_modal_projector.linear_2``). Only families whose rotated model was shown to compute
+#: the original logits on text and image inputs are listed (tests/processors/test_quarot_vlm.py).
+STREAM_FEEDERS: dict[str, tuple[str, ...]] = {
+    "qwen3_vl": (
+        "model.visual.merger.linear_fc2",
+        "model.visual.deepstack_merger_list.*.linear_fc2",
+    ),
+    "qwen3_vl_moe": (
+        "model.visual.merger.linear_fc2",
+        "model.visual.deepstack_merger_list.*.linear_fc2",
+    ),
+    "qwen3_5": ("model.visual.merger.linear_fc2",),
+    "qwen3_5_moe": ("model.visual.merger.linear_fc2",),
+    "internvl": ("model.multi_modal_projector.linear_2",),
+}
+
+
+def stream_feeders(model: nn.Module) -> list[str] | None:
+    """Full names of the linears of a vision-language model whose output joins its text
+    decoder's residual stream (:data:`STREAM_FEEDERS`), in model order; None for a model whose
+    family is not listed there."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    patterns = STREAM_FEEDERS.get(str(model_type))
+    if patterns is None:
+        return None
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and any(fnmatchcase(name, p) for p in patterns)
+    ]
+
+
+def part_prefix(config_json: Mapping[str, Any]) -> str:
+    """The checkpoint-name prefix of the part msquant quantizes (``thinker.`` for an Omni
+    model, from its ``config.json`` mapping); empty for any other model."""
+    part = SUB_MODELS.get(str(config_json.get("model_type")))
+    return f"{part.removesuffix('_config')}." if part else ""
 
 
 def is_vision_language(config: Any) -> bool:

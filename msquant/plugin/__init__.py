@@ -117,6 +117,7 @@ from msquant.model.subgraphs import (
     SUBGRAPH_TYPES,
     SmoothingSubgraph,
     SubgraphType,
+    unknown_expert_modules,
 )
 from msquant.planning.analysis import (
     analyse_plan,
@@ -541,6 +542,7 @@ __all__ = [
     "SUBGRAPH_TYPES",
     "SmoothingSubgraph",
     "SubgraphType",
+    "unknown_expert_modules",
     "fuse_norm_into_linear",
     "hadamard_core_order",
     "is_power_of_two",

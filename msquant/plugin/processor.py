@@ -42,6 +42,13 @@ such a processor there is a single group, every processor, exactly as described 
 inputs are then the outputs of the first pass of the last group that calibrates (msModelSlim feeds
 the next layer the outputs of the last calibrating processor's forward).
 
+Processors that observe the finished layer (``calibrates_after_previous``): a calibrating processor
+that sets it starts a new segment of the layer's processors. The segments run one after another,
+each with its own ``before_layer``, passes (grouped as above) and ``after_layer``, so such a
+processor calibrates on the layer as the processors before it left it (quantized linears
+included), as msModelSlim's entries do. The next layer's inputs are the outputs of the first pass
+of the last segment that calibrates.
+
 What the next layer is calibrated on: by default the outputs of the first pass, computed before
 any processor changed the layer (the float model's activations, as msModelSlim does). When a
 processor sets ``calibrate_on_quantized``, the runner instead runs the layer once more after every
@@ -155,6 +162,15 @@ class Processor(ABC):
     #: the runner then runs its passes first, and gives the processors after it passes of their
     #: own over the rewritten layer (none when none of them calibrates).
     rewrites_layer: bool = False
+    #: Class default; an instance may set its own value. Set it when the processor's calibration
+    #: must see the layer as the processors before it in ``spec.process`` leave it, their
+    #: ``after_layer`` included (msModelSlim runs each entry's forward after the entries before it
+    #: finished the layer, e.g. attention activations observed through already quantized
+    #: linears). The runner then finishes the processors before it (``before_layer``, passes,
+    #: ``after_layer``) before it calls this processor's ``before_layer`` and runs its passes; the
+    #: processors after it go with it (see :func:`msquant.run.runner.layer_segments`). It has an
+    #: effect only on a calibrating processor that is not the first.
+    calibrates_after_previous: bool = False
     #: Set to the reason when a config may hold at most one entry of this processor, counting
     #: every place an entry can be (``spec.prior`` stages, ``spec.process``, the entries of a
     #: container): validation then refuses every entry after the first, naming both entries' YAML

@@ -6,6 +6,14 @@ costs the embeddings and the per-layer inputs the model computes itself (attenti
 differ between full and sliding-window layers, rotary embeddings, positions), never a layer's work.
 The hidden states entering layer 0 are then pushed through the real layers one at a time.
 
+A layer may return more than its hidden states for the model body to hand to a later layer (GLM-5's
+decoder layers return the DSA indexer's top-k token indices, which the body passes to the next
+layer as ``prev_topk_indices``). Where the first layer returns something beside its hidden states,
+the recorders return a :class:`HandedOn` marker there; the argument of a later call the body puts
+it into is recorded (:attr:`LayerCall.handed`), and the layer-wise run puts in what that layer
+returned in the same forward whose hidden states it commits to the next layer. What the body does
+otherwise with such an output (computes with it, drops it, nests it) is refused.
+
 Samples of equal length are stacked into batches of up to ``max_batch_tokens`` tokens (no padding,
 so no token is added and every Hessian sees exactly the calibration tokens): one ``[8, 512]``
 forward costs a quarter of eight ``[1, 512]`` forwards on a CPU, since small matrix products and
@@ -28,6 +36,7 @@ from msquant.model.layers import DecoderLayer, layer_list_name, parent_module
 
 __all__ = [
     "DEFAULT_MAX_BATCH_TOKENS",
+    "HandedOn",
     "LayerCall",
     "CalibrationActivations",
     "batch_samples",
@@ -43,10 +52,17 @@ DEFAULT_MAX_BATCH_TOKENS = 4096
 
 @dataclass
 class LayerCall:
-    """The arguments of one decoder layer call, without the hidden states."""
+    """The arguments of one decoder layer call, without the hidden states.
+
+    ``handed`` names the arguments the model body filled with what an earlier layer returned
+    beside its hidden states (:class:`HandedOn`): argument position (``int``, into ``args``) or
+    keyword (``str``) -> (that layer's index, the position in its output tuple). Those arguments
+    hold None here; the layer-wise run puts in what the earlier layer returned in the run.
+    """
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    handed: dict[int | str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -58,9 +74,58 @@ class CalibrationActivations:
     tuple_output: bool = False
     next_layer: int = 0
     token_count: int = field(init=False)
+    #: (layer, output position) -> per batch, what that layer returned there in the forward whose
+    #: hidden states were committed, kept while a later layer's call takes it (see ``handed``)
+    state: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
+    #: what the last kept :meth:`run` returned beside the hidden states (``id`` of its outputs)
+    _pending: tuple[int, dict[tuple[int, int], list[Any]]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_count = sum(int(h.shape[0] * h.shape[1]) for h in self.hidden)
+
+    @property
+    def hands_state_on(self) -> bool:
+        """Whether a layer's call takes something an earlier layer returned (GLM-5's indexer)."""
+        return any(call.handed for calls in self.calls for call in calls)
+
+    def arguments(self, batch: int, layer: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The positional and keyword arguments (beside the hidden states) of ``layer``'s call on
+        batch ``batch``, with what earlier layers handed on put in (:class:`LayerCall`)."""
+        call = self.calls[batch][layer]
+        if not call.handed:
+            return call.args, call.kwargs
+        args, kwargs = list(call.args), dict(call.kwargs)
+        for slot, source in call.handed.items():
+            if source not in self.state:
+                raise RuntimeError(
+                    f"layer {layer} takes what layer {source[0]} returned at position "
+                    f"{source[1]}, which the run has not kept"
+                )
+            value = self.state[source][batch]
+            if isinstance(slot, int):
+                args[slot] = value
+            else:
+                kwargs[slot] = value
+        return tuple(args), kwargs
+
+    def takes_state_from_before(self, layer: int) -> bool:
+        """Whether a call of ``layer`` or a later layer takes what a layer before ``layer``
+        returned (a run resumed at ``layer`` would need it)."""
+        return any(
+            source[0] < layer
+            for call in (self.calls[0][layer:] if self.calls else [])
+            for source in call.handed.values()
+        )
+
+    def _handed_from(self, layer: int) -> list[int]:
+        """The output positions of ``layer`` that a later layer's call takes."""
+        positions = {
+            source[1]
+            for call in (self.calls[0] if self.calls else [])
+            for source in call.handed.values()
+            if source[0] == layer
+        }
+        return sorted(positions)
 
     @torch.no_grad()
     def run(
@@ -80,34 +145,66 @@ class CalibrationActivations:
                 f"layers must be run in order: expected {self.next_layer}, got {layer.index}"
             )
         outputs = []
-        for hidden, calls in zip(self.hidden, self.calls, strict=True):
-            call = calls[layer.index]
+        handed = self._handed_from(layer.index) if keep_outputs else []
+        kept: dict[tuple[int, int], list[Any]] = {(layer.index, p): [] for p in handed}
+        for batch, hidden in enumerate(self.hidden):
+            args, kwargs = self.arguments(batch, layer.index)
             result = layer.module(
                 backend.tensor_to_device(hidden),
-                *tree_to_device(call.args, backend),
-                **tree_to_device(call.kwargs, backend),
+                *tree_to_device(args, backend),
+                **tree_to_device(kwargs, backend),
             )
             if keep_outputs:
                 out = result[0] if isinstance(result, tuple) else result
                 outputs.append(out.to(hidden.device))
+                for position in handed:
+                    kept[(layer.index, position)].append(_to_host(result[position], hidden.device))
             del result
-        return outputs if keep_outputs else None
+        if not keep_outputs:
+            return None
+        self._pending = (id(outputs), kept)
+        return outputs
 
     def commit(self, layer: DecoderLayer, outputs: list[torch.Tensor]) -> None:
-        """Make ``outputs`` (from :meth:`run` over ``layer``) the inputs of the next layer."""
+        """Make ``outputs`` (from :meth:`run` over ``layer``) the inputs of the next layer, and
+        what that same forward returned beside them the state later layers take."""
         if layer.index != self.next_layer or len(outputs) != len(self.hidden):
             raise RuntimeError(
                 f"outputs of layer {layer.index} ({len(outputs)} batches) cannot follow the inputs "
                 f"of layer {self.next_layer} ({len(self.hidden)} batches)"
             )
+        if self._handed_from(layer.index):
+            if self._pending is None or self._pending[0] != id(outputs):
+                raise RuntimeError(
+                    f"the outputs committed for layer {layer.index} are not those of its last "
+                    "kept forward, whose handed-on state the next layers take"
+                )
+            self.state.update(self._pending[1])
+        self._pending = None
         self.hidden = outputs
         self.next_layer += 1
+        self._drop_state_before(self.next_layer)
+
+    def _drop_state_before(self, layer: int) -> None:
+        """Forget the kept state no call from ``layer`` on takes."""
+        wanted = {
+            source
+            for call in (self.calls[0][layer:] if self.calls else [])
+            for source in call.handed.values()
+        }
+        for key in [key for key in self.state if key not in wanted]:
+            del self.state[key]
 
     def advance(self, layer: DecoderLayer, backend: Backend) -> None:
         """Run ``layer`` over every batch and make its outputs the next layer's inputs."""
         outputs = self.run(layer, backend, keep_outputs=True)
         assert outputs is not None
         self.commit(layer, outputs)
+
+
+def _to_host(value: Any, device: torch.device) -> Any:
+    """A returned tensor moved to ``device`` (where the hidden states are kept); else as is."""
+    return value.detach().to(device) if isinstance(value, torch.Tensor) else value
 
 
 def tree_to_device(obj: Any, backend: Backend) -> Any:
@@ -142,8 +239,24 @@ class _LayerStandIn(nn.Module):
             return getattr(real[0], name)
 
 
+class HandedOn:
+    """Stands, during capture, for what decoder layer ``layer`` returns at ``position`` of its
+    output tuple beside the hidden states: the recorders return these, so where the model body
+    puts one into a later layer's call shows what it hands on, and to which argument."""
+
+    __slots__ = ("layer", "position")
+
+    def __init__(self, layer: int, position: int) -> None:
+        self.layer = layer
+        self.position = position
+
+    def __repr__(self) -> str:
+        return f"HandedOn(layer={self.layer}, position={self.position})"
+
+
 class _Recorder(_LayerStandIn):
-    """Stands in for a decoder layer during capture: records its inputs, returns them unchanged."""
+    """Stands in for a decoder layer during capture: records its inputs, returns them unchanged
+    (and a :class:`HandedOn` where the layer returns more than its hidden states)."""
 
     def __init__(self, index: int, real: nn.Module, session: _CaptureSession) -> None:
         super().__init__(real)
@@ -158,27 +271,23 @@ class _Recorder(_LayerStandIn):
                 output = self.real[0](hidden_states, *args, **kwargs)
                 session.tuple_output = isinstance(output, tuple)
                 if session.tuple_output:
-                    session.extra_outputs = _extra_outputs(self.real[0], output)
+                    session.extra_outputs = len(output) - 1
+                    session.returned = [
+                        i for i, value in enumerate(output) if i and value is not None
+                    ]
+                    session.layer_type = type(self.real[0]).__name__
+                    session.kinds = ", ".join(type(value).__name__ for value in output[1:])
         session.calls.append(LayerCall(args, dict(kwargs)))
         session.order.append(self.index)
         if not session.tuple_output:
             return hidden_states
-        return (hidden_states, *([None] * session.extra_outputs))
-
-
-def _extra_outputs(layer: nn.Module, output: tuple[Any, ...]) -> int:
-    """How many outputs a decoder layer returns beside its hidden states (all None: attention
-    weights not asked for); a layer handing something else to the next one is refused."""
-    extra = output[1:]
-    if any(value is not None for value in extra):
-        kinds = ", ".join(type(value).__name__ for value in extra)
-        raise ModelLoadError(
-            f"{type(layer).__name__} returns more than its hidden states ({kinds} beside them), "
-            "which the model passes on to the next layers: msquant runs the decoder layers one "
-            "at a time from the hidden states and the arguments each received, so an "
-            "architecture whose layers hand other state to each other is not supported"
+        return (
+            hidden_states,
+            *(
+                HandedOn(self.index, i) if i in session.returned else None
+                for i in range(1, session.extra_outputs + 1)
+            ),
         )
-    return len(extra)
 
 
 @dataclass
@@ -187,8 +296,61 @@ class _CaptureSession:
     order: list[int] = field(default_factory=list)
     first_hidden: torch.Tensor | None = None
     tuple_output: bool | None = None
-    #: the None outputs a tuple-returning layer gives beside its hidden states
+    #: the outputs a tuple-returning layer gives beside its hidden states
     extra_outputs: int = 0
+    #: the positions of its output tuple where the first layer returned something (not None)
+    returned: list[int] = field(default_factory=list)
+    layer_type: str = ""
+    kinds: str = ""
+
+
+def _link_handed_state(session: _CaptureSession, count: int) -> None:
+    """Turn the :class:`HandedOn` stand-ins the model body put into the layers' calls into each
+    :class:`LayerCall`'s ``handed`` (the argument holds None). A layer's returned state that no
+    later layer takes as an argument (the body keeps it, or works with it) is refused, since the
+    layer-wise run reproduces only what the body hands from layer to layer; so is one a layer
+    gets nested in another argument."""
+    consumed: set[tuple[int, int]] = set()
+    for call in session.calls:
+        slots: list[tuple[int | str, Any]] = [*enumerate(call.args), *call.kwargs.items()]
+        for slot, value in slots:
+            if isinstance(value, HandedOn):
+                call.handed[slot] = (value.layer, value.position)
+                consumed.add((value.layer, value.position))
+            elif _holds_handed(value):
+                raise ModelLoadError(_handed_message(session, "inside another argument"))
+        if call.handed:
+            args = list(call.args)
+            for slot in call.handed:
+                if isinstance(slot, int):
+                    args[slot] = None
+                else:
+                    call.kwargs[slot] = None
+            call.args = tuple(args)
+    for layer in range(count - 1):  # what the last layer returns goes to no layer
+        for position in session.returned:
+            if (layer, position) not in consumed:
+                raise ModelLoadError(_handed_message(session, "to no later layer"))
+
+
+def _holds_handed(value: Any) -> bool:
+    if isinstance(value, HandedOn):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(_holds_handed(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_handed(v) for v in value.values())
+    return False
+
+
+def _handed_message(session: _CaptureSession, how: str) -> str:
+    return (
+        f"{session.layer_type} returns more than its hidden states ({session.kinds} beside "
+        f"them), which the model body passes on {how}: msquant runs the decoder layers one at a "
+        "time from the hidden states and the arguments each received, carrying a layer's other "
+        "outputs only into a later layer's call as a whole argument, so this architecture is not "
+        "supported"
+    )
 
 
 def batch_samples(
@@ -249,9 +411,22 @@ def capture_layer_inputs(
             session.calls = []
             session.order = []
             session.first_hidden = None
-            body(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
+            try:
+                body(
+                    input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False
+                )
+            except (TypeError, AttributeError, ValueError) as error:
+                if not session.returned:
+                    raise
+                raise ModelLoadError(
+                    _handed_message(session, f"into its own work ({error})")
+                ) from error
             if session.order != list(range(len(originals))) or session.first_hidden is None:
                 raise ModelLoadError(_order_message(body, session.order, len(originals)))
+            if session.returned:
+                _link_handed_state(session, len(originals))
+                if calls and [c.handed for c in session.calls] != [c.handed for c in calls[0]]:
+                    raise ModelLoadError(_handed_message(session, "differently between batches"))
             hidden.append(session.first_hidden.detach())
             calls.append(session.calls)
     finally:

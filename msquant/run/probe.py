@@ -95,6 +95,12 @@ class TransformProbe:
         )
         self.seconds += time.perf_counter() - started
 
+    @property
+    def activations(self) -> CalibrationActivations | None:
+        """The probe's captured layer calls and current hidden states (None before
+        :meth:`capture`)."""
+        return self._activations
+
     def entering(self) -> torch.Tensor:
         """The probe's hidden states entering the next layer, as they are (for a checkpoint)."""
         if self._activations is None:
@@ -186,11 +192,11 @@ class TransformProbe:
         assert self._activations is not None
         layer = self.layer
         started = time.perf_counter()
-        call = self._activations.calls[0][layer.index]
+        call_args, call_kwargs = self._activations.arguments(0, layer.index)
         inputs = self.hidden() if hidden is None else hidden
         with in_float32(layer.module) as upcast, without_foreign_hooks(layer.module):
             args, kwargs = (
-                float32_copy((call.args, call.kwargs)) if upcast else (call.args, call.kwargs)
+                float32_copy((call_args, call_kwargs)) if upcast else (call_args, call_kwargs)
             )
             device = self.backend
             result = layer.module(

@@ -7,7 +7,11 @@ a processor that ``rewrites_layer`` gets its passes before the processors after 
 see :func:`calibration_stages`), call every ``after_layer``, and move the layer back to host
 memory. The next layer's inputs are the outputs of the first pass (of the last group of passes
 that calibrates; the layer still float), or, when a processor sets ``calibrate_on_quantized``, of
-one more forward after ``after_layer`` (the layer as processed).
+one more forward after ``after_layer`` (the layer as processed). A calibrating processor that
+sets ``calibrates_after_previous`` starts a new segment of the layer's processors: the segments
+run one after another (``before_layer``, passes, ``after_layer`` each), so it observes the layer as
+the processors before it finished it, and the next layer's inputs are the outputs of the first
+pass of the last segment that calibrates (:func:`layer_segments`).
 Device memory is therefore bounded by one layer plus its calibration activations.
 
 In a streamed run (``ctx.streamed``) the layers' weights are on disk: each layer is read just
@@ -32,6 +36,7 @@ import torch
 from tqdm.auto import tqdm
 
 from msquant.errors import QuantizationError
+from msquant.load.streaming import collect_new_objects_only
 from msquant.model.layers import DecoderLayer
 from msquant.plugin.context import RunContext
 from msquant.plugin.processor import Processor, flatten_processors
@@ -51,6 +56,7 @@ __all__ = [
     "batch_token_limit",
     "calibrates_on_quantized",
     "calibration_stages",
+    "layer_segments",
     "needs_calibration",
     "needs_probe",
     "run_layer_wise",
@@ -96,7 +102,8 @@ def run_layer_wise(
             checkpoints.keeps_floats = ctx.streamed is None
     ctx.probe = probe
     try:
-        _run_layers(ctx, processors, samples, progress, checkpoints, probe)
+        with collect_new_objects_only():
+            _run_layers(ctx, processors, samples, progress, checkpoints, probe)
     finally:
         ctx.probe = None
 
@@ -160,13 +167,17 @@ def _run_layers(
         ctx.backend.to_device(layer.module)
         if probe is not None:
             probe.enter(layer)
-        for processor in processors:
-            processor.before_layer(ctx, layer)
         outputs = None
-        if activations is not None:
-            outputs = _calibrate(ctx, processors, layer, activations, quantized)
-        for processor in processors:
-            processor.after_layer(ctx, layer)
+        segments = layer_segments(processors)
+        last = max((i for i, s in enumerate(segments) if needs_calibration(s)), default=-1)
+        for number, segment in enumerate(segments):
+            for processor in segment:
+                processor.before_layer(ctx, layer)
+            if activations is not None and needs_calibration(segment):
+                kept = _calibrate(ctx, segment, layer, activations, quantized or number != last)
+                outputs = kept if number == last else outputs
+            for processor in segment:
+                processor.after_layer(ctx, layer)
         if activations is not None:
             if outputs is None:  # calibrate_on_quantized: the processed layer's outputs
                 outputs = activations.run(layer, ctx.backend)
@@ -239,6 +250,20 @@ def _calibrate(
             for processor in stage:
                 processor.after_pass(ctx, layer, index)
     return outputs
+
+
+def layer_segments(processors: Sequence[Processor]) -> list[list[Processor]]:
+    """The processors split, in ``spec.process`` order, before each calibrating processor that
+    sets ``calibrates_after_previous`` (not the first): each segment runs its ``before_layer``,
+    passes and ``after_layer`` before the next one starts, so that processor observes the layer
+    as the processors before it finished it (msModelSlim's order). Without such a processor
+    there is one segment, every processor."""
+    segments: list[list[Processor]] = [[]]
+    for processor in processors:
+        if processor.requires_calibration and processor.calibrates_after_previous and segments[-1]:
+            segments.append([])
+        segments[-1].append(processor)
+    return segments
 
 
 def calibration_stages(processors: Sequence[Processor]) -> list[list[Processor]]:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from msquant.export.marker import TRANSFORMED_KEY, weights_transformed_by
+from msquant.model.vision import other_parts
 from msquant.plugin.format import FormatRegistry
 from msquant.plugin.registry import ProcessorRegistry
 from msquant.quant.quantized_weight import QuantizedWeight
@@ -172,9 +173,19 @@ def _check_float_tensors(
         if compare_values and name in original and name not in altered:
             compare_float_tensor(name, reader.store.get(name), original.get(name), findings)
     quantized = {f"{m}.weight" for m in reader.quantized_modules()}
-    tied = ties_word_embeddings(export_config(path))
+    config = export_config(path)
+    tied = ties_word_embeddings(config)
+    # an Omni model's talker / speech decoder: not part of what msquant quantizes and exports
+    left_out = tuple(f"{prefix}." for prefix in other_parts(config or {}))
+    skipped = [name for name in original.names() if name.startswith(left_out)] if left_out else []
+    if skipped:
+        findings.warn(
+            f"{len(skipped)} tensor(s) of the original model's "
+            f"{', '.join(p.rstrip('.') for p in left_out)} are not in the export: msquant "
+            "quantizes and exports this model's thinker only, as msModelSlim does"
+        )
     for name in original.names():
-        if name in reader.store or name in quantized:
+        if name in reader.store or name in quantized or (left_out and name.startswith(left_out)):
             continue
         if tied and name.endswith("lm_head.weight"):
             continue

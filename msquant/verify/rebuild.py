@@ -29,9 +29,10 @@ from msquant.errors import ModelLoadError
 from msquant.load.model_folder import load_model_config, model_class_for
 from msquant.model.adapter_registry import adapter_for
 from msquant.model.checkpoint_names import CheckpointNames, from_disk_form
+from msquant.model.vision import part_prefix
 from msquant.plugin.format import FormatRegistry
 from msquant.quant.activation import ActivationQuant
-from msquant.verify.base import ExportReader
+from msquant.verify.base import ExportReader, export_config
 from msquant.verify.detect import open_reader
 from msquant.verify.errors import ExportReadError
 from msquant.verify.report import Findings
@@ -67,7 +68,9 @@ def load_export(
         model = _empty_model(path, trust_remote_code)
         adapter = adapter_for(model)
         adapter.unfuse_experts(model)  # MoE exports hold one quantized Linear per expert
-        names = adapter.checkpoint_names(model)  # the export uses the checkpoint's names
+        # the export uses the checkpoint's names; a model built from config (not loaded) lacks
+        # the prefix of the checkpoint's part it is (an Omni model's ``thinker.``)
+        names = adapter.checkpoint_names(model).prefixed(part_prefix(export_config(path) or {}))
         tensor_of = {disk: mine for mine, disk in names.tensors.items()}
         for mine, disk in names.modules.items():  # float experts under renamed modules
             for kind in ("weight", "bias"):

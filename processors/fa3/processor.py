@@ -19,12 +19,13 @@ the Ascend savers (``<attention>.fa_q.scale`` / ``.offset``, typed ``FAQuant``, 
 ``quant_type`` / ``fa_quant_type`` description keys, :mod:`msquant.processors.formats.ascend.fa_quant`),
 so a run without one is refused.
 
-Observation point vs msModelSlim: msModelSlim runs each ``spec.process`` entry with its own
-forward, so an ``fa3_quant`` entry after ``linear_quant`` observes the layer with the linears
-already fake-quantized; msquant observes in the pass it shares with the other calibrating
-entries (the float layer, or the layer as a smoothing entry before it rewrote it). With
-``fa3_quant`` first, or after data-free entries only, the two observe the same tensors
-(``tests/oracle/test_msmodelslim_fa3.py`` compares them bit for bit).
+Observation point: msModelSlim runs each ``spec.process`` entry with its own forward, after the
+entries before it finished the layer, so an ``fa3_quant`` entry after ``linear_quant`` observes
+the attention through the already fake-quantized linears, and the next layer gets that forward's
+outputs. A static branch sets ``calibrates_after_previous`` so that msquant does the same: the
+entries before it run their passes and ``after_layer`` first (the linears quantized), then this
+processor's passes observe the processed layer, and the next layer's inputs are their outputs
+(``tests/oracle/test_msmodelslim_fa3.py`` compares both orders with msModelSlim).
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class FA3QuantProcessor(Processor):
         self.branches: dict[str, FA3QConfig] = self.config.branch_configs()
         static = any(c.scope == QScope.PER_HEAD for c in self.branches.values())
         self.requires_calibration = static
+        # observe the layer as the entries before this one in spec.process left it (msModelSlim)
+        self.calibrates_after_previous = static
         # msModelSlim observes one sample at a time (its per-head rows assume a batch of one)
         self.batch_calibration = not static
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []

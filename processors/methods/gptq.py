@@ -205,7 +205,7 @@ class GPTQExt(MethodOptions):
             raise PydanticCustomError(
                 "act_order_static_groups",
                 f"static_groups: false cannot go with {origin}: msquant runs act-order with static "
-                "groups only (the group index stays trivial, the only act-order vLLM 0.33 and "
+                "groups only (the group index stays trivial, the only act-order vLLM 0.33 / 0.34 and "
                 "compressed-tensors load); drop static_groups, or set desc_act: false for group "
                 "parameters computed during the sweep",
             )

@@ -10,7 +10,10 @@ Sample yaml (msModelSlim's fields and defaults)::
 
 What it changes, before any statistics are gathered (no calibration needed): in ``setup`` the
 input embedding (``E @ R``), the final norm folded into the output head and the head rotated
-(``W diag(g) @ R``, the norm's scale set to ones); the head is untied from the embedding first
+(``W diag(g) @ R``, the norm's scale set to ones), and for a vision-language model the
+projector linears whose output joins the stream (``R.T @ W``, bias too; msModelSlim's choice,
+:data:`msquant.model.vision.STREAM_FEEDERS`: the vision tower is not rotated otherwise); the
+head is untied from the embedding first
 when the model ties them, and the export's ``config.json`` then says
 ``tie_word_embeddings: false``. In ``before_layer`` each decoder layer: the attention and MLP
 norms folded into the linears reading them (q/k/v, gate/up), those rotated on their input
@@ -216,6 +219,8 @@ class QuaRot(Processor):
             if layout.tied or _weight(head) is _weight(embedding):
                 self._untie(ctx, head, embedding)
             _rotate_input(embedding, self.rotation)
+            for name in layout.feeders:  # a vision-language model's projector outputs
+                _rotate_output(model.get_submodule(name), self.rotation)
             self._fold_norm(norm, [head], offset)
             _rotate_input(head, self.rotation)
         head_check.verify(self.rotation)
@@ -230,7 +235,7 @@ class QuaRot(Processor):
                 layout.hidden_size, self.config.block_size, self.rotation, self.head_rotations
             ),
         )
-        for name in (layout.embedding, layout.final_norm, layout.head):
+        for name in (layout.embedding, *layout.feeders, layout.final_norm, layout.head):
             self._fingerprint(ctx, name)
         logger.info(
             "quarot: rotating the residual stream (width %d, block_size %d)%s",

@@ -26,7 +26,9 @@ The smoothed float layer computes the same function as the original, up to float
 proves it during the run (:mod:`msquant.check`, on the run's probe tokens): in ``before_layer``
 every norm's form is measured (its ``offset + weight`` gain; LayerNorm or RMSNorm), no folded
 weight may be shared outside the layer, and each subgraph's data flow is shown on data (scaling
-the producer's output channels scales its readers' inputs and nothing else); in ``after_pass``
+the producer's output channels scales its readers' inputs and nothing else; a routed expert
+msquant split itself is exact by construction, ``SmoothingSubgraph.exact_by``, as the probe tokens
+may not reach it; experts in a layout msquant does not know are refused); in ``after_pass``
 the layer's output is compared with the one before after each subgraph's fold. A subgraph whose
 names do not match the model's wiring is refused there, naming the layer and the pair, before
 anything is written.
@@ -60,6 +62,7 @@ from msquant.plugin import (
     ov_channel_map,
     prove_flow,
     shared_weight_problems,
+    unknown_expert_modules,
 )
 from msquant.processors.smoothing.config import (
     FlexSmoothQuantConfig,
@@ -158,7 +161,32 @@ class SmoothingProcessor(Processor):
         ]
         return sorted(chosen, key=lambda s: kinds.index(s.kind))
 
+    def unknown_experts(self, layers: list[DecoderLayer]) -> list[str]:
+        """The routed experts modules this entry would smooth (up-down, selected by its globs
+        as their up_proj would be) whose layout msquant does not know."""
+        if "up-down" not in self._types:
+            return []
+        include = self.config.include or ["*"]
+        exclude = self.config.exclude or []
+        return [
+            name
+            for layer in layers
+            for name in unknown_expert_modules(layer)
+            if first_matching_pattern(f"{name}.0.up_proj", include) is not None
+            and first_matching_pattern(f"{name}.0.up_proj", exclude) is None
+        ]
+
     def check_model(self, model: nn.Module, layers: list[DecoderLayer]) -> list[str]:
+        unknown = self.unknown_experts(layers)
+        if unknown:
+            return [
+                f"{self.type_name}: up-down smoothing of the routed experts of "
+                f"{', '.join(unknown)} (type {type(model.get_submodule(unknown[0])).__name__}): "
+                "msquant smooths experts held as one MLP per expert (up_proj, down_proj linear "
+                "layers; transformers' fused gate_up_proj / down_proj are split so) and cannot "
+                "prove a fold into this layout keeps the function; exclude them (e.g. exclude: "
+                "['*mlp.experts.*']) or drop up-down from enable_subgraph_type"
+            ]
         if any(self.selected_subgraphs(model, layer) for layer in layers):
             return []
         return [
@@ -228,7 +256,9 @@ class SmoothingProcessor(Processor):
         shared = shared_weight_problems(model, layer.name, dict.fromkeys(modules))
         if shared:
             raise TransformCheckError(f"{self.type_name}: {layer.name}: " + "; ".join(shared) + FIX)
-        pairs = [flow_pair(model, subgraph, layer) for subgraph in self._subgraphs]
+        # a routed expert msquant split itself is exact by construction (the probe tokens may
+        # not reach it); every fold is still covered by the layer's function check
+        pairs = [flow_pair(model, s, layer) for s in self._subgraphs if s.exact_by is None]
         self._reference = prove_flow(probe, model, pairs, self.type_name, fix=FIX)
         self._fingerprint = layer_fingerprint(layer.module)
 

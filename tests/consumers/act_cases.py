@@ -80,6 +80,30 @@ ASCEND_ACT = {
     )
 }
 
+
+@dataclass(frozen=True)
+class GroupedBesideW4A8Case(ActExportCase):
+    """W4A8_DYNAMIC routed experts (per-channel) and, in a second ``linear_quant`` step, per-group
+    W8A16 attention: the description's one global ``group_size`` becomes the group's size."""
+
+    def config(self) -> dict[str, Any]:
+        config = super().config()
+        config["spec"]["process"][0]["include"] = ["*.experts.*"]
+        config["spec"]["process"].append(
+            {
+                "type": "linear_quant",
+                "include": ["*self_attn*"],
+                "qconfig": {"weight": minmax_weight("int8", group=32)},
+            }
+        )
+        return config
+
+
+#: W4A8_DYNAMIC experts beside per-group W8A16 layers (vLLM-Ascend 0.30 refuses the experts).
+ASCEND_W4A8_GROUPED = GroupedBesideW4A8Case(
+    "ascend_w4a8_moe_beside_grouped_w8a16", "qwen3_moe", "ascendv1_saver", INT4, act=DYNAMIC
+)
+
 #: compressed-tensors int8 W8A8 exports only the SGLang suite checks: DeepSeek's a-projections
 #: with static activations (routed experts left float: msquant refuses static activations there).
 CT_W8A8_SGLANG = {

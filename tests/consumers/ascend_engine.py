@@ -26,19 +26,58 @@ from typing import Any
 import torch
 import vllm_engine
 from architectures import PACKED_MODULES, EngineModule
+from engine_layers import noop
 from loading import Resolution, param_infos
-from wheels import EngineImporter, Release, WheelSource, install, placeholder_class, stub
+from wheels import (
+    EngineImporter,
+    Release,
+    SdistSource,
+    WheelSource,
+    install,
+    placeholder_class,
+    stub,
+    uninstall,
+)
 
-VLLM_ASCEND = Release("vllm-ascend", "0.26.0rc1")
+#: The vLLM-Ascend releases the suite checks: 0.26.0rc1 (a wheel; users still serve with it) and
+#: 0.30.0rc2 (published as a source archive only).
+RELEASES = (Release("vllm-ascend", "0.26.0rc1"), Release("vllm-ascend", "0.30.0rc2"))
+VLLM_ASCEND = RELEASES[-1]
+#: The vLLM release whose harness modules each runs over (0.30.0rc2 is built against vLLM 0.30.0,
+#: which the harness does not carry: the vLLM code it calls is base classes and the stubs, which
+#: 0.34.0 provides alike).
+VLLM_OF = {"0.26.0rc1": vllm_engine.RELEASES[0], "0.30.0rc2": vllm_engine.RELEASES[-1]}
+#: Releases published only as a source archive.
+SDIST_ONLY = frozenset({"0.30.0rc2"})
+#: Where ``AscendModelSlimConfig`` lives (0.30 moved the configs into ``quantization/configs/``
+#: and the schemes into subpackages of ``methods/``).
+CONFIG_MODULE = {
+    "0.26.0rc1": "vllm_ascend.quantization.modelslim_config",
+    "0.30.0rc2": "vllm_ascend.quantization.configs.modelslim_config",
+}
 
-REAL = (
+COMMON_REAL = (
     "vllm_ascend.quantization.quant_type",
     "vllm_ascend.quantization.utils",
-    "vllm_ascend.quantization.modelslim_config",
     "vllm_ascend.quantization.method_adapters",
     "vllm_ascend.quantization.methods",
     "vllm_ascend.quantization.methods.*",
 )
+REAL = {
+    "0.26.0rc1": (*COMMON_REAL, "vllm_ascend.quantization.modelslim_config"),
+    "0.30.0rc2": (
+        *COMMON_REAL,
+        "vllm_ascend.quantization.configs.modelslim_config",
+        "vllm_ascend.quantization.prepared_linear_input",
+        # 0.30 asks a hardware profile (built from the device type) what the device supports
+        "vllm_ascend.device.hardware",
+        "vllm_ascend.device.hardware_profile",
+        "vllm_ascend.device.device_config",
+        # the schemes' base classes mix in its (pure Python) weight-switching primitives
+        "vllm_ascend.weight_switch",
+        "vllm_ascend.weight_switch.linear",
+    ),
+}
 
 
 class AscendDeviceType(enum.Enum):
@@ -77,7 +116,14 @@ def _utils(module: types.ModuleType) -> None:
     module.get_ascend_device_type = lambda: AscendDeviceType.A2
     module.calc_split_factor = lambda dims: dims
     module.maybe_trans_nz = lambda tensor, *args, **kwargs: tensor
-    for flag in ("enable_dsa_cp", "mlp_tp_enable", "oproj_tp_enable"):
+    # 0.30: the NZ format with its scale, tensor disposal, the MXFP KV-cache dtype name
+    module.maybe_trans_nz_with_scale = lambda tensor, scale, *args, **kwargs: (tensor, scale)
+    module.dispose_tensor = lambda tensor: None
+    module.C8_MXFP_KV_CACHE_DTYPE = "mxfp8"
+    for flag in (
+        "enable_dsa_cp", "mlp_tp_enable", "oproj_tp_enable", "is_950", "model_uses_sfa_sparse",
+        "enable_sfa",
+    ):  # fmt: skip
         setattr(module, flag, lambda *args, **kwargs: False)
 
 
@@ -85,8 +131,34 @@ def _weights_mapper(module: types.ModuleType) -> None:
     module.WeightsMapper = placeholder_class("WeightsMapper")
 
 
+class _NpuName:
+    """An attribute of the ``torch_npu`` stand-in: a dtype or op name that 0.30's scheme classes
+    read at class definition (``torch_npu.float4_e2m1fn_x2``); calling it means an NPU op was
+    reached, which the harness never runs."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"torch_npu.{self.name}"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"the consumer harness does not run torch_npu.{self.name}")
+
+
+def _torch_npu(module: types.ModuleType) -> None:
+    def attribute(name: str) -> _NpuName:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _NpuName(name)
+
+    module.__getattr__ = attribute  # type: ignore[method-assign]
+
+
 STUBS = {
-    "torch_npu": stub(),
+    "torch_npu": _torch_npu,
+    # 0.30: what the build records; the device configuration reads the device type from it
+    "vllm_ascend._build_info": stub(__device_type__="A2"),
     "vllm.forward_context": stub(get_forward_context=lambda: None),
     "vllm.model_executor.layers.attention_layer_base": stub(
         AttentionLayerBase=placeholder_class("AttentionLayerBase")
@@ -129,29 +201,81 @@ STUBS = {
     "vllm_ascend.ops.fused_moe.moe_runtime_args": stub(
         build_fused_experts_input=lambda *a, **k: None
     ),
+    # 0.30: what the schemes import for their forward (MoE kernels, device ops), never called here
+    "vllm_ascend.ops.fused_moe.routed_experts": stub(
+        AscendUnquantizedFusedMoEMethod=AscendUnquantizedFusedMoEMethod,
+        AscendRoutedExperts=placeholder_class("AscendRoutedExperts"),
+    ),
+    "vllm_ascend.ops.fused_moe.dataclass.fused_experts": stub(
+        MoEWeights=placeholder_class("MoEWeights"), build_fused_experts_input=noop
+    ),
+    "vllm_ascend.ops.fused_moe.dataclass.moe_mlp": stub(
+        MoEMlpComputeInput=placeholder_class("MoEMlpComputeInput")
+    ),
+    "vllm_ascend.ops.fused_moe.moe_utils": stub(
+        cumsum_group_list=noop,
+        maybe_normalize_mxfp_scale_layout=noop,
+        _custom_gmm_swiglu_enabled=lambda *a, **k: False,
+        _prepare_dequant_swiglu_weight_scale=noop,
+    ),
+    "vllm_ascend.device.device_op": stub(DeviceOperator=placeholder_class("DeviceOperator")),
+    "vllm.model_executor.layers.fused_moe.activation": stub(
+        MoEActivation=placeholder_class("MoEActivation")
+    ),
+    "vllm.triton_utils": stub(HAS_TRITON=False),
 }
 
-_SOURCE: WheelSource | None = None
+_ACTIVE: tuple[Release, WheelSource, EngineImporter] | None = None
+
+
+def _unload() -> None:
+    """Forget the imported vLLM-Ascend (before vLLM's release changes, or its own)."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        uninstall(_ACTIVE[2])
+        _ACTIVE = None
+
+
+vllm_engine.BEFORE_SWITCH.append(_unload)
+
+
+def use_ascend(release: Release) -> WheelSource:
+    """Import ``release`` of vLLM-Ascend (downloaded once) over the vLLM release it runs on."""
+    global _ACTIVE
+    vllm_engine.use_vllm(VLLM_OF[release.version])
+    if _ACTIVE is not None and _ACTIVE[0] == release:
+        return _ACTIVE[1]
+    _unload()
+    source = SdistSource(release) if release.version in SDIST_ONLY else WheelSource(release)
+    importer = EngineImporter({"vllm_ascend": source}, REAL[release.version], STUBS)
+    install(importer)
+    _ACTIVE = (release, source, importer)
+    return source
 
 
 def load_ascend() -> WheelSource:
-    """Download (once) vLLM-Ascend's wheel and import it over vLLM's harness modules."""
-    global _SOURCE
-    if _SOURCE is None:
-        vllm_source = vllm_engine.load_vllm()
-        _SOURCE = WheelSource(VLLM_ASCEND)
-        install(EngineImporter({"vllm_ascend": _SOURCE}, REAL, STUBS))
-        assert vllm_source is not None
-    return _SOURCE
+    """The vLLM-Ascend imported now (the newest of :data:`RELEASES` if none was chosen)."""
+    return use_ascend(_ACTIVE[0] if _ACTIVE is not None else VLLM_ASCEND)
+
+
+def active_release() -> Release:
+    load_ascend()
+    assert _ACTIVE is not None
+    return _ACTIVE[0]
+
+
+def modelslim_config_class() -> Any:
+    """``AscendModelSlimConfig`` of the imported release."""
+    import importlib
+
+    module = importlib.import_module(CONFIG_MODULE[active_release().version])
+    return module.AscendModelSlimConfig
 
 
 def resolve_export(export: Path, model_type: str, modules: list[EngineModule]) -> list[Resolution]:
     """vLLM-Ascend's decision for every module of an msModelSlim-format export."""
-    load_ascend()
-    from vllm_ascend.quantization.modelslim_config import AscendModelSlimConfig
-
     description = json.loads((export / "quant_model_description.json").read_text())
-    config = AscendModelSlimConfig()
+    config = modelslim_config_class()()
     # what vLLM's loader does before building layers (configure_quant_config)
     config.packed_modules_mapping = {
         key: list(value) for key, value in PACKED_MODULES[model_type].items()

@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 import msquant
 
-pytestmark = pytest.mark.consumers
+pytestmark = [pytest.mark.consumers, pytest.mark.usefixtures("vllm")]
 
 #: vLLM 0.33's ``Qwen3_5ForCausalLM.packed_modules_mapping`` (``models/qwen3_5.py``).
 QWEN3_5_PACKED = {

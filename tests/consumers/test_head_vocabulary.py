@@ -25,7 +25,7 @@ from weight_loaders import load_layer
 
 import msquant
 
-pytestmark = pytest.mark.consumers
+pytestmark = [pytest.mark.consumers, pytest.mark.usefixtures("vllm")]
 
 ENGINES = ("vllm", "sglang")
 

@@ -24,7 +24,7 @@ from loading import loading_problems, read_tensor_table
 
 import msquant
 
-pytestmark = pytest.mark.consumers
+pytestmark = [pytest.mark.consumers, pytest.mark.usefixtures("vllm")]
 
 DOWN_PROJ = "model.layers.0.mlp.down_proj"
 GATE_UP = "model.layers.0.mlp.gate_up_proj"

@@ -192,3 +192,20 @@ def test_sglang_cannot_join_deepseek_static_w8a8_a_projections_and_msquant_warns
     joined = [p for p in problems if DEEPSEEK_A_PROJ in p]
     assert joined and all("input_scale" in p for p in joined), problems
     assert export.warned("concatenates", "kv_a_proj_with_mqa", "input_scale")
+
+
+@pytest.mark.parametrize("name", ["ct_w8a8_dynamic_moe_qwen3_moe", "ct_w8a8_dynamic_moe_mixtral"])
+def test_transformers_cannot_load_w8a8_moe_experts_and_msquant_warns(
+    name: str, make_export: ExportFactory
+) -> None:
+    """The installed transformers fuses the experts while loading and its compressed-tensors
+    conversion finds nothing to fuse (``RuntimeError``); the dense int8 W8A8 export loads."""
+    import transformers
+
+    export = make_export(CT_W8A8[name])
+    with pytest.raises(RuntimeError, match="automatic conversion of the weights"):
+        transformers.AutoModelForCausalLM.from_pretrained(export.path)
+    assert export.warned("int8 W8A8 MoE experts", f"transformers {transformers.__version__}")
+    dense = make_export(CT_W8A8["ct_w8a8_dynamic"])
+    transformers.AutoModelForCausalLM.from_pretrained(dense.path)
+    assert not dense.warned("int8 W8A8 MoE experts")

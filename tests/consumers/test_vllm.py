@@ -25,7 +25,7 @@ from cases import (
 from exports import Export, ExportCase, ExportFactory
 from loading import Resolution, loading_problems, read_tensor_table
 
-pytestmark = pytest.mark.consumers
+pytestmark = [pytest.mark.consumers, pytest.mark.usefixtures("vllm")]
 
 
 def vllm_check(export: Export) -> tuple[list[Resolution], list[str]]:

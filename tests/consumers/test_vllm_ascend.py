@@ -15,7 +15,7 @@ from cases import ASCEND, MOE_ARCHS
 from exports import Export, ExportFactory
 from loading import Resolution, loading_problems, read_tensor_table
 
-pytestmark = pytest.mark.consumers
+pytestmark = [pytest.mark.consumers, pytest.mark.usefixtures("vllm_ascend")]
 
 
 def ascend_check(export: Export) -> tuple[list[Resolution], list[str]]:

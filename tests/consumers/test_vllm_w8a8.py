@@ -25,7 +25,7 @@ from loading import int8_linears, loading_problems, read_tensor_table, read_tens
 
 from msquant.plugin import ActivationQuant
 
-pytestmark = pytest.mark.consumers
+pytestmark = [pytest.mark.consumers, pytest.mark.usefixtures("vllm")]
 
 SCHEME = "CompressedTensorsW8A8Int8"
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import enum
 import json
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,9 +53,13 @@ from wheels import (
     install,
     placeholder_class,
     stub,
+    uninstall,
 )
 
-VLLM = Release("vllm", "0.33.0")
+#: The vLLM releases the suite checks (users still serve with the older one); tests ask for one
+#: through the ``vllm_release`` fixture, :func:`use_vllm` makes it the imported one.
+RELEASES = (Release("vllm", "0.33.0"), Release("vllm", "0.34.0"))
+VLLM = RELEASES[-1]
 #: Parameter dtype of the served model (vLLM serves GPTQ / compressed-tensors in half precision).
 PARAMS_DTYPE = torch.bfloat16
 #: vLLM pads the vocabulary of ``ParallelLMHead`` to a multiple of this
@@ -143,6 +148,11 @@ class RoutedExperts(torch.nn.Module):
             moe_parallel_config=types.SimpleNamespace(tp_size=1, ep_size=1, use_ep=False),
         )
         self._loaded_expert_biases: set[str] = set()
+
+    def weight_loader(self, *args: Any, **kwargs: Any) -> None:
+        """``FusedMoE.weight_loader`` (vLLM-Ascend 0.30 wraps it for msModelSlim's expert
+        names while the quant method is chosen); loading is not run through it here."""
+        raise NotImplementedError("the consumer harness does not load experts through vLLM")
 
 
 LAYER_CLASSES: dict[str, type[torch.nn.Module]] = {
@@ -324,6 +334,10 @@ def _fill_model_executor_utils(module: types.ModuleType) -> None:
 
     module.set_weight_attrs = set_weight_attrs
     module.replace_parameter = replace_parameter
+    # 0.34: weight processing helpers (after loading only; never reached by create_weights)
+    module.is_weights_pre_processed = lambda *args, **kwargs: False
+    module.retire_parameter = noop
+    module.copy_weight_ = lambda dst, src: dst.copy_(src)  # a plain copy_ off integrated GPUs
 
 
 def _quantization_package(module: types.ModuleType) -> None:
@@ -390,7 +404,10 @@ CURRENT_CONFIG = types.SimpleNamespace(
     quant_config=None,
     kv_transfer_config=None,
     compilation_config=types.SimpleNamespace(mode=CompilationMode.NONE),
-    parallel_config=types.SimpleNamespace(enable_expert_parallel=False),
+    parallel_config=types.SimpleNamespace(enable_expert_parallel=False, enable_eplb=False),
+    # read by vLLM-Ascend 0.30's MoE schemes (EPLB off) and its KV-cache check (no C8 MXFP)
+    use_v2_model_runner=False,
+    cache_config=types.SimpleNamespace(cache_dtype="auto"),
 )
 
 
@@ -498,11 +515,16 @@ STUBS = {
         init_int8_linear_kernel=_init_int8_linear_kernel,
     ),
     "vllm.model_executor.determinism.batch_invariant": stub(
-        matmul_batch_invariant=noop, linear_batch_invariant=noop
+        matmul_batch_invariant=noop,
+        linear_batch_invariant=noop,
+        gptq_linear_batch_invariant=noop,  # 0.34
     ),
     # what the real vocab_parallel_embedding.py imports (vllm_head.py executes it)
     "vllm.model_executor.custom_op": stub(PluggableLayer=PluggableLayer),
-    "vllm.model_executor.layers.utils": stub(dispatch_unquantized_gemm=noop),
+    "vllm.model_executor.layers.utils": stub(
+        dispatch_unquantized_gemm=noop,
+        maybe_use_skinny_gemm=noop,  # forward only; 0.34
+    ),
     "vllm.model_executor.layers.quantization.utils.fp8_utils": stub(is_fp8=lambda *a: False),
     "vllm.model_executor.layers.quantization": _quantization_package,
     "vllm.model_executor.layers.quantization.utils": _quantization_utils,
@@ -541,16 +563,48 @@ STUBS = {
 }
 
 
-_SOURCE: WheelSource | None = None
+@dataclass
+class _Active:
+    release: Release
+    source: WheelSource
+    importer: EngineImporter
+
+
+_ACTIVE: _Active | None = None
+#: Called before the imported vLLM release changes (vLLM-Ascend's modules, built over vLLM's,
+#: unload themselves).
+BEFORE_SWITCH: list[Callable[[], None]] = []
+
+
+def use_vllm(release: Release) -> WheelSource:
+    """Make ``release`` the vLLM whose modules ``import vllm...`` gives (downloaded once);
+    another release imported before is forgotten first (its modules and every module built over
+    them)."""
+    global _ACTIVE
+    if _ACTIVE is not None and _ACTIVE.release == release:
+        return _ACTIVE.source
+    if _ACTIVE is not None:
+        for hook in BEFORE_SWITCH:
+            hook()
+        uninstall(_ACTIVE.importer)
+        _ACTIVE = None
+    source = WheelSource(release)
+    importer = EngineImporter({"vllm": source}, REAL, STUBS)
+    install(importer)
+    _ACTIVE = _Active(release, source, importer)
+    return source
 
 
 def load_vllm() -> WheelSource:
-    """Download (once) and install vLLM's wheel behind the harness importer."""
-    global _SOURCE
-    if _SOURCE is None:
-        _SOURCE = WheelSource(VLLM)
-        install(EngineImporter({"vllm": _SOURCE}, REAL, STUBS))
-    return _SOURCE
+    """The vLLM release imported now (the newest of :data:`RELEASES` if none was chosen)."""
+    return use_vllm(_ACTIVE.release if _ACTIVE is not None else VLLM)
+
+
+def active_release() -> Release:
+    """The vLLM release whose code the checks run now."""
+    load_vllm()
+    assert _ACTIVE is not None
+    return _ACTIVE.release
 
 
 def vllm_packed_modules(arch: str) -> dict[str, tuple[str, ...]]:

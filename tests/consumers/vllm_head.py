@@ -24,21 +24,22 @@ import vllm_engine
 from architectures import EngineModule
 
 MODULE = "vllm.model_executor.layers.vocab_parallel_embedding"
-#: The private name the real file is executed under.
+#: The private name the real file is executed under (suffixed with the vLLM release).
 ALIAS = "msquant_consumers_vllm_vocab_parallel_embedding"
 
 
 def real_vocab_module() -> types.ModuleType:
     """vLLM's ``vocab_parallel_embedding.py`` from the wheel, executed once."""
-    if ALIAS not in sys.modules:
-        source = vllm_engine.load_vllm()
+    source = vllm_engine.load_vllm()
+    alias = f"{ALIAS}_{source.release.version.replace('.', '_')}"  # one per vLLM release
+    if alias not in sys.modules:
         path = source.path_of(MODULE.replace(".", "/") + ".py")
-        spec = importlib.util.spec_from_file_location(ALIAS, path)
+        spec = importlib.util.spec_from_file_location(alias, path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
-        sys.modules[ALIAS] = module
+        sys.modules[alias] = module
         spec.loader.exec_module(module)
-    return sys.modules[ALIAS]
+    return sys.modules[alias]
 
 
 def lm_head(config: Any, module: EngineModule) -> torch.nn.Module:

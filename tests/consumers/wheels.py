@@ -26,6 +26,7 @@ import logging
 import os
 import subprocess
 import sys
+import tarfile
 import types
 import zipfile
 from collections.abc import Callable, Iterable, Mapping
@@ -153,6 +154,64 @@ class WheelSource:
         return module.replace(".", "/") in self.packages
 
 
+def fetch_sdist(release: Release) -> Path:
+    """The release's unpacked source archive in the cache (``<cache>/<stem>/``), for releases
+    published as a source archive only (vLLM-Ascend 0.30.0rc2): ``pip download --no-deps
+    --no-binary :all:`` on first use, then unpacked beside the archive.
+
+    :raises WheelUnavailable: when pip cannot get it.
+    """
+    folder = cache_dir()
+    unpacked = folder / release.stem
+    if (unpacked / "PKG-INFO").exists():
+        return unpacked
+    archives = sorted(folder.glob(f"{release.stem}.tar.gz"))
+    if not archives:
+        folder.mkdir(parents=True, exist_ok=True)
+        command = [
+            sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+            "--no-build-isolation", "--quiet", "--dest", str(folder),
+            f"{release.project}=={release.version}",
+        ]  # fmt: skip
+        logger.info("downloading %s: %s", release.label, " ".join(command))
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        archives = sorted(folder.glob(f"{release.stem}.tar.gz"))
+        if not archives:
+            raise WheelUnavailable(
+                f"pip could not download the source archive of {release.label} (exit "
+                f"{result.returncode}): {result.stderr.strip()[-2000:]}"
+            )
+    with tarfile.open(archives[0]) as archive:
+        archive.extractall(folder, filter="data")
+    if not (unpacked / "PKG-INFO").exists():
+        raise WheelUnavailable(f"{archives[0]} did not unpack into {unpacked}")
+    return unpacked
+
+
+class SdistSource(WheelSource):
+    """The ``.py`` files of one release's unpacked source archive (same interface as
+    :class:`WheelSource`; the package folders sit at the archive's top level)."""
+
+    def __init__(self, release: Release) -> None:
+        self.release = release
+        self.root = fetch_sdist(release)
+        self.wheel = self.root
+        self.files = {
+            path.relative_to(self.root).as_posix()
+            for path in self.root.rglob("*.py")
+            if path.relative_to(self.root).parts[0] == release.project.replace("-", "_")
+        }
+        self.metadata = (self.root / "PKG-INFO").read_text()
+        self.packages = {
+            "/".join(parts[:end])
+            for parts in (name.split("/") for name in self.files)
+            for end in range(1, len(parts))
+        }
+
+    def path_of(self, relative: str) -> Path:
+        return self.root / relative
+
+
 #: A stub's content: called with the fresh module object to fill in its attributes.
 StubFactory = Callable[[types.ModuleType], None]
 
@@ -241,6 +300,17 @@ def install(importer: EngineImporter) -> None:
     """Put ``importer`` first on ``sys.meta_path`` (once)."""
     if importer not in sys.meta_path:
         sys.meta_path.insert(0, importer)
+
+
+def uninstall(importer: EngineImporter) -> None:
+    """Take ``importer`` off ``sys.meta_path`` and forget every module it imported (its
+    packages' and its stubs'), so that another release of the same engine can be imported."""
+    if importer in sys.meta_path:
+        sys.meta_path.remove(importer)
+    tops = set(importer.sources)
+    for name in list(sys.modules):
+        if name.partition(".")[0] in tops or name in importer.stubs:
+            del sys.modules[name]
 
 
 def stub(**attributes: Any) -> StubFactory:

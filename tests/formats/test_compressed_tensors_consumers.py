@@ -3,7 +3,7 @@
 vLLM's choice of config group per module (``consumer_rules.vllm_ct_group``, written from vLLM
 0.33's ``compressed_tensors.py``) is checked for MoE routers and the output head; transformers
 loads the exports (logits against an independently fake-quantized model); the saver's warnings
-name what SGLang and compressed-tensors 0.17 (vLLM 0.33's pin) do not load.
+name what SGLang and compressed-tensors 0.17 (vLLM 0.33 / 0.34's pin) do not load.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def test_widths_sglang_and_compressed_tensors_0_17_do_not_load_are_named(
     assert "4 or 8 bits only" in sglang and "int3" in sglang
     assert "model.layers.1.mlp.gate_proj" in sglang and "self_attn" not in sglang
     [packing] = [m for m in messages if "compressed-tensors 0.18" in m]
-    assert "vLLM 0.33 pins compressed-tensors 0.17.0" in packing and "int3" in packing
+    assert "vLLM 0.33 / 0.34 pin compressed-tensors 0.17.0" in packing and "int3" in packing
     notes = msquant.verify_export(tmp_path / "int3").warnings
     assert any("SGLang" in w and "model.layers.1.mlp.down_proj" in w for w in notes)
     assert any("compressed-tensors >= 0.18" in w for w in notes)
@@ -175,4 +175,4 @@ def test_formats_doc_names_both_limits() -> None:
     text = (DOCS / "formats.md").read_text(encoding="utf-8")
     assert "**4 and 8 bits only**" in text
     assert "**compressed-tensors 0.18 and later**" in text
-    assert "**vLLM 0.33 pins compressed-tensors 0.17.0**" in text
+    assert "**vLLM 0.33 / 0.34 pin compressed-tensors 0.17.0**" in text

@@ -339,15 +339,15 @@ def test_marlin_warning_says_what_vllm_and_sglang_each_do(
     caplog.set_level(logging.WARNING, SAVER_LOGGER)
     _export(tiny_llama, tmp_path / "tiles", _config())
     [tiles] = [m for m in _warnings(caplog) if "Marlin" in m]
-    assert "vLLM 0.33 zero-pads them to whole tiles and loads the checkpoint" in tiles
+    assert "vLLM 0.33 / 0.34 zero-pads them to whole tiles and loads the checkpoint" in tiles
     assert "do not serve this checkpoint with SGLang" in tiles
     assert "vLLM will not load" not in tiles and "refuses" not in tiles
     caplog.clear()
     _export(tiny_llama, tmp_path / "g16", _config({**W4_G32, "ext": {"group_size": 16}}))
     [groups] = [m for m in _warnings(caplog) if "Marlin" in m]
-    assert "vLLM 0.33 refuses such layers" in groups and "group_size 16" in groups
+    assert "vLLM 0.33 / 0.34 refuses such layers" in groups and "group_size 16" in groups
     notes = msquant.verify_export(tmp_path / "tiles").warnings
-    assert any("vLLM 0.33 zero-pads them" in w for w in notes)
+    assert any("vLLM 0.33 / 0.34 zero-pads them" in w for w in notes)
 
 
 def test_marlin_shape_notes_count_fused_layers_whole(

@@ -352,3 +352,35 @@ def test_streamed_modules_free_without_a_garbage_collection(
         assert dropped() is None
     finally:
         gc.enable()
+
+
+def test_layer_loop_collections_leave_older_objects_alone() -> None:
+    """Inside ``collect_new_objects_only`` what was alive at entry is frozen (a collection does not
+    traverse it) and cyclic garbage made inside is still collected; on exit nothing stays frozen,
+    and a caller's own freeze is left as it was."""
+    import gc
+    import weakref
+
+    from msquant.load.streaming import collect_new_objects_only
+
+    class Node:
+        pass
+
+    assert gc.get_freeze_count() == 0
+    with collect_new_objects_only():
+        assert gc.get_freeze_count() > 0
+        cycle = Node()
+        cycle.self = cycle  # type: ignore[attr-defined]
+        alive = weakref.ref(cycle)
+        del cycle
+        gc.collect()
+        assert alive() is None
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with collect_new_objects_only():
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()

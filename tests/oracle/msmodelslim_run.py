@@ -55,7 +55,21 @@ ARCHS: dict[str, dict[str, Any]] = {
     # the tiny Qwen2 through msModelSlim's QwQ adapter: iter_smooth gets norm-linear and up-down
     # subgraphs from it, flex_smooth_quant (no interface) finds norm-linear ones itself
     "qwen2_qwq": {"arch": "qwen2", "model_type": "QwQ-32B"},
-}
+    # routed MoE experts (issue 25): tiny DeepSeek-V3 / GLM-4-MoE (3 layers, the first dense, 8
+    # experts and a shared one) through the test adapter of moe_adapter/ (msModelSlim's
+    # deepseek_v3_2 / glm_5 adapters' up-down subgraphs on transformers' classes, experts split
+    # per expert); msquant runs under the --model_type those practices name
+    "deepseek_v3_moe": {
+        "arch": "deepseek_v3", "num_layers": 3, "model_type": "msquant-moe-oracle",
+        "plugin": "moe_adapter", "msquant_model_type": "DeepSeek-V3.2",
+    },
+    "glm4_moe_moe": {
+        "arch": "glm4_moe", "num_layers": 3, "model_type": "msquant-moe-oracle",
+        "plugin": "moe_adapter", "msquant_model_type": "GLM-5",
+    },
+}  # fmt: skip
+#: Keys of :data:`ARCHS` that are no model builder argument.
+_RUN_KEYS = ("model_type", "plugin", "msquant_model_type")
 #: Calibration samples taken from the test corpus (blank-line separated paragraphs).
 CALIB_SAMPLES = 12
 
@@ -234,6 +248,15 @@ AWQ_SMOOTHINGS: dict[str, dict[str, Any]] = {
         "include": ["*"],
         "exclude": ["model.layers.0.*"],
     },
+    # the routed-experts practices' entry (DeepSeek-V3.2, GLM-5 / 5.1 W4A8): up-down, the dense
+    # layer and the shared experts left out, so the routed experts' up -> down pairs are smoothed
+    "flex_awq_ssz_experts": {
+        "type": "flex_awq_ssz",
+        "qconfig": _AWQ_QCONFIG,
+        "enable_subgraph_type": ["up-down"],
+        "include": ["*"],
+        "exclude": ["model.layers.0.*", "*mlp.shared_experts.*"],
+    },
     # int8 minmax weights in the search (W8A8_DYNAMIC), every type
     "flex_awq_minmax": {
         "type": "flex_awq_ssz",
@@ -245,6 +268,38 @@ for _smoothing, _entry in AWQ_SMOOTHINGS.items():
         SSZ_SCHEMES[f"{_smoothing}-{_base.name}"] = Scheme(
             f"{_smoothing}-{_base.name}", _base.qconfig, _base.quant_type, smoothing=_entry
         )
+
+
+#: ``flex_awq_ssz`` on routed MoE experts (issue 25), quantized as the DeepSeek-V3.2 and GLM-5 /
+#: 5.1 W4A8 practices quantize: a group of W8A8_DYNAMIC (int8 minmax weights) for everything but
+#: the routed experts and W4A8_DYNAMIC ssz for the experts (``*mlp.experts.*``).
+_MOE_W4A8 = {
+    "type": "group",
+    "configs": [
+        {
+            "type": "linear_quant",
+            "qconfig": SCHEMES["w8a8_dynamic"].qconfig,
+            "include": ["*"],
+            "exclude": ["*mlp.experts.*"],
+        },
+        {"type": "linear_quant", "qconfig": _AWQ_QCONFIG, "include": ["*mlp.experts.*"]},
+    ],
+}
+MOE_SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme("moe_w4a8", {}, "W8A8_DYNAMIC", process=(_MOE_W4A8,)),
+        # the practices' entry: the routed experts' up -> down pairs
+        Scheme("flex_awq_ssz_experts-moe_w4a8", {}, "W8A8_DYNAMIC",
+               process=(AWQ_SMOOTHINGS["flex_awq_ssz_experts"], _MOE_W4A8)),
+        # every up-down pair but the dense layer's: the shared experts' too
+        Scheme("flex_awq_ssz_updown-moe_w4a8", {}, "W8A8_DYNAMIC",
+               process=(AWQ_SMOOTHINGS["flex_awq_ssz_updown"], _MOE_W4A8)),
+        # alpha given: the fold alone, on the routed experts
+        Scheme("flex_awq_ssz_experts_fixed-moe_w4a8", {}, "W8A8_DYNAMIC",
+               process=({**AWQ_SMOOTHINGS["flex_awq_ssz_experts"], "alpha": 0.4}, _MOE_W4A8)),
+    )
+}  # fmt: skip
 
 
 def _mx(dtype: str, axes: bool = True) -> dict[str, Any]:
@@ -283,13 +338,30 @@ MX_SCHEMES: dict[str, Scheme] = {
 }  # fmt: skip
 
 
+#: W4A8_DYNAMIC ``ssz`` weights on the attention linears, and on every linear (issue 25): how
+#: ``scale_bias`` is written for linears whose names are not those of Llama's attention and MLP
+#: (DeepSeek's MLA ``q_a_proj`` / ``q_b_proj`` / ``kv_a_proj_with_mqa`` / ``kv_b_proj``).
+_W4A8_SSZ_ATTENTION = {"type": "linear_quant", "qconfig": _AWQ_QCONFIG, "include": ["*self_attn*"]}
+W4A8_NAME_SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme("w4a8_ssz_attention", {}, "FLOAT", process=(_W4A8_SSZ_ATTENTION,)),
+        Scheme("w4a8_ssz_all", {}, "FLOAT", process=(
+            {"type": "linear_quant", "qconfig": _AWQ_QCONFIG, "include": ["*"]},
+        )),
+    )
+}  # fmt: skip
+
 #: The description types of the MX layers.
 MX_QUANT_TYPES = ("W8A8_MXFP8", "W4A4_MXFP4", "W4A8_MXFP")
 
 
 def all_schemes() -> dict[str, Scheme]:
     """Every scheme the oracle can run."""
-    return {**SCHEMES, **SSZ_SCHEMES, **C8_SCHEMES, **SPARSE_SCHEMES, **MX_SCHEMES}
+    return {
+        **SCHEMES, **SSZ_SCHEMES, **C8_SCHEMES, **SPARSE_SCHEMES, **MOE_SCHEMES,
+        **W4A8_NAME_SCHEMES, **MX_SCHEMES,
+    }  # fmt: skip
 
 
 def config_for(scheme: Scheme, dataset: Path) -> dict[str, Any]:
@@ -335,8 +407,7 @@ def build_model(arch: str, folder: Path) -> Path:
     sys.path.insert(0, str(TESTS))
     from tiny_models import build_tiny_model
 
-    params = dict(ARCHS[arch])
-    params.pop("model_type", None)
+    params = {k: v for k, v in ARCHS[arch].items() if k not in _RUN_KEYS}
     dtype = getattr(torch, params.pop("dtype", "float32"))
     return build_tiny_model(folder, dtype=dtype, **params)
 
@@ -422,7 +493,9 @@ def msquant_export(cache: Path, arch: str, scheme_name: str, save: Path) -> Path
         save,
         cache / "configs" / f"{scheme_name}.yaml",
         progress=False,
-        model_type=str(ARCHS[arch].get("model_type", "default")),
+        model_type=str(
+            ARCHS[arch].get("msquant_model_type", ARCHS[arch].get("model_type", "default"))
+        ),
     )
     return save
 
@@ -446,7 +519,9 @@ def ensure_export(cache: Path, venv: Path, arch: str, scheme_name: str) -> Path:
     save.parent.mkdir(parents=True, exist_ok=True)
     model_type = ARCHS[arch].get("model_type", "default")
     log = save.parent / f"{save.name}.log"
-    seconds = run_msmodelslim(venv, model, config, save, log, model_type)
+    plugin = ARCHS[arch].get("plugin")
+    python_path = HERE / str(plugin) if plugin else None
+    seconds = run_msmodelslim(venv, model, config, save, log, model_type, python_path)
     logger.info("%s %s: msmodelslim ran in %.1f s -> %s", arch, scheme_name, seconds, save)
     return save
 

@@ -9,9 +9,10 @@ points, registered through msModelSlim's adapter entry points). The exports must
 tensors with the same description, every tensor bit-identical: the ``FAQuant`` scales (recall
 window, per-head int8 scale, float32 ``[heads, 1]``) and offsets, the attention's int8 linears.
 
-``fa3_quant`` comes first in these YAMLs: msModelSlim runs each entry with its own forward, so an
-``fa3_quant`` after a calibrating ``linear_quant`` observes fake-quantized linears there, while
-msquant observes the pass the entries share (processors/fa3/processor.py).
+The shipped DeepSeek-V3 files put ``fa3_quant`` after the ``linear_quant`` entries: msModelSlim runs
+each entry's forward after the entries before it finished the layer, so it observes the attention
+through the fake-quantized linears; msquant does the same (``calibrates_after_previous``,
+processors/fa3/processor.py). The ``after_*`` cases compare that order.
 """
 
 from __future__ import annotations
@@ -51,6 +52,14 @@ ATTENTION = {
     "exclude": ["*kv_b_proj"],
 }
 PER_TOKEN = {"dtype": "int8", "scope": "per_token", "symmetric": True, "method": "minmax"}
+#: The shipped DeepSeek-V3 files' attention scheme: W8A8 static (asymmetric per-tensor activations).
+ATTENTION_STATIC = {
+    **ATTENTION,
+    "qconfig": {
+        "act": {"dtype": "int8", "scope": "per_tensor", "symmetric": False, "method": "minmax"},
+        "weight": W8A8_DYNAMIC["weight"],
+    },
+}
 CASES: dict[str, list[dict[str, Any]]] = {
     # the practices' entry: default qconfig (int8 per_head, static)
     "per_head": [{"type": "fa3_quant", "include": ["*"]}, ATTENTION],
@@ -58,6 +67,9 @@ CASES: dict[str, list[dict[str, Any]]] = {
     "per_head_exclude": [{"type": "fa3_quant", "exclude": ["model.layers.0.*"]}, ATTENTION],
     # the glm_5_1 practices' qconfig: dynamic, no tensor
     "per_token": [{"type": "fa3_quant", "qconfig": PER_TOKEN}, ATTENTION],
+    # the shipped DeepSeek-V3 files' order: fa3_quant after the linear_quant of the attention
+    "after_dynamic": [ATTENTION, {"type": "fa3_quant", "include": ["*"]}],
+    "after_static": [ATTENTION_STATIC, {"type": "fa3_quant", "include": ["*"]}],
 }
 
 
@@ -100,29 +112,65 @@ def _theirs(case: str) -> Path:
     return save
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_fa3_export_equals_msmodelslim(case: str, tmp_path: Path) -> None:
+def _compare(case: str, out: Path) -> list[str]:
+    """Run msquant on ``case`` into ``out``; the names of the tensors that differ from
+    msModelSlim's export (after checking that both hold the same names and descriptions)."""
     import msquant
 
     theirs_dir = _theirs(case)
-    msquant.quantize(_model(), tmp_path / "out", _config(case), progress=False)
+    msquant.quantize(_model(), out, _config(case), progress=False)
     theirs = load_file(theirs_dir / "quant_model_weights.safetensors")
-    ours = load_file(tmp_path / "out" / "quant_model_weights.safetensors")
+    ours = load_file(out / "quant_model_weights.safetensors")
     their_description = json.loads((theirs_dir / "quant_model_description.json").read_text())
-    our_description = json.loads((tmp_path / "out" / "quant_model_description.json").read_text())
+    our_description = json.loads((out / "quant_model_description.json").read_text())
 
     assert sorted(ours) == sorted(theirs)
+    assert our_description == their_description
     fa = sorted(name for name in theirs if ".fa_" in name)
     if case == "per_token":
         assert fa == []
     else:  # fa_q / fa_k / fa_v scale and offset of each selected layer
-        assert len(fa) == 6 * (2 if case == "per_head" else 1)
-    different = [
+        assert len(fa) == 6 * (1 if case == "per_head_exclude" else 2)
+    return [
         name
         for name in sorted(theirs)
         if theirs[name].dtype != ours[name].dtype
         or theirs[name].shape != ours[name].shape
         or not torch.equal(theirs[name], ours[name])
     ]
-    assert different == []
-    assert our_description == their_description
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if case != "after_dynamic"])
+def test_fa3_export_equals_msmodelslim(case: str, tmp_path: Path) -> None:
+    """Bit-identical, ``fa3_quant`` before or after the (static) ``linear_quant``: after it, both
+    observe the attention through the quantized linears, and feed the next layer that forward's
+    outputs (its static input scales match too)."""
+    assert _compare(case, tmp_path / "out") == []
+
+
+def _per_column(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """msModelSlim 26.1.0's fake quantization of W8A8_DYNAMIC activations (``ir/w8a8_dynamic.py``,
+    read from its source): one symmetric scale per input column over the tokens of the forward."""
+    from msquant.quant.int_quant import compute_qparams, qrange
+
+    qmin, qmax = qrange(bits)
+    flat = x.reshape(-1, x.shape[-1]).float()
+    scale, _ = compute_qparams(flat.amin(dim=0), flat.amax(dim=0), bits, True)
+    codes = torch.clamp(torch.round(flat / scale), qmin, qmax)
+    return (codes * scale).reshape(x.shape).to(x.dtype)
+
+
+def test_fa3_after_dynamic_linears(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fa3_quant`` after a W8A8_DYNAMIC ``linear_quant``: the FA scales differ (msModelSlim's
+    fake-quantized W8A8_DYNAMIC linears take one activation scale per input column over the
+    sample's tokens; msquant's, as the deployed kernel, one per token), every other tensor is
+    identical; with msModelSlim's per-column rounding put in, every tensor is identical, so that
+    rounding is the whole difference."""
+    fa_scales = [
+        f"model.layers.{i}.self_attn.{b}.scale" for i in (0, 1) for b in ("fa_k", "fa_q", "fa_v")
+    ]
+    assert _compare("after_dynamic", tmp_path / "per_token") == fa_scales
+    import msquant.quant.activation as activation
+
+    monkeypatch.setattr(activation, "fake_quantize_per_token", _per_column)
+    assert _compare("after_dynamic", tmp_path / "per_column") == []

@@ -339,6 +339,9 @@ def test_w4a8_dynamic_dense_layers_warn_for_vllm_ascend(tiny_llama: Path) -> Non
     plan = msquant.plugin.build_plan(tiny_llama, config(act("per_token", True), weight=WEIGHT_INT4))
     warnings = [w for w in plan.warnings if "vLLM-Ascend" in w]
     assert len(warnings) == 1 and "MoE experts only" in warnings[0]
+    # true per release (tests/consumers/test_vllm_ascend_act.py): 0.30 has no such scheme,
+    # 0.26's deprecated one divides by group_size 0
+    assert "0.30.0rc2 removed" in warnings[0] and "0.26.0rc1" in warnings[0]
     assert "W4A16" not in warnings[0]
     assert plan.rows[0].act == "W4A8_DYNAMIC"
     table = render_plan(plan).splitlines()
@@ -346,6 +349,29 @@ def test_w4a8_dynamic_dense_layers_warn_for_vllm_ascend(tiny_llama: Path) -> Non
     assert table[1].split()[:6] == [
         "model.layers.0.self_attn.q_proj", "4", "channel", "yes", "minmax", "W4A8_DYNAMIC"
     ]  # fmt: skip
+
+
+def test_w4a8_experts_beside_per_group_layers_warn_for_vllm_ascend_per_release(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    """The description's one global group_size becomes the per-group layers' size, which
+    vLLM-Ascend 0.30 refuses for W4A8_DYNAMIC experts and 0.26 misreads (tests/consumers,
+    ``test_w4a8_experts_beside_per_group_layers``); per-channel everywhere: no warning."""
+    model = tiny_model_factory("qwen3_moe", num_layers=2)
+    experts = config(act("per_token", True), weight=WEIGHT_INT4, include=["*.experts.*"])
+    per_group = {"dtype": "int8", "scope": "per_group", "symmetric": True, "method": "minmax"}
+    for weight, expected in (({**per_group, "ext": {"group_size": 32}}, 1), (WEIGHT, 0)):
+        cfg = json.loads(json.dumps(experts))
+        attention = {"type": "linear_quant", "include": ["*self_attn*"]}
+        if weight is WEIGHT:
+            weight = {k: v for k, v in WEIGHT.items()}
+        cfg["spec"]["process"].append({**attention, "qconfig": {"weight": weight}})
+        plan = msquant.plugin.build_plan(model, cfg)
+        found = [w for w in plan.warnings if "global group_size" in w]
+        assert len(found) == expected, plan.warnings
+        if found:
+            assert "0.30.0rc2 refuses them" in found[0] and "0.26.0rc1" in found[0]
+            assert "(32)" in found[0] and "model.layers.0.mlp.experts.0." in found[0]
 
 
 # --- MoE experts ---------------------------------------------------------------------------

@@ -461,6 +461,23 @@ def test_consumer_warnings_of_w8a8_schemes() -> None:
     assert "127.5" not in transformers_loading_note([sym])
 
 
+def test_w8a8_moe_experts_warn_that_transformers_cannot_load_them() -> None:
+    """transformers (the installed release; 5.24 and 5.25 measured, tests/consumers) fails with a
+    RuntimeError on int8 W8A8 experts; weight-only experts and dense W8A8 layers load."""
+    import transformers
+
+    dynamic = WeightScheme(8, True, None, None, "token", True)
+    weight_only = WeightScheme(4, True, 32)
+    experts = {
+        "m.layers.0.mlp.experts.0.gate_proj": dynamic,
+        "m.layers.0.mlp.experts.1.up_proj": dynamic,
+    }
+    (warning,) = activation_warnings({"m.layers.0.self_attn.q_proj": dynamic, **experts})
+    assert f"transformers {transformers.__version__}" in warning and "RuntimeError" in warning
+    assert warning.endswith(": " + ", ".join(experts))
+    assert activation_warnings({"m.layers.0.mlp.experts.0.gate_proj": weight_only}) == []
+
+
 def test_cli_plan_exits_2_naming_the_savers_that_store_the_scheme(
     tiny_llama: Path, tmp_path: Path, run_cli: Callable[..., Any]
 ) -> None:

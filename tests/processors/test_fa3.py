@@ -120,10 +120,34 @@ def calib(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _reference_ranges(model_path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _quantize_like_the_export(model: Any, export: Path) -> None:
+    """Make ``model``'s W8A8_DYNAMIC linears (those the export holds int8 weights for) compute as
+    deployed: the dequantized int8 weight, and each token of the input rounded to its own
+    symmetric int8 grid (float64; the definition, not msquant's code)."""
+    tensors = load_file(export / "quant_model_weights.safetensors")
+    for name, module in model.named_modules():
+        if tensors.get(f"{name}.weight", torch.empty(0)).dtype != torch.int8:
+            continue
+        codes, scale = tensors[f"{name}.weight"].double(), tensors[f"{name}.weight_scale"].double()
+        module.weight.data = codes * scale
+
+        def per_token(_m: Any, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+            x = args[0]
+            step = x.abs().amax(dim=-1, keepdim=True) / 127
+            return (torch.clamp(torch.round(x / step), -128, 127) * step,)
+
+        module.register_forward_pre_hook(per_token)
+
+
+def _reference_ranges(
+    model_path: Path, quantized_by: Path | None = None
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per attention and branch, the running recall-window range over the samples, from a
-    float64 copy of the model and the brute-force window (each sample on its own)."""
+    float64 copy of the model and the brute-force window (each sample on its own); with
+    ``quantized_by``, through the linears that export quantized (:func:`_quantize_like_the_export`)."""
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64).eval()
+    if quantized_by is not None:
+        _quantize_like_the_export(model, quantized_by)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     ranges: dict[str, list[list[tuple[float, float]]]] = {}
     hooks = []
@@ -204,6 +228,31 @@ def test_per_head_scales_match_a_float64_reference(
     errors = "\n".join(msquant.verify_export(broken, forward=False).errors)
     assert "global fa_quant_type is None, expected 'FAKQuant'" in errors
     assert "model.layers.1.self_attn.quant_type does not name Q as a static branch" in errors
+
+
+def test_after_linear_quant_it_observes_the_quantized_linears(
+    deepseek: Path, calib: Path, tmp_path: Path
+) -> None:
+    """``fa3_quant`` after ``linear_quant`` in ``spec.process`` (the shipped DeepSeek-V3 files'
+    order) observes the attention through the quantized linears, in every layer on the outputs of
+    the quantized layers before it, as msModelSlim runs its entries; listed first, it observes
+    the float layers."""
+    out = tmp_path / "out"
+    process = ({**W8A8_DYNAMIC}, {"type": "fa3_quant"})
+    msquant.quantize(deepseek, out, cfg(*process), calib_path=calib, progress=False)
+    tensors = load_file(out / "quant_model_weights.safetensors")
+    quantized = _reference_ranges(deepseek, quantized_by=out)
+    float_ = _reference_ranges(deepseek)
+    moved = 0.0
+    for key, (low, high) in quantized.items():
+        layer, branch = key.split(".")
+        scale = tensors[f"model.layers.{layer}.self_attn.{branch}.scale"][:, 0].double()
+        expected = torch.maximum(-low.clamp(max=0), high.clamp(min=0)) / 127
+        torch.testing.assert_close(scale, expected, rtol=1e-5, atol=0)
+        low, high = float_[key]
+        from_float = torch.maximum(-low.clamp(max=0), high.clamp(min=0)) / 127
+        moved = max(moved, float(((scale - from_float).abs() / from_float).max()))
+    assert moved > 1e-4  # the quantized linears moved the scales: the test tells them apart
 
 
 def test_per_token_exports_no_tensor(deepseek: Path, tmp_path: Path) -> None:

@@ -40,12 +40,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "minimax_m2": ("minimax_m2", {"intermediate_size": 32}),
     "qwen3_next": ("qwen3_next", {}),  # Gated DeltaNet + gated attention, 1 + weight norms
     "qwen3_5_text": ("qwen3_5_text", {}),  # Gated DeltaNet (four in_proj), 1 + weight norms
+    # GLM-5: MLA with the DSA indexer, whose wk and weights_proj read the normed stream
+    "glm_moe_dsa": ("glm_moe_dsa", {}),
 }
 
 #: DeepSeek-V3's and GLM-4-MoE's routers compute their logits in float32 whatever the model's
 #: dtype (transformers casts them), so their float64 logits carry float32 rounding of the routing
 #: weights (about 1e-7); everything else is float64 throughout.
-FLOAT32_ROUTERS = {"deepseek_v3", "deepseek_v3_no_q_lora", "glm4_moe"}
+FLOAT32_ROUTERS = {"deepseek_v3", "deepseek_v3_no_q_lora", "glm4_moe", "glm_moe_dsa"}
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +107,15 @@ def _reader_and_writer_names(family: str, layer: int) -> tuple[set[str], set[str
             {"self_attn.q_proj", "self_attn.kv_a_proj_with_mqa"},
             {"self_attn.o_proj"},
         ),
+        "glm_moe_dsa": (
+            {
+                "self_attn.q_a_proj",
+                "self_attn.kv_a_proj_with_mqa",
+                "self_attn.indexer.wk",
+                "self_attn.indexer.weights_proj",
+            },
+            {"self_attn.o_proj"},
+        ),
     }.get(
         family, ({"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}, {"self_attn.o_proj"})
     )
@@ -113,7 +124,7 @@ def _reader_and_writer_names(family: str, layer: int) -> tuple[set[str], set[str
             family, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
         )
         attention = ({f"linear_attn.{n}" for n in inputs}, {"linear_attn.out_proj"})
-    dense = family in ("qwen3_5_text", "deepseek_v3_dense") or (
+    dense = family in ("qwen3_5_text", "deepseek_v3_dense", "glm_moe_dsa") or (
         family in ("deepseek_v3", "deepseek_v3_no_q_lora", "glm4_moe") and layer == 0
     )
     if dense:
@@ -157,7 +168,8 @@ def test_every_reader_and_writer_of_the_stream_is_rotated(
     # value rows of kv_b_proj are rotated per head (with o_proj's columns)
     after = dict(model.named_parameters())
     for name, parameter in after.items():
-        if "q_b_proj" in name or "q_norm" in name or "k_norm" in name or "a_layernorm" in name:
+        inside = ("q_b_proj", "q_norm", "k_norm", "a_layernorm", "indexer.wq_b")
+        if any(part in name for part in inside):
             assert torch.equal(parameter, before[name]), name
     if family.startswith("deepseek_v3"):
         config = model.config

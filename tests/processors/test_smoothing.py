@@ -25,7 +25,14 @@ from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
 from msquant.model.layers import find_decoder_layers
 from msquant.model.subgraphs import default_subgraphs
-from msquant.plugin import DecoderLayer, Processor, ProcessorConfig, RunContext, TransformProbe
+from msquant.plugin import (
+    DecoderLayer,
+    Processor,
+    ProcessorConfig,
+    RunContext,
+    TransformProbe,
+    adapter_for,
+)
 from msquant.processors.smoothing.config import (
     FlexSmoothQuantConfig,
     IterSmoothConfig,
@@ -220,13 +227,19 @@ def test_default_subgraphs_of_llama_and_moe_layers(
     ]
 
 
-def test_moe_layers_smooth_the_attention_only(
+def test_moe_layers_smooth_the_attention_and_each_expert(
     tiny_model_factory: Callable[..., Path],
 ) -> None:
+    """A MoE layer: the attention's subgraphs and one up-down per routed expert (the
+    post-attention norm feeds the router too: no norm-linear there)."""
     model_dir = tiny_model_factory("qwen3_moe", num_layers=1)
     model = load_causal_lm(model_dir)
+    adapter_for(model).unfuse_experts(model)
     (layer,) = find_decoder_layers(model)
-    assert [s.kind for s in default_subgraphs(model, layer)] == ["norm-linear", "ov"]
+    found = [(s.kind, s.source.split(".", 3)[-1]) for s in default_subgraphs(model, layer)]
+    assert found == [("norm-linear", "input_layernorm"), ("ov", "self_attn.v_proj")] + [
+        ("up-down", f"mlp.experts.{e}.up_proj") for e in range(8)
+    ]
 
 
 CONFIG = """

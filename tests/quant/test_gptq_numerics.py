@@ -191,7 +191,7 @@ def _groups(folder: Path) -> list[dict[str, Any]]:
 
 def test_compressed_tensors_records_act_order_as_weight(tiny_llama: Path, tmp_path: Path) -> None:
     """Act-order modules are described with ``actorder: "weight"`` (compressed-tensors 0.20's
-    QuantizationArgs accept it: vLLM 0.33 needs no g_idx for it); msModelSlim numerics and
+    QuantizationArgs accept it: vLLM 0.33 / 0.34 needs no g_idx for it); msModelSlim numerics and
     round-to-nearest write no actorder; the export still verifies and decodes as before."""
     from compressed_tensors.quantization import ActivationOrdering, QuantizationArgs
 
@@ -219,7 +219,7 @@ def test_compressed_tensors_records_act_order_as_weight(tiny_llama: Path, tmp_pa
 
 def test_gptq_export_of_act_order_keeps_desc_act_false(tiny_llama: Path, tmp_path: Path) -> None:
     """The default act-order runs with static groups: the GPTQ checkpoint's group index is
-    trivial, so it says ``desc_act: false`` (vLLM 0.33 refuses ``desc_act: true`` with groups)."""
+    trivial, so it says ``desc_act: false`` (vLLM 0.33 / 0.34 refuses ``desc_act: true`` with groups)."""
     import torch
     from safetensors.torch import load_file
 

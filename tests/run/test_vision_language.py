@@ -287,12 +287,25 @@ def test_quantizing_a_tensor_transformers_converts_is_refused(tmp_path: Path) ->
     assert not (tmp_path / "x").exists()
 
 
-def test_rotation_of_a_vision_language_model_is_refused(qwen3_vl: Path, tmp_path: Path) -> None:
+def test_rotation_of_a_vision_language_model_runs(qwen3_vl: Path, tmp_path: Path) -> None:
+    """quarot rotates the text decoder's stream and the mergers feeding it
+    (tests/processors/test_quarot_vlm.py proves the function on images); with the text decoder
+    quantized the export verifies against the original."""
     config = vlm_config([{"type": "quarot", "block_size": 16}, *TEXT_ONLY["spec"]["process"]])
-    with pytest.raises(
-        msquant.MsquantInputError, match=r"vision-language model: its model\.visual"
-    ):
-        msquant.quantize(qwen3_vl, tmp_path / "x", config, calib_path=CORPUS, progress=False)
+    save = tmp_path / "export"
+    msquant.quantize(qwen3_vl, save, config, calib_path=CORPUS, max_calib_tokens=16, progress=False)
+    description = json.loads((save / "quant_model_description.json").read_text())
+    assert description["model.language_model.layers.0.self_attn.q_proj.weight"] == "W8A8_DYNAMIC"
+    assert description["model.visual.merger.linear_fc2.weight"] == "FLOAT"
+    source, out = load_file(str(qwen3_vl / "model.safetensors")), exported(save)
+    rotated = "model.visual.merger.linear_fc2.weight"
+    assert not torch.equal(out[rotated], source[rotated])
+    assert torch.equal(
+        out["model.visual.blocks.0.attn.qkv.weight"],
+        source["model.visual.blocks.0.attn.qkv.weight"],
+    )
+    report = msquant.verify_export(save, model_path=qwen3_vl)
+    assert report.ok, report.errors
 
 
 def test_image_calibration_samples_are_refused(qwen3_vl: Path, tmp_path: Path) -> None:

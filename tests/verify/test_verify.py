@@ -1082,7 +1082,7 @@ def test_cli_quant_prints_the_consumer_warnings_of_its_verification(
     ]
     assert verify_lines and all("WARNING" in line for line in verify_lines), result.err
     assert any(
-        "vLLM 0.33 / SGLang load GPTQ only as 4/8-bit symmetric (Marlin): asymmetric layers are "
+        "vLLM 0.33 / 0.34 / SGLang load GPTQ only as 4/8-bit symmetric (Marlin): asymmetric layers are "
         "refused" in line
         for line in verify_lines
     )

@@ -155,6 +155,13 @@ def _load_hidden(
     ``info``; the transform probe's too), in place of the captured ones."""
     path = None if info is None else checkpoints.directory / info["file"]
     whose = f" of process {checkpoints.dist.rank}" if checkpoints.dist.active else ""
+    probed = None if ctx.probe is None else ctx.probe.activations
+    if any(a is not None and a.takes_state_from_before(done) for a in (activations, probed)):
+        raise ResumeError(
+            f"--resume: layer {done} takes what an earlier decoder layer returned beside its "
+            "hidden states (as GLM-5's indexer hands on its top-k token indices), which a "
+            "checkpoint does not hold; start over with --overwrite (without --resume)"
+        )
     if (
         info is None
         or path is None

@@ -38,7 +38,7 @@ INT_QUANTIZED = "int-quantized"
 #: name; vLLM reads each group's own ``format`` first).
 MIXED_PRECISION = "mixed-precision"
 #: compressed-tensors' ``actorder`` for GPTQ act-order with static groups (alias ``static``):
-#: accepted by compressed-tensors 0.20 and vLLM 0.33, which need no ``g_idx`` for it.
+#: accepted by compressed-tensors 0.20 and vLLM 0.33 / 0.34, which need no ``g_idx`` for it.
 ACTORDER_WEIGHT = "weight"
 
 

@@ -75,11 +75,11 @@ VLLM_HEAD = (
 SGLANG_BITS = "SGLang loads compressed-tensors weight-only layers of 4 or 8 bits only"
 DENSE_PACKING = (
     "3/5/6/7-bit weights packed densely across int32 words need compressed-tensors >= 0.18 to "
-    "unpack (vLLM 0.33 pins 0.17.0; transformers with 0.17 fails to load them)"
+    "unpack (vLLM 0.33 / 0.34 pin 0.17.0; transformers with 0.17 fails to load them)"
 )
 HEAD_NAMES = ("lm_head",)
 VLLM_ASYM_ZERO_POINT = (
-    "vLLM 0.33's CUTLASS int8 kernel rebuilds a static asymmetric input zero point with a "
+    "vLLM 0.33 / 0.34's CUTLASS int8 kernel rebuilds a static asymmetric input zero point with a "
     "truncating conversion, which can move it one step toward 0 (docs/formats.md, int8 W8A8)"
 )
 

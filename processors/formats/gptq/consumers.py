@@ -69,14 +69,14 @@ VOCAB_WARNING = (
 
 
 def vllm_problem_message(units: list[RuleUnit], checkpoint_format: CheckpointFormat) -> str | None:
-    """Why vLLM 0.33 / SGLang cannot serve these units as GPTQ (None when they can)."""
+    """Why vLLM 0.33 / 0.34 / SGLang cannot serve these units as GPTQ (None when they can)."""
     bad = [u for u in units if u.scheme is not None and not u.scheme.vllm_servable]
     if not bad:
         return None
     kinds = sorted({u.scheme.describe() for u in bad if u.scheme is not None})
     members = [name for unit in bad for name in unit.members]
     message = (
-        f"{listing(members)} ({', '.join(kinds)}): vLLM 0.33 and SGLang serve GPTQ checkpoints "
+        f"{listing(members)} ({', '.join(kinds)}): vLLM 0.33 / 0.34 and SGLang serve GPTQ checkpoints "
         "only 4- or 8-bit symmetric (transformers with optimum + gptqmodel and GPTQModel load "
         f"this one); for vLLM {CT_ALTERNATIVE}"
     )
@@ -92,7 +92,7 @@ def marlin_problem_message(units: list[RuleUnit]) -> str | None:
     """Which quantized units do not fit the Marlin GPTQ kernels, and what each engine does with
     them (None if all fit).
 
-    vLLM 0.33 refuses group sizes Marlin has no kernel for, and zero-pads layers whose widths are
+    vLLM 0.33 / 0.34 refuses group sizes Marlin has no kernel for, and zero-pads layers whose widths are
     not whole Marlin tiles (``out % 64``, ``in % 128``); SGLang 0.5.23 has no other CUDA GPTQ
     kernel for such group sizes, and runs Marlin on misaligned layers without its shape check.
     MoE experts are not checked: vLLM picks their kernels per experts module (Marlin MoE, or its
@@ -112,7 +112,7 @@ def marlin_problem_message(units: list[RuleUnit]) -> str | None:
     if groups:
         parts.append(
             f"group sizes Marlin has no kernel for (it takes {list(MARLIN_GROUP_SIZES)}): "
-            f"{listing(groups)}; vLLM 0.33 refuses such layers (ValueError) and SGLang has no "
+            f"{listing(groups)}; vLLM 0.33 / 0.34 refuses such layers (ValueError) and SGLang has no "
             "other CUDA GPTQ kernel, so neither serves this checkpoint; "
             "`type: compressed_tensors` (pack-quantized) is vLLM's other weight-only format"
         )
@@ -120,7 +120,7 @@ def marlin_problem_message(units: list[RuleUnit]) -> str | None:
         parts.append(
             f"widths that are not whole Marlin tiles (out_features % {MARLIN_OUT_MULTIPLE}, "
             f"in_features % {MARLIN_IN_MULTIPLE}, at tensor-parallel size 1): "
-            f"{listing(shapes)}; vLLM 0.33 zero-pads them to whole tiles and loads the "
+            f"{listing(shapes)}; vLLM 0.33 / 0.34 zero-pads them to whole tiles and loads the "
             "checkpoint, but SGLang 0.5.23 runs its Marlin kernels on them without checking "
             "(its shape check's result is unused), so do not serve this checkpoint with SGLang"
         )

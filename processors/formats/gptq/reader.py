@@ -55,26 +55,25 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MARLIN_GROUPS = (-1, 32, 64, 128)
 
 VLLM_ASYM = (
-    "vLLM 0.33 / SGLang load GPTQ only as 4/8-bit symmetric (Marlin): asymmetric layers are "
+    "vLLM 0.33 / 0.34 / SGLang load GPTQ only as 4/8-bit symmetric (Marlin): asymmetric layers are "
     "refused; export compressed-tensors for vLLM"
 )
 VLLM_BITS = (
-    "vLLM 0.33 / SGLang load GPTQ only as 4 or 8 bits: other widths are refused; export "
+    "vLLM 0.33 / 0.34 / SGLang load GPTQ only as 4 or 8 bits: other widths are refused; export "
     "compressed-tensors for vLLM"
 )
-VLLM_DESC_ACT = (
-    "vLLM 0.33 refuses desc_act=true with group_size != -1 (group activation ordering was removed)"
-)
+VLLM_DESC_ACT = "vLLM 0.33 / 0.34 refuses desc_act=true with group_size != -1 (group activation ordering was removed)"
 DESC_ACT_TRIVIAL = (
-    "g_idx is trivial but desc_act is true: write desc_act false (vLLM 0.33 refuses desc_act=true)"
+    "g_idx is trivial but desc_act is true: write desc_act false "
+    "(vLLM 0.33 / 0.34 refuses desc_act=true)"
 )
 MARLIN_GROUP_NOTE = (
-    "Marlin GPTQ kernels take group_size -1, 32, 64 or 128 only: vLLM 0.33 refuses these layers "
+    "Marlin GPTQ kernels take group_size -1, 32, 64 or 128 only: vLLM 0.33 / 0.34 refuses these layers "
     "and SGLang has no other CUDA GPTQ kernel"
 )
 MARLIN_SHAPE_NOTE = (
     "not whole Marlin tiles (out_features % 64, in_features % 128, fused q/k/v and gate/up "
-    "counted whole, at tensor-parallel size 1): vLLM 0.33 zero-pads them and loads them; SGLang "
+    "counted whole, at tensor-parallel size 1): vLLM 0.33 / 0.34 zero-pads them and loads them; SGLang "
     "0.5.23 runs Marlin on them unchecked, so do not serve this with SGLang"
 )
 

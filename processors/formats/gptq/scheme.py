@@ -24,7 +24,7 @@ __all__ = [
 CheckpointFormat = Literal["gptq", "gptq_v2"]
 CheckpointFormatChoice = Literal["auto", "gptq", "gptq_v2"]
 
-#: (bits, sym) pairs vLLM 0.33 / SGLang serve from a GPTQ checkpoint (``uint4b8``, ``uint8b128``).
+#: (bits, sym) pairs vLLM 0.33 / 0.34 / SGLang serve from a GPTQ checkpoint (``uint4b8``, ``uint8b128``).
 VLLM_BITS = (4, 8)
 
 
@@ -61,7 +61,7 @@ class GPTQScheme:
 
     @property
     def vllm_servable(self) -> bool:
-        """Whether vLLM 0.33 / SGLang have a GPTQ kernel for it (4/8-bit symmetric)."""
+        """Whether vLLM 0.33 / 0.34 / SGLang have a GPTQ kernel for it (4/8-bit symmetric)."""
         return self.sym and self.bits in VLLM_BITS
 
 
