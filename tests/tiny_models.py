@@ -233,6 +233,11 @@ _OMNI_AUDIO = dict(
     output_dim=64, max_source_positions=64, n_window=4,
 )  # fmt: skip
 VLM_ARCHS: dict[str, dict[str, Any]] = {
+    # Qwen2.5-VL: windowed vision attention (block 1 full), gated vision MLP, mRoPE text
+    "qwen2_5_vl": dict(
+        text_config=dict(_TEXT, rope_parameters=_MROPE),
+        vision_config=dict(_QWEN_VISION, fullatt_block_indexes=[1], window_size=32),
+    ),
     "qwen3_vl": dict(
         text_config=dict(_TEXT, rope_parameters=_MROPE),
         vision_config=dict(_QWEN_VISION, deepstack_visual_indexes=[0]),
