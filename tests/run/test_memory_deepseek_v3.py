@@ -100,13 +100,39 @@ HESSIANS = (
 GPTQ_WORK = max(11 * F32 * O_PROJ[0] * O_PROJ[1], 3 * F32 * (O_PROJ[0] + O_PROJ[1]) * O_PROJ[1])
 
 
-def minmax(group: int | None, calibrating: bool) -> Items:
-    """Round-to-nearest min/max on every linear of the MoE layer: the quantized copy and three
-    float32 copies of o_proj."""
-    return runner(calibrating) + [
-        ("linear_quant: quantized weights", quantized(MOE_LINEARS, group)),
-        ("linear_quant: minmax rounding (largest module)", 3 * F32 * O_PROJ[0] * O_PROJ[1]),
+def expert_smoothing(processor: str) -> Items:
+    """A smoothing processor on the MoE layer's up-down subgraphs, one per expert (the shared one
+    too): each down_proj's 2048 input channel maxima; iter_smooth's fold makes one |W| of a
+    down_proj, flex_smooth_quant's search holds at most 1024 rows twice, the weight twice and two
+    products. The search rows are counted as if every calibration token reached every expert:
+    an upper bound (the routed experts see num_experts_per_tok of 256 each token; the estimate
+    does not read the router)."""
+    widths = (EXPERTS + SHARED) * EXPERT_FFN
+    if processor == "iter_smooth":
+        return [
+            ("iter_smooth: channel maxima", widths * BF16),
+            ("iter_smooth: fold (largest subgraph)", DOWN[0] * DOWN[1] * BF16),
+        ]
+    rows = 1024
+    search = (2 * rows * EXPERT_FFN + 2 * HIDDEN * EXPERT_FFN + 2 * rows * HIDDEN) * BF16
+    return [
+        (f"{processor}: channel maxima", widths * BF16),
+        (f"{processor}: search rows (every calibration token)", TOKENS * widths * BF16),
+        (f"{processor}: alpha/beta search (largest subgraph)", search),
     ]
+
+
+def minmax(group: int | None, calibrating: bool, before: Items | None = None) -> Items:
+    """Round-to-nearest min/max on every linear of the MoE layer (after ``before``'s processor
+    items): the quantized copy and three float32 copies of o_proj."""
+    return (
+        runner(calibrating)
+        + (before or [])
+        + [
+            ("linear_quant: quantized weights", quantized(MOE_LINEARS, group)),
+            ("linear_quant: minmax rounding (largest module)", 3 * F32 * O_PROJ[0] * O_PROJ[1]),
+        ]
+    )
 
 
 def gptq(group: int | None, before: Items | None = None) -> Items:
@@ -142,7 +168,7 @@ QUAROT = [
 
 EXPECTED: dict[str, Items] = {
     "practices/w8a16.yaml": minmax(None, calibrating=False),
-    "practices/w8a8.yaml": minmax(None, calibrating=True),  # iter_smooth calibrates
+    "practices/w8a8.yaml": minmax(None, calibrating=True, before=expert_smoothing("iter_smooth")),
     # the family practices: w8a8_dynamic_iter_smooth.yaml's content (dense down_proj float)
     "practices/w8a8-llama.yaml": minmax(None, calibrating=True),
     "practices/w8a8-gemma3_text.yaml": minmax(None, calibrating=True),
@@ -153,7 +179,9 @@ EXPECTED: dict[str, Items] = {
     "yaml_examples/w8a16_per_group_minmax.yaml": minmax(64, calibrating=False),
     "yaml_examples/w8a8_dynamic_per_token.yaml": minmax(None, calibrating=False),
     "yaml_examples/w8a8_dynamic_iter_smooth.yaml": minmax(None, calibrating=True),
-    "yaml_examples/w8a8_dynamic_flex_smooth.yaml": minmax(None, calibrating=True),
+    "yaml_examples/w8a8_dynamic_flex_smooth.yaml": minmax(
+        None, calibrating=True, before=expert_smoothing("flex_smooth_quant")
+    ),
     "yaml_examples/w8a16_per_channel_gptq.yaml": gptq(None),
     "yaml_examples/w8a16_per_channel_gptq_all_formats.yaml": gptq(None),
     "yaml_examples/w8a16_per_group_gptq.yaml": gptq(128),
@@ -162,9 +190,9 @@ EXPECTED: dict[str, Items] = {
     "yaml_examples/w4a16_per_group64_gptq_compressed_tensors.yaml": gptq(64),
     "yaml_examples/w4a8_dynamic_quarot.yaml": gptq(None, before=QUAROT),
 }
-# DeepSeek's smoothing subgraphs are in its dense layers only (MLA attention and the MoE MLP have
-# none the adapter knows): the MoE layer is the busiest and the smoothing processors hold nothing
-# there; their dense-layer items are checked in test_smoothing_on_a_dense_layer.
+# In the MoE layer the smoothing processors whose entries smooth up-down find one subgraph per
+# expert, the shared one included (MLA attention has none the adapter knows); their dense-layer
+# items are checked in test_smoothing_on_a_dense_layer.
 
 STATIC = "static per_tensor activations (W8A8) on MoE experts are not implemented"
 REFUSED = {
