@@ -449,3 +449,77 @@ MLA_DEEPSEEK_V3: dict[str, int] = dict(
     qk_nope_head_dim=8,
     v_head_dim=16,
 )
+
+
+#: A chat template of Qwen-VL's form (image placeholder, then the text), enough for the tiny
+#: processor of :func:`build_tiny_vlm_with_processor`.
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
+    "{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_VL_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+
+
+def build_tiny_vlm_with_processor(
+    directory: Path, arch: str = "qwen3_vl", seed: int = 0, **overrides: Any
+) -> Path:
+    """A tiny Qwen3-VL-family model (:data:`VLM_ARCHS`) with the processor files image
+    calibration reads: the trained tokenizer with Qwen-VL's vision tokens added (the config's
+    image / video / vision start / end ids point at them), transformers' Qwen2-VL image processor
+    (PIL backend, images resized to at most 64x64 pixels: a few patches) and a chat template.
+    ``processor_config.json`` names the processor class."""
+    import json
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(directory)
+    tokenizer.add_special_tokens({"additional_special_tokens": _VL_TOKENS})
+    tokenizer.save_pretrained(str(directory))
+    start, image, end, video = tokenizer.convert_tokens_to_ids(_VL_TOKENS)
+    patch = 16
+    Qwen2VLImageProcessorPil(
+        patch_size=patch, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32,
+        max_pixels=64 * 64,
+    ).save_pretrained(str(directory))  # fmt: skip
+    (directory / "chat_template.jinja").write_text(VL_CHAT_TEMPLATE, encoding="utf-8")
+    processor_class = {"qwen3_vl": "Qwen3VLProcessor", "qwen3_vl_moe": "Qwen3VLProcessor"}[arch]
+    (directory / "processor_config.json").write_text(
+        json.dumps({"processor_class": processor_class}), encoding="utf-8"
+    )
+    base = VLM_ARCHS[arch]
+    config = AutoConfig.for_model(
+        arch,
+        **{
+            **base,
+            "text_config": dict(base["text_config"], vocab_size=len(tokenizer) + 4),
+            "vision_config": dict(base["vision_config"], patch_size=patch),
+            "image_token_id": image,
+            "video_token_id": video,
+            "vision_start_token_id": start,
+            "vision_end_token_id": end,
+            **overrides,
+        },
+    )
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config).eval().save_pretrained(str(directory))
+    return directory
+
+
+def write_calibration_images(folder: Path, count: int = 2, seed: int = 0) -> Path:
+    """``count`` random RGB PNG images of different sizes (``img0.png``, ...) in ``folder``."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    for index in range(count):
+        pixels = torch.rand(40 + 8 * index, 56, 3, generator=generator) * 255
+        Image.fromarray(pixels.to(torch.uint8).numpy()).save(folder / f"img{index}.png")
+    return folder

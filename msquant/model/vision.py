@@ -26,7 +26,10 @@ from typing import Any
 from torch import nn
 
 __all__ = [
+    "BETWEEN_LAYERS",
+    "between_layers_method",
     "is_vision_language",
+    "multimodal_body_name",
     "other_parts",
     "part_prefix",
     "stream_feeders",
@@ -166,3 +169,33 @@ def vision_parts(model: nn.Module, head: str | None = None) -> list[tuple[str, n
             if any(isinstance(m, nn.Linear) for m in module.modules()):
                 parts.append((name, module))
     return parts
+
+
+#: Per ``model_type``: the method of the text decoder's body that it applies to the hidden
+#: states between two decoder layers on image inputs, ``method(hidden_states, *arguments)``.
+#: Qwen3-VL adds its deepstack visual features to the image tokens' hidden states after the
+#: first layers (transformers' ``Qwen3VLTextModel._deepstack_process``; msModelSlim's Qwen3-VL
+#: adapter does the same between the layers it runs one by one). A layer-wise run records each
+#: call with its arguments and makes it again on the layer's outputs
+#: (:class:`msquant.run.capture.CalibrationActivations`).
+BETWEEN_LAYERS: dict[str, str] = {
+    "qwen3_vl": "_deepstack_process",
+    "qwen3_vl_moe": "_deepstack_process",
+}
+
+
+def between_layers_method(model: nn.Module) -> str | None:
+    """The name of the method the text decoder's body applies between layers on image inputs
+    (:data:`BETWEEN_LAYERS`), or None."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return BETWEEN_LAYERS.get(str(model_type))
+
+
+def multimodal_body_name(model: nn.Module) -> str | None:
+    """Full name of the module of a vision-language model that runs the vision tower, merges
+    its features into the text embeddings and runs the text decoder (``model`` of
+    ``Qwen3VLForConditionalGeneration``: the text decoder's owner); None for a text-only model."""
+    decoder = text_decoder_name(model)
+    if decoder is None:
+        return None
+    return decoder.rsplit(".", 1)[0] if "." in decoder else ""
