@@ -464,13 +464,18 @@ _VL_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pa
 
 
 def build_tiny_vlm_with_processor(
-    directory: Path, arch: str = "qwen3_vl", seed: int = 0, **overrides: Any
+    directory: Path,
+    arch: str = "qwen3_vl",
+    seed: int = 0,
+    text: dict[str, Any] | None = None,
+    vision: dict[str, Any] | None = None,
 ) -> Path:
     """A tiny Qwen3-VL-family model (:data:`VLM_ARCHS`) with the processor files image
     calibration reads: the trained tokenizer with Qwen-VL's vision tokens added (the config's
     image / video / vision start / end ids point at them), transformers' Qwen2-VL image processor
     (PIL backend, images resized to at most 64x64 pixels: a few patches) and a chat template.
-    ``processor_config.json`` names the processor class."""
+    ``processor_config.json`` names the processor class. ``text`` / ``vision``: fields of the
+    text / vision config changed."""
     import json
 
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
@@ -497,13 +502,12 @@ def build_tiny_vlm_with_processor(
         arch,
         **{
             **base,
-            "text_config": dict(base["text_config"], vocab_size=len(tokenizer) + 4),
-            "vision_config": dict(base["vision_config"], patch_size=patch),
+            "text_config": dict(base["text_config"], vocab_size=len(tokenizer) + 4, **(text or {})),
+            "vision_config": dict(base["vision_config"], patch_size=patch, **(vision or {})),
             "image_token_id": image,
             "video_token_id": video,
             "vision_start_token_id": start,
             "vision_end_token_id": end,
-            **overrides,
         },
     )
     from transformers import AutoModelForImageTextToText

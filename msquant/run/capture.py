@@ -454,7 +454,10 @@ def capture_layer_inputs(
     hidden: list[torch.Tensor] = []
     calls: list[list[LayerCall]] = []
     between: list[dict[int, BetweenLayers]] = []
-    runner, batches = body, [(ids, None) for ids in batch_samples(samples, max_batch_tokens)]
+    runner = body
+    batches: list[tuple[torch.Tensor, Mapping[str, torch.Tensor] | None]] = [
+        (ids, None) for ids in batch_samples(samples, max_batch_tokens)
+    ]
     between_name = None
     if media is not None:
         runner, batches, between_name = _multimodal(model, body, samples, media)

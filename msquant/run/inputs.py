@@ -182,7 +182,9 @@ def check_inputs(
     )  # fmt: skip
 
 
-def _calibration_images(resolved: ResolvedConfig, calib_path: str | Path | None) -> list[Path] | None:
+def _calibration_images(
+    resolved: ResolvedConfig, calib_path: str | Path | None
+) -> list[Path] | None:
     """The calibration images of a vision-language config (``spec.default_text``) whose
     ``spec.dataset`` (or ``calib_path``) names a folder of images; None for text calibration."""
     spec = resolved.config.spec

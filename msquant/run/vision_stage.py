@@ -84,9 +84,7 @@ def _selected_parts(
 
 
 @contextmanager
-def calibrated_vision_stage(
-    ctx: RunContext, processors: Sequence[Processor]
-) -> Iterator[set[str]]:
+def calibrated_vision_stage(ctx: RunContext, processors: Sequence[Processor]) -> Iterator[set[str]]:
     """The selected vision parts calibrated on what runs inside the ``with`` block (the capture
     of the decoder's inputs on image samples), then quantized and written; yields the names of
     the parts, which :func:`run_vision_stage` then skips."""
