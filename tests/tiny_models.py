@@ -451,16 +451,74 @@ MLA_DEEPSEEK_V3: dict[str, int] = dict(
 )
 
 
-#: A chat template of Qwen-VL's form (image placeholder, then the text), enough for the tiny
-#: processor of :func:`build_tiny_vlm_with_processor`.
-VL_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% for c in message['content'] %}{% if c['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
-    "{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-_VL_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+def _vl_template(image: str) -> str:
+    """A chat template of Qwen's form rendering an image as ``image`` (then the text), enough
+    for the tiny processors of :func:`build_tiny_vlm_with_processor`."""
+    return (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+        "{% for c in message['content'] %}{% if c['type'] == 'image' %}"
+        + image
+        + "{% elif c['type'] == 'text' %}{{ c['text'] }}"
+        "{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+#: Per arch: (the processor class, the chat template's image, the vision tokens added to the
+#: tokenizer, the config's token ids (field -> token), the processor's own settings, which the
+#: config shares).
+_VL_PROCESSORS: dict[str, tuple[str, str, list[str], dict[str, str], dict[str, Any]]] = {
+    "qwen3_vl": (
+        "Qwen3VLProcessor",
+        "<|vision_start|><|image_pad|><|vision_end|>",
+        ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
+        {
+            "vision_start_token_id": "<|vision_start|>",
+            "image_token_id": "<|image_pad|>",
+            "vision_end_token_id": "<|vision_end|>",
+            "video_token_id": "<|video_pad|>",
+        },
+        {},
+    ),
+    "internvl": (
+        "InternVLProcessor",
+        "<IMG_CONTEXT>\n",
+        ["<img>", "</img>", "<IMG_CONTEXT>", "<video>"],
+        {"image_token_id": "<IMG_CONTEXT>"},
+        {"image_seq_length": 1},
+    ),
+}
+_VL_PROCESSORS["qwen3_vl_moe"] = _VL_PROCESSORS["qwen3_vl"]
+#: InternVL's processor reads its tokens off the tokenizer by these names.
+_INTERNVL_TOKENS = {
+    "start_image_token": "<img>",
+    "end_image_token": "</img>",
+    "context_image_token": "<IMG_CONTEXT>",
+    "video_token": "<video>",
+}
+
+
+def _save_image_processor(directory: Path, arch: str) -> dict[str, Any]:
+    """transformers' image processor of ``arch`` (PIL backend, a few patches per image) saved in
+    ``directory``; returns the vision config fields it implies."""
+    if arch == "internvl":  # 28x28 tiles (4 patches, 1 token after pixel shuffle), at most 2 + 1
+        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (
+            GotOcr2ImageProcessorPil,
+        )
+
+        GotOcr2ImageProcessorPil(
+            size={"height": 28, "width": 28}, crop_to_patches=True, max_patches=2
+        ).save_pretrained(str(directory))
+        return {}
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    Qwen2VLImageProcessorPil(
+        patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32,
+        max_pixels=64 * 64,
+    ).save_pretrained(str(directory))  # fmt: skip
+    return {"patch_size": 16}
 
 
 def build_tiny_vlm_with_processor(
@@ -470,32 +528,26 @@ def build_tiny_vlm_with_processor(
     text: dict[str, Any] | None = None,
     vision: dict[str, Any] | None = None,
 ) -> Path:
-    """A tiny Qwen3-VL-family model (:data:`VLM_ARCHS`) with the processor files image
-    calibration reads: the trained tokenizer with Qwen-VL's vision tokens added (the config's
-    image / video / vision start / end ids point at them), transformers' Qwen2-VL image processor
-    (PIL backend, images resized to at most 64x64 pixels: a few patches) and a chat template.
-    ``processor_config.json`` names the processor class. ``text`` / ``vision``: fields of the
+    """A tiny vision-language model (:data:`VLM_ARCHS`: Qwen3-VL, Qwen3-VL-MoE, InternVL) with
+    the processor files image calibration reads: the trained tokenizer with the family's vision
+    tokens added (the config's image token ids point at them), transformers' image processor
+    (PIL backend, images resized to a few patches), a chat template, and
+    ``processor_config.json`` naming the processor class. ``text`` / ``vision``: fields of the
     text / vision config changed."""
     import json
 
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
+    processor_class, image, tokens, token_ids, settings = _VL_PROCESSORS[arch]
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(directory)
-    tokenizer.add_special_tokens({"additional_special_tokens": _VL_TOKENS})
+    tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+    if arch == "internvl":
+        tokenizer._set_model_specific_special_tokens(special_tokens=_INTERNVL_TOKENS)
     tokenizer.save_pretrained(str(directory))
-    start, image, end, video = tokenizer.convert_tokens_to_ids(_VL_TOKENS)
-    patch = 16
-    Qwen2VLImageProcessorPil(
-        patch_size=patch, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32,
-        max_pixels=64 * 64,
-    ).save_pretrained(str(directory))  # fmt: skip
-    (directory / "chat_template.jinja").write_text(VL_CHAT_TEMPLATE, encoding="utf-8")
-    processor_class = {"qwen3_vl": "Qwen3VLProcessor", "qwen3_vl_moe": "Qwen3VLProcessor"}[arch]
+    ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in token_ids.items()}
+    vision_fields = _save_image_processor(directory, arch)
+    (directory / "chat_template.jinja").write_text(_vl_template(image), encoding="utf-8")
     (directory / "processor_config.json").write_text(
-        json.dumps({"processor_class": processor_class}), encoding="utf-8"
+        json.dumps({"processor_class": processor_class, **settings}), encoding="utf-8"
     )
     base = VLM_ARCHS[arch]
     config = AutoConfig.for_model(
@@ -503,11 +555,9 @@ def build_tiny_vlm_with_processor(
         **{
             **base,
             "text_config": dict(base["text_config"], vocab_size=len(tokenizer) + 4, **(text or {})),
-            "vision_config": dict(base["vision_config"], patch_size=patch, **(vision or {})),
-            "image_token_id": image,
-            "video_token_id": video,
-            "vision_start_token_id": start,
-            "vision_end_token_id": end,
+            "vision_config": dict(base["vision_config"], **vision_fields, **(vision or {})),
+            **ids,
+            **settings,
         },
     )
     from transformers import AutoModelForImageTextToText

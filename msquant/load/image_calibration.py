@@ -142,8 +142,8 @@ def load_processor(model_dir: Path, trust_remote_code: bool = False) -> Any:
         return AutoProcessor.from_pretrained(
             str(model_dir), trust_remote_code=trust_remote_code, local_files_only=True
         )
-    except ImportError as error:
-        if "Video" not in str(error) and "torchvision" not in str(error).lower():
+    except (ImportError, ValueError) as error:  # transformers raises either, by model
+        if "torchvision" not in str(error).lower():
             raise
         logger.info("processor built without its video processor (%s)", str(error).strip()[:80])
         return _processor_without_video(model_dir, trust_remote_code)
@@ -157,11 +157,16 @@ def _processor_without_video(model_dir: Path, trust_remote_code: bool) -> Any:
     import transformers
     from transformers import AutoImageProcessor, AutoTokenizer
 
-    name = None
+    import inspect
+
+    name, settings = None, {}
     for file in PROCESSOR_FILES:
         path = model_dir / file
         if path.is_file():
-            name = json.loads(path.read_text(encoding="utf-8")).get("processor_class") or name
+            saved = json.loads(path.read_text(encoding="utf-8"))
+            name = saved.get("processor_class") or name
+            if file == "processor_config.json":  # the processor's own settings
+                settings = {k: v for k, v in saved.items() if k != "processor_class"}
     cls = getattr(transformers, name, None) if isinstance(name, str) else None
     if cls is None:
         raise CalibrationDataError(
@@ -185,11 +190,13 @@ def _processor_without_video(model_dir: Path, trust_remote_code: bool) -> Any:
     image_processor = AutoImageProcessor.from_pretrained(
         str(model_dir), trust_remote_code=trust_remote_code, local_files_only=True
     )
+    accepted = inspect.signature(cls.__init__).parameters
     return ImagesOnly(
         image_processor=image_processor,
         tokenizer=tokenizer,
         video_processor=None,
         chat_template=template or getattr(tokenizer, "chat_template", None),
+        **{key: value for key, value in settings.items() if key in accepted},
     )
 
 
