@@ -73,34 +73,43 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_calibration_images(tmp_path_factory.mktemp("data") / "calibImages")
 
 
+@pytest.mark.parametrize("arch", ["qwen3_vl", "internvl"])
 def test_layer_wise_run_on_images_computes_the_whole_models_logits(
-    qwen3_vl: Path, images: Path
+    arch: str, qwen3_vl: Path, images: Path, tmp_path: Path
 ) -> None:
     """In float64, the decoder's inputs captured through the vision tower, pushed through the
-    layers one at a time (deepstack features added back between them), give transformers'
-    logits of the image + text forward."""
+    layers one at a time (Qwen3-VL's deepstack features added back between them), give
+    transformers' logits of the image + text forward."""
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(str(qwen3_vl), dtype=torch.float64).eval()
-    samples = image_samples(read_image_folder(images), TEXT, load_processor(qwen3_vl))
+    folder = qwen3_vl if arch == "qwen3_vl" else build_tiny_vlm_with_processor(tmp_path, arch)
+    model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float64).eval()
+    samples = image_samples(read_image_folder(images), TEXT, load_processor(folder))
     assert len(samples.input_ids) == 2 and "pixel_values" in samples.inputs[0]
     layers = adapter_for(model).decoder_layers(model)
     backend = get_backend("cpu")
     activations = capture_layer_inputs(model, layers, samples.input_ids, media=samples.inputs)
-    assert sorted(activations.between[0]) == [0, 1]  # deepstack after layers 0 and 1
     plain = capture_layer_inputs(model, layers, samples.input_ids, media=samples.inputs)
-    plain.between = []  # the same run without the deepstack additions
+    if arch == "qwen3_vl":
+        assert sorted(activations.between[0]) == [0, 1]  # deepstack after layers 0 and 1
+        plain.between = []  # the same run without the deepstack additions
+    else:
+        assert activations.between == []  # InternVL adds nothing between layers
+    inputs_of = [
+        {**inputs, "pixel_values": inputs["pixel_values"].double()} for inputs in samples.inputs
+    ]
     with torch.no_grad():
         for layer in layers:
             activations.advance(layer, backend)
             plain.advance(layer, backend)
         body = model.model.language_model
-        for number, (ids, inputs) in enumerate(zip(samples.input_ids, samples.inputs, strict=True)):
+        for number, (ids, inputs) in enumerate(zip(samples.input_ids, inputs_of, strict=True)):
             expected = model(input_ids=ids, **inputs).logits
             logits = model.lm_head(body.norm(activations.hidden[number]))
             torch.testing.assert_close(logits, expected, rtol=1e-12, atol=1e-12)
-            without = model.lm_head(body.norm(plain.hidden[number]))
-            assert (without - expected).abs().max() > 1e-3  # the deepstack additions matter
+            if arch == "qwen3_vl":
+                without = model.lm_head(body.norm(plain.hidden[number]))
+                assert (without - expected).abs().max() > 1e-3  # the deepstack additions matter
             text_only = model(input_ids=ids, attention_mask=inputs["attention_mask"]).logits
             assert (text_only - expected).abs().max() > 1e-3  # the image reaches the logits
 
