@@ -107,7 +107,7 @@ VLM_FAMILIES: dict[str, tuple[str, str]] = {
 #: The VLM archs whose tiny model is built with its processor and calibrated on images (a
 #: ``calibImages`` folder of random images beside the config, ``default_text`` with each), as
 #: their practices' ``dataset: calibImages`` asks; the others calibrate on the text corpus.
-IMAGE_ARCHS = frozenset({"qwen3_vl", "qwen3_vl_moe", "internvl"})
+IMAGE_ARCHS = frozenset({"qwen3_vl", "qwen3_vl_moe", "internvl", "glm4v_moe"})
 #: The dense files of the ``qwen3_5_moe`` folder (Qwen3.5 / 3.6 dense models).
 VLM_FILES: dict[str, tuple[str, str]] = {
     name: ("Qwen3.5 (dense)", "qwen3_5")

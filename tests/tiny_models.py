@@ -489,6 +489,21 @@ _VL_PROCESSORS: dict[str, tuple[str, str, list[str], dict[str, str], dict[str, A
     ),
 }
 _VL_PROCESSORS["qwen3_vl_moe"] = _VL_PROCESSORS["qwen3_vl"]
+_VL_PROCESSORS["glm4v_moe"] = (
+    "Glm4vProcessor",
+    "<|begin_of_image|><|image|><|end_of_image|>",
+    ["<|begin_of_image|>", "<|image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|video|>",
+     "<|end_of_video|>"],
+    {
+        "image_start_token_id": "<|begin_of_image|>",
+        "image_token_id": "<|image|>",
+        "image_end_token_id": "<|end_of_image|>",
+        "video_start_token_id": "<|begin_of_video|>",
+        "video_token_id": "<|video|>",
+        "video_end_token_id": "<|end_of_video|>",
+    },
+    {},
+)  # fmt: skip
 #: InternVL's processor reads its tokens off the tokenizer by these names.
 _INTERNVL_TOKENS = {
     "start_image_token": "<img>",
@@ -508,6 +523,13 @@ def _save_image_processor(directory: Path, arch: str) -> dict[str, Any]:
 
         GotOcr2ImageProcessorPil(
             size={"height": 28, "width": 28}, crop_to_patches=True, max_patches=2
+        ).save_pretrained(str(directory))
+        return {}
+    if arch == "glm4v_moe":  # 14-pixel patches merged 2x2, images of 28x28 to 56x56 pixels
+        from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+        Glm4vImageProcessorPil(
+            size={"shortest_edge": 28 * 28, "longest_edge": 56 * 56}
         ).save_pretrained(str(directory))
         return {}
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
