@@ -15,6 +15,8 @@ the processor returns (pixel values, image grid, attention mask, ...). Pillow de
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -152,12 +154,8 @@ def load_processor(model_dir: Path, trust_remote_code: bool = False) -> Any:
 def _processor_without_video(model_dir: Path, trust_remote_code: bool) -> Any:
     """The folder's processor class built from its image processor, tokenizer and chat template
     alone (no video processor)."""
-    import json
-
     import transformers
     from transformers import AutoImageProcessor, AutoTokenizer
-
-    import inspect
 
     name, settings = None, {}
     for file in PROCESSOR_FILES:
