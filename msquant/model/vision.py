@@ -5,12 +5,14 @@ A vision-language model of transformers (Qwen3-VL, Qwen3.5, InternVL, Kimi-K2.5,
 text decoder (``model.language_model``) beside a vision tower (``model.visual``,
 ``model.vision_tower``) and a projector (``model.multi_modal_projector``, ``model.mm_projector``,
 or a merger inside the tower) whose output replaces the image tokens' embeddings. msquant's layer
-loop walks the text decoder's layers and calibrates on text; the other parts are not walked, so
-their weights are exported unchanged (as float). msModelSlim walks the vision tower and the
-projector too, each as one unit, and quantizes the linear layers its scopes reach there, with
-image calibration data. msquant quantizes the linears a config selects there only when their
-scheme needs no calibration data (:mod:`msquant.run.vision_stage`); a config selecting them with
-one that does is refused (:mod:`msquant.planning.vision_scopes`). A rotation of the residual
+loop walks the text decoder's layers; the other parts are not walked, so their weights are
+exported unchanged (as float) unless a config selects linears there. msModelSlim walks the
+vision tower and the projector too, each as one unit, and quantizes the linear layers its scopes
+reach there, with image calibration data. msquant quantizes the linears a config selects there
+with a data-free scheme, or, when the run calibrates on images
+(:mod:`msquant.load.image_calibration`), with static activations calibrated on the images'
+forward (:mod:`msquant.run.vision_stage`); a config selecting them with a scheme the run cannot
+calibrate is refused (:mod:`msquant.planning.vision_scopes`). A rotation of the residual
 stream also rotates the projector linears whose output joins it (:data:`STREAM_FEEDERS`), for
 the families where that is known; it is refused for the others. An Omni checkpoint (thinker,
 talker, speech decoder) is loaded as its thinker, the part msModelSlim quantizes
