@@ -143,8 +143,8 @@ def run_floor(model_dir: Path, ids: Path) -> Timing:
 
 def floor(model_dir: Path, ids_file: Path) -> dict[str, float]:
     """Time the bare float32 calibration forward over ``ids_file``'s samples (one at a time, as
-    both tools calibrate), then the same forward with every linear's ``X^T X`` accumulated in
-    float32 (what GPTQ's Hessians cost at least)."""
+    both tools calibrate), then the same forward with ``X^T X`` accumulated in float32 once per
+    distinct linear input (q/k/v and gate/up share theirs): what GPTQ's Hessians cost at least."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -163,9 +163,15 @@ def floor(model_dir: Path, ids_file: Path) -> dict[str, float]:
     forward()  # warm-up (allocator, kernels), not counted
     bare = forward()
     hessians: dict[str, torch.Tensor] = {}
+    # inputs already accumulated in this decoder layer (q/k/v share theirs), held so that their
+    # memory is not reused by a later input of the same layer
+    seen: dict[int, torch.Tensor] = {}
 
     def accumulate(name: str):  # type: ignore[no-untyped-def]
         def hook(module, inputs, output):  # type: ignore[no-untyped-def]
+            if inputs[0].data_ptr() in seen:
+                return
+            seen[inputs[0].data_ptr()] = inputs[0]
             x = inputs[0].reshape(-1, inputs[0].shape[-1])
             if name not in hessians:
                 hessians[name] = torch.zeros(x.shape[1], x.shape[1])
@@ -173,11 +179,15 @@ def floor(model_dir: Path, ids_file: Path) -> dict[str, float]:
 
         return hook
 
+    def clear_seen(module, args, output):  # type: ignore[no-untyped-def]
+        seen.clear()  # after each decoder layer: its buffers may be reused by the next
+
     handles = [
         module.register_forward_hook(accumulate(name))
         for name, module in decoder.named_modules()
         if isinstance(module, torch.nn.Linear)
     ]
+    handles += [layer.register_forward_hook(clear_seen) for layer in decoder.layers]
     with_hessians = forward()
     for handle in handles:
         handle.remove()

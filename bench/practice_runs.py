@@ -93,6 +93,7 @@ FILE_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 #: lab_practice folder of ``multimodal_vlm_modelslim_v1`` configs -> (tiny model name,
 #: :data:`tiny_models.VLM_ARCHS` key): transformers' image-text-to-text classes.
 VLM_FAMILIES: dict[str, tuple[str, str]] = {
+    "qwen2_5_vl": ("Qwen2.5-VL", "qwen2_5_vl"),
     "qwen3_vl": ("Qwen3-VL", "qwen3_vl"),
     "qwen3_vl_moe": ("Qwen3-VL-MoE", "qwen3_vl_moe"),
     "qwen3_5_moe": ("Qwen3.5-MoE", "qwen3_5_moe"),

@@ -104,6 +104,7 @@ from msquant.processors.formats.ascend.fa_quant import (
     FAQuantRecord,
 )
 from msquant.processors.formats.ascend.layer_types import W16A16S
+from msquant.processors.formats.ascend.mx import MX_TYPES
 from msquant.processors.formats.ascend.packer import FLOAT, ascend_module_tensors, quant_type
 
 __all__ = ["AscendV1SaverConfig", "AscendV1Saver", "AscendSaverState"]
@@ -196,7 +197,15 @@ class AscendV1Saver(Saver):
     default_saver = True
     #: W8A8 and W8A8_DYNAMIC (msModelSlim's layout).
     writes_activations = True
-    activation_schemes = ("W8A8", "W8A8_MIX", "W8A8_DYNAMIC", "W4A8_DYNAMIC")
+    activation_schemes = (
+        "W8A8",
+        "W8A8_MIX",
+        "W8A8_DYNAMIC",
+        "W4A8_DYNAMIC",
+        *MX_TYPES,
+    )
+    #: Integer codes and the MX value types (:mod:`msquant.processors.formats.ascend.mx`).
+    value_families = ("int", "mx")
     #: The int8 KV cache's scales and offsets (``dynamic_cache``).
     tensor_kinds = (KV_CACHE_TYPE, W16A16S)
 
@@ -224,7 +233,10 @@ class AscendV1Saver(Saver):
             ),
             (VLLM_ASCEND_W4A16, [row for row in linears if row.bits == 4 and row.act is None]),
             (VLLM_ASCEND_W4A8, [row for row in linears if row.act == "W4A8_DYNAMIC"]),
-            (VLLM_ASCEND_PER_GROUP, [row for row in linears if row.bits == 8 and _grouped(row)]),
+            (
+                VLLM_ASCEND_PER_GROUP,
+                [row for row in linears if row.bits == 8 and row.act is None and _grouped(row)],
+            ),
             (VLLM_ASCEND_ASYM, [row for row in rows if row.sym is False]),
         ]
         grouped = sorted({row.group_size for row in rows if _grouped(row) and row.group_size})

@@ -92,6 +92,7 @@ from msquant.plugin import (
     OutputHeadStage,
     Processor,
     ProcessorConfig,
+    QScope,
     QuantizationError,
     QuantizedLinear,
     QuantizedWeight,
@@ -108,7 +109,12 @@ from msquant.plugin import (
     resolve_module_scheme,
     unmatched_patterns,
 )
-from msquant.processors.linear_quant_act import STATIC_SCHEMES, StaticActCalibration, act_scheme
+from msquant.processors.linear_quant_act import (
+    STATIC_SCHEMES,
+    StaticActCalibration,
+    act_scheme,
+    mx_activation,
+)
 from msquant.processors.linear_quant_calibration import HessianCollector, plan_passes
 from msquant.processors.linear_quant_checks import divisor_problem, fused_problems, head_problems
 from msquant.processors.linear_quant_config import METHODS, LinearQuantConfig, config_issues
@@ -457,6 +463,9 @@ class LinearQuantProcessor(Processor):
             return self._act_calibration.take(name)
         if self.act_scheme in ("W8A8_DYNAMIC", "W4A8_DYNAMIC"):
             return ActivationQuant("per_token")
+        act = self.config.qconfig.act
+        if act.scope is QScope.PER_BLOCK:  # MX: dynamic, of the act dtype's value type
+            return mx_activation(act)
         return None
 
     def _module_report(self, name: str, scheme: ResolvedScheme) -> ModuleReport:
@@ -467,4 +476,5 @@ class LinearQuantProcessor(Processor):
             bits=scheme.bits,
             group_size=scheme.group_size,
             symmetric=scheme.sym,
+            value_type=scheme.values.name,
         )

@@ -35,6 +35,14 @@ Implemented (msModelSlim's W8A8 family, the schemes vLLM-Ascend serves for dense
   activations with GPTQ weights are not implemented (their online calibration runs on the
   round-to-nearest weights).
 
+* **MX** (OCP microscaling, msModelSlim's ``per_block`` ``mxfp8`` / ``mxfp4``): ``act: {dtype:
+  mxfp8 | mxfp4, scope: per_block, symmetric: true, method: minmax, ext: {axes: -1}}`` with
+  ``weight: {dtype: mxfp8 | mxfp4, scope: per_block, symmetric: true, method: minmax}``:
+  W8A8_MXFP8 (both mxfp8), W4A4_MXFP4 (both mxfp4), W4A8_MXFP (mxfp4 weights, mxfp8
+  activations). Blocks of 32 along the input features (``axes: -1``, the default and the only
+  axis msModelSlim's linears use); dynamic, nothing calibrated. The value types' numerics are
+  :mod:`msquant.quant.mx_quant`.
+
 Everything else with quantized activations is refused with the list above.
 """
 
@@ -60,13 +68,18 @@ from msquant.plugin import (
 
 __all__ = [
     "ACT_SCHEMES",
+    "MX_DTYPES",
     "STATIC_SCHEMES",
     "ActScheme",
     "StaticActCalibration",
     "act_issues",
     "act_scheme",
+    "mx_activation",
+    "mx_issues",
 ]
 
+#: The integer activation schemes; MX ones are named by :meth:`ActivationQuant.scheme_name`
+#: (W8A8_MXFP8, W4A4_MXFP4, W4A8_MXFP).
 ActScheme = Literal["W8A8", "W8A8_MIX", "W8A8_DYNAMIC", "W4A8_DYNAMIC"]
 #: The schemes whose activation range is calibrated (static per-tensor parameters stored).
 STATIC_SCHEMES = ("W8A8", "W8A8_MIX")
@@ -79,8 +92,13 @@ ACT_SCHEMES = (
     "same weight; W8A8_MIX = act {dtype: int8, scope: pd_mix, symmetric: false, method: minmax} "
     "with the same weight; W4A8_DYNAMIC = the same act with weight {dtype: int4, scope: per_channel, "
     "symmetric: true, method: minmax}; method: ssz wherever minmax is; with per_token act, "
-    "method: gptq too"
+    "method: gptq too; MX: act {dtype: mxfp8 or mxfp4, scope: per_block, symmetric: true, "
+    "method: minmax} with weight {dtype: mxfp8 or mxfp4, scope: per_block, symmetric: true, "
+    "method: minmax} (W8A8_MXFP8, W4A4_MXFP4, and W4A8_MXFP = mxfp4 weight with mxfp8 act)"
 )
+#: The MX dtypes (value types computing their own block scales). Which (weight, act) pairs a
+#: format stores, its saver says (``activation_schemes``): the plan refuses the others.
+MX_DTYPES = tuple(dtype for dtype in QDType if dtype.self_scaled)
 
 #: The prefill path of W8A8_MIX: each token on its own symmetric grid.
 PER_TOKEN = ActivationQuant("per_token")
@@ -89,11 +107,13 @@ PER_TOKEN = ActivationQuant("per_token")
 ROUNDING_METHODS = ("minmax", "ssz")
 
 
-def act_scheme(act: ActQConfig, weight: WeightQConfig) -> ActScheme | None:
+def act_scheme(act: ActQConfig, weight: WeightQConfig) -> str | None:
     """The scheme ``qconfig.act`` (with these weights) asks for (None: float activations);
     assumes :func:`act_issues` found nothing."""
     if act.dtype is QDType.FLOAT:
         return None
+    if act.dtype in MX_DTYPES:
+        return mx_activation(act).scheme_name(weight.dtype.bits)
     if act.scope is QScope.PER_TENSOR:
         return "W8A8"
     if act.scope is QScope.PD_MIX:
@@ -111,7 +131,19 @@ def act_issues(
     :param dynamic: the entry has ``dynamic`` rules (per-module weight overrides).
     """
     if act.dtype is QDType.FLOAT:
+        if weight.dtype in MX_DTYPES:
+            return [
+                ConfigIssue(
+                    "qconfig.act",
+                    f"{weight.dtype.value} weights with float activations are not implemented "
+                    "(msModelSlim has no weight-only MX layer, the Ascend format no type for "
+                    f"it); quantize the activations: act {{dtype: {weight.dtype.value}, scope: "
+                    "per_block, symmetric: true, method: minmax}",
+                )
+            ]
         return []
+    if act.dtype in MX_DTYPES or weight.dtype in MX_DTYPES:
+        return mx_issues(act, weight) + _entry_issues(lm_head, dynamic)
     issues = []
     given = (
         f"act {{dtype: {act.dtype.value}, scope: {act.scope.value}, "
@@ -153,6 +185,12 @@ def act_issues(
                 f"activations is not implemented; implemented: {ACT_SCHEMES}",
             )
         )
+    return issues + _entry_issues(lm_head, dynamic)
+
+
+def _entry_issues(lm_head: bool, dynamic: bool) -> list[ConfigIssue]:
+    """The entry-level settings quantized activations do not go with."""
+    issues = []
     if lm_head:
         issues.append(
             ConfigIssue(
@@ -167,6 +205,66 @@ def act_issues(
                 "dynamic",
                 "dynamic rules with quantized activations are not implemented; select the modules "
                 "with include / exclude instead",
+            )
+        )
+    return issues
+
+
+def _describe(config: ActQConfig | WeightQConfig) -> str:
+    return (
+        f"{{dtype: {config.dtype.value}, scope: {config.scope.value}, "
+        f"symmetric: {str(config.symmetric).lower()}, method: {config.method}}}"
+    )
+
+
+def mx_activation(act: ActQConfig) -> ActivationQuant:
+    """The dynamic per-block activation scheme of an MX ``qconfig.act``."""
+    return ActivationQuant("per_block", value_type=act.dtype.value_type.name)
+
+
+def mx_issues(act: ActQConfig, weight: WeightQConfig) -> list[ConfigIssue]:
+    """Why an MX ``qconfig`` (either side ``mxfp8`` / ``mxfp4``) is not implemented, if it is
+    not: both sides MX ``per_block`` symmetric ``minmax``,
+    blocks along the last axis (``ext.axes: -1``). Which (weight, act) pairs a format stores is the
+    saver's to say (the plan refuses the others: the Ascend format has W8A8_MXFP8, W4A4_MXFP4 and
+    W4A8_MXFP, msModelSlim's layers)."""
+    issues = []
+    if not (
+        act.dtype in MX_DTYPES
+        and act.scope is QScope.PER_BLOCK
+        and act.symmetric
+        and act.method == "minmax"
+    ):
+        issues.append(
+            ConfigIssue(
+                "qconfig.act",
+                f"act {_describe(act)} is not implemented with weight {_describe(weight)}; "
+                f"implemented: {ACT_SCHEMES}",
+            )
+        )
+    # the (dtype, scope) pairing itself is the method's check (minmax: per_block with MX only)
+    if not (weight.dtype in MX_DTYPES and weight.symmetric and weight.method == "minmax"):
+        issues.append(
+            ConfigIssue(
+                "qconfig.weight",
+                f"weight {_describe(weight)} with act {_describe(act)} is not implemented; "
+                f"implemented: {ACT_SCHEMES}",
+            )
+        )
+    unknown = sorted(set(act.ext) - {"axes"})
+    if unknown:
+        issues.append(
+            ConfigIssue(
+                "qconfig.act.ext",
+                f"MX activations take only ext.axes, got {unknown}",
+            )
+        )
+    if act.ext.get("axes", -1) != -1:
+        issues.append(
+            ConfigIssue(
+                "qconfig.act.ext.axes",
+                f"MX blocks run along the last dimension (axes: -1, the input features), got "
+                f"{act.ext['axes']!r}",
             )
         )
     return issues

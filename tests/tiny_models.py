@@ -233,6 +233,11 @@ _OMNI_AUDIO = dict(
     output_dim=64, max_source_positions=64, n_window=4,
 )  # fmt: skip
 VLM_ARCHS: dict[str, dict[str, Any]] = {
+    # Qwen2.5-VL: windowed vision attention (block 1 full), gated vision MLP, mRoPE text
+    "qwen2_5_vl": dict(
+        text_config=dict(_TEXT, rope_parameters=_MROPE),
+        vision_config=dict(_QWEN_VISION, fullatt_block_indexes=[1], window_size=32),
+    ),
     "qwen3_vl": dict(
         text_config=dict(_TEXT, rope_parameters=_MROPE),
         vision_config=dict(_QWEN_VISION, deepstack_visual_indexes=[0]),
@@ -599,3 +604,85 @@ def write_calibration_images(folder: Path, count: int = 2, seed: int = 0) -> Pat
         pixels = torch.rand(40 + 8 * index, 56, 3, generator=generator) * 255
         Image.fromarray(pixels.to(torch.uint8).numpy()).save(folder / f"img{index}.png")
     return folder
+
+
+def transpose_fused_experts(directory: Path) -> None:
+    """Rewrite the fused experts of ``directory``'s ``model.safetensors`` as the released
+    Qwen3-VL-MoE checkpoints store them: ``experts.gate_up_proj [E, H, 2I]`` and
+    ``experts.down_proj [E, I, H]`` (transformers 5 saves ``[E, 2I, H]`` / ``[E, H, I]`` and
+    transposes the released layout while it loads)."""
+    from safetensors.torch import load_file, save_file
+
+    file = directory / "model.safetensors"
+    tensors = load_file(str(file))
+    for name in list(tensors):
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+#: A tiny Qwen3-VL-MoE whose experts are narrower than in :data:`VLM_ARCHS` (``2I != H``, so
+#: transformers' load-time transpose of the released layout is unambiguous).
+VL_MOE_INTER, VL_MOE_HIDDEN, VL_MOE_EXPERTS = 16, 64, 4
+VL_MOE_EXPERTS_MODULES = [f"model.language_model.layers.{i}.mlp.experts" for i in (0, 1)]
+
+
+def build_tiny_vl_moe(directory: Path, layout: str) -> Path:
+    """A tiny Qwen3-VL-MoE with fused experts as transformers saves them (``layout="saved"``:
+    ``[E, 2I, H]`` / ``[E, H, I]``) or as the released checkpoints store them (``"released"``)."""
+    text = dict(VLM_ARCHS["qwen3_vl_moe"]["text_config"], moe_intermediate_size=VL_MOE_INTER)
+    build_tiny_vlm(directory, "qwen3_vl_moe", text_config=text)
+    if layout == "released":
+        transpose_fused_experts(directory)
+    return directory
+
+
+def vl_moe_expert_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Every expert Linear's ``[out, in]`` weight of :func:`build_tiny_vl_moe`'s checkpoint, cut
+    out as msModelSlim's Qwen3-VL-MoE adapter does from the released layout: ``gate_up[e]`` is
+    ``[H, 2I]``, gate its first I columns transposed, up the others; ``down[e]`` ``[I, H]``
+    transposed."""
+    from safetensors.torch import load_file
+
+    saved = load_file(str(directory / "model.safetensors"))
+    weights = {}
+    for module in VL_MOE_EXPERTS_MODULES:
+        gate_up, down = saved[f"{module}.gate_up_proj"], saved[f"{module}.down_proj"]
+        if gate_up.shape[1] != VL_MOE_HIDDEN:  # saved by transformers: [E, 2I, H]
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        assert tuple(gate_up.shape) == (VL_MOE_EXPERTS, VL_MOE_HIDDEN, 2 * VL_MOE_INTER)
+        assert tuple(down.shape) == (VL_MOE_EXPERTS, VL_MOE_INTER, VL_MOE_HIDDEN)
+        for e in range(VL_MOE_EXPERTS):
+            gate, up = gate_up[e].chunk(2, dim=-1)
+            weights[f"{module}.{e}.gate_proj"] = gate.t()
+            weights[f"{module}.{e}.up_proj"] = up.t()
+            weights[f"{module}.{e}.down_proj"] = down[e].t()
+    return weights
+
+
+def fuse_experts_on_disk(directory: Path) -> None:
+    """Rewrite the per-expert tensors of ``directory``'s ``model.safetensors``
+    (``mlp.experts.<e>.gate_proj.weight`` ...) as one fused pair per layer in transformers 5's
+    layout (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``), which
+    transformers loads as it is (a checkpoint written from the fused parameters)."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    file = directory / "model.safetensors"
+    tensors = load_file(str(file))
+    groups: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for name in list(tensors):
+        found = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
+        if found:
+            key = (int(found.group(2)), found.group(3))
+            groups.setdefault(found.group(1), {})[key] = tensors.pop(name)
+    for module, weights in groups.items():
+        count = 1 + max(e for e, _ in weights)
+        tensors[f"{module}.gate_up_proj"] = torch.stack(
+            [torch.cat([weights[(e, "gate_proj")], weights[(e, "up_proj")]]) for e in range(count)]
+        )
+        tensors[f"{module}.down_proj"] = torch.stack(
+            [weights[(e, "down_proj")] for e in range(count)]
+        )
+    save_file(tensors, str(file), metadata={"format": "pt"})

@@ -3,12 +3,15 @@
 transformers converts some names when it loads and saves (``transformers.conversion_mapping``):
 Mixtral's experts are ``block_sparse_moe.experts.3.w1`` on disk and ``mlp.experts`` (fused) in
 the loaded model. :func:`checkpoint_names` replays transformers' own save-time conversion, so
-exports are written under the names the engines load the original checkpoint with.
+exports are written under the names the engines load the original checkpoint with. Experts that
+transformers saves still fused (Qwen3-VL-MoE) get the per-expert names the engines' MoE loaders
+and msModelSlim use, ``<experts>.<e>.gate_proj`` / ``up_proj`` / ``down_proj``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -198,8 +201,13 @@ def _expert_disk_names(
     """Disk module name of each expert Linear of ``experts`` (named ``name`` in ``model``).
 
     Probe: each fused parameter ``[E, R, C]`` becomes ``[E, R, 1]`` float64 holding a global row
-    number (rows of different parameters never collide), so every per-expert tensor transformers
-    saves tells which parameter, expert and rows it came from.
+    number (rows of different parameters never collide), so every tensor transformers saves
+    tells which parameter, expert and rows it came from. transformers saves the experts either
+    one tensor per expert projection (Qwen2/3-MoE, Mixtral: that tensor's name is the Linear's),
+    or still fused, one 3-D tensor per parameter (Qwen3-VL-MoE's ``experts.gate_up_proj``): then
+    each expert Linear is named as the engines and msModelSlim name per-expert layers,
+    ``<experts on disk>.<e>.gate_proj`` / ``up_proj`` / ``down_proj``
+    (:func:`_fused_disk_names`).
     """
     probe, spans = {}, {}
     offset = 0
@@ -209,6 +217,8 @@ def _expert_disk_names(
         probe[f"{name}.{param}"] = ids.view(num_experts, rows, 1)
         spans[param] = (offset, rows)
         offset += num_experts * rows
+    with _fused_stand_in(model, name, probe):
+        saved = revert(model, probe)
     inter = experts.intermediate_dim
     expected = {  # (parameter, first row within the expert) -> role
         ("gate_up_proj", 0): "gate_proj",
@@ -216,7 +226,11 @@ def _expert_disk_names(
         ("down_proj", 0): "down_proj",
     }
     names: dict[str, str] = {}
-    for disk, tensor in revert(model, probe).items():
+    for disk, tensor in saved.items():
+        whole = _fused_disk_names(name, experts, disk, tensor, spans)
+        if whole is not None:
+            names.update(whole)
+            continue
         if tensor.ndim == 1:  # transformers 5.17 drops the probe's trailing 1-wide dimension
             tensor = tensor.unsqueeze(1)
         located = _locate(tensor, spans)
@@ -224,8 +238,8 @@ def _expert_disk_names(
         if located is None or role is None or not disk.endswith(".weight"):
             raise ModelLoadError(
                 f"{name} ({experts.source_class}): transformers saves it as {disk} with shape "
-                f"{tuple(tensor.shape)}, not as one tensor per expert projection; msquant cannot "
-                "name its per-expert layers on disk"
+                f"{tuple(tensor.shape)}, neither one tensor per expert projection nor one whole "
+                "fused parameter; msquant cannot name its per-expert layers on disk"
             )
         rows_expected = experts.hidden_dim if role == "down_proj" else inter
         if tensor.shape[0] != rows_expected:
@@ -241,6 +255,79 @@ def _expert_disk_names(
             f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
         )
     return names
+
+
+#: The expert Linears each fused parameter holds, in row order within an expert.
+_FUSED_ROLES: Mapping[str, tuple[str, ...]] = {
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
+def _fused_disk_names(
+    name: str,
+    experts: UnfusedExperts,
+    disk: str,
+    tensor: torch.Tensor,
+    spans: Mapping[str, tuple[int, int]],
+) -> dict[str, str] | None:
+    """Per-expert disk names when transformers saves one fused parameter whole as ``disk``
+    (its probe ``tensor`` is the parameter's ``[E, R, 1]`` probe unchanged, or transposed
+    ``[E, 1, R]`` by a save-time ``Transpose``), None when ``tensor`` is not a whole parameter.
+
+    The Linears of expert ``e`` are then ``<disk's module>.<e>.<role>``: the names vLLM's and
+    vLLM-Ascend's MoE loaders read per-expert weights under (their expert-parameter mapping),
+    and those msModelSlim exports such models with.
+    """
+    if tensor.ndim != 3:
+        return None
+    rows = tensor.reshape(tensor.shape[0], -1)
+    for param, (offset, per_expert) in spans.items():
+        num_experts = experts.fused_shapes[param][0]
+        ids = torch.arange(offset, offset + num_experts * per_expert, dtype=torch.float64)
+        if tuple(rows.shape) == (num_experts, per_expert) and torch.equal(
+            rows.to(torch.float64), ids.view(num_experts, per_expert)
+        ):
+            module, _, leaf = disk.rpartition(".")
+            if leaf != param:
+                raise ModelLoadError(
+                    f"{name} ({experts.source_class}): transformers saves its fused {param} as "
+                    f"{disk}; msquant names per-expert layers only beside a fused tensor that "
+                    f"keeps the name {param}"
+                )
+            return {
+                f"{name}.{e}.{role}": f"{module}.{e}.{role}"
+                for e in range(num_experts)
+                for role in _FUSED_ROLES[param]
+            }
+    return None
+
+
+@contextmanager
+def _fused_stand_in(
+    model: nn.Module, name: str, probe: Mapping[str, torch.Tensor]
+) -> Iterator[None]:
+    """Within the block, ``model``'s module ``name`` (the :class:`UnfusedExperts`) is replaced by
+    one holding ``meta`` fused parameters shaped like ``probe``'s tensors.
+
+    transformers' save-time conversions may read the model's parameter of a tensor they convert
+    (``Transpose(check_dims=True)``, Qwen3-VL-MoE's experts: it transposes only a tensor whose
+    shape differs from the parameter's); the unfused model has none. Shaped like the probe, the
+    stand-in makes the conversion treat the probe as transformers treats the real parameter
+    when it saves it (same shape as the model's).
+    """
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    original = parent._modules[child]
+    stand_in = nn.Module()
+    for key, tensor in probe.items():
+        param = nn.Parameter(torch.empty(tensor.shape, device="meta"), requires_grad=False)
+        stand_in.register_parameter(key.rpartition(".")[2], param)
+    parent._modules[child] = stand_in
+    try:
+        yield
+    finally:
+        parent._modules[child] = original
 
 
 def _locate(

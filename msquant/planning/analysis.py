@@ -94,6 +94,7 @@ def _row(
             source_of(index, scheme),
             index,
             decision.act,
+            scheme.values.name,
         )
     for index, decision in decided:
         if decision.reason:

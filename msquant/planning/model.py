@@ -109,6 +109,9 @@ class PlanRow:
     #: The activation scheme (``W8A8``, ``W8A8_DYNAMIC``, ...) of a quantized module; None for
     #: float activations.
     act: str | None = None
+    #: The codes' value type (``int8``, ``mxfp8``; :mod:`msquant.quant.value_types`) of a
+    #: quantized module; None for a module left in float.
+    value_type: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready mapping."""

@@ -39,6 +39,8 @@ def render_plan(result: ModelPlan) -> str:
     # an "act" column only when a module quantizes its activations (weight-only plans unchanged)
     with_act = any(row.act is not None for row in result.rows)
     header: tuple[str, ...] = ("module", "bits", "group", "sym", "method", "skipped", "decided by")
+    # the "bits" column names the value type when a module's codes are not integers (mxfp8)
+    typed = any(row.value_type not in (None, f"int{row.bits}") for row in result.rows)
     if with_act:
         header = (*header[:5], "act", *header[5:])
     table: list[tuple[str, ...]] = [header]
@@ -46,7 +48,7 @@ def render_plan(result: ModelPlan) -> str:
         group = "channel" if row.group_size == -1 else _cell(row.group_size)
         cells: tuple[str, ...] = (
             row.module,
-            _cell(row.bits),
+            _cell(row.value_type if typed and row.value_type is not None else row.bits),
             group,
             _cell(row.sym),
             _cell(row.method),

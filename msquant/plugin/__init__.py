@@ -218,6 +218,10 @@ from msquant.quant.int_quant import (
 from msquant.quant.int_quant import (
     quantize as quantize_codes,
 )
+from msquant.quant.minifloat import (
+    pack_nibbles,
+    unpack_nibbles,
+)
 from msquant.quant.minmax import (
     check_weight,
     divisors,
@@ -227,6 +231,9 @@ from msquant.quant.mse_clip import (
     MSEOptions,
     mse_minmax_qparams,
     mse_qparams,
+)
+from msquant.quant.mx_quant import (
+    E8M0_BIAS,
 )
 from msquant.quant.output_error import (
     relative_output_errors,
@@ -280,6 +287,10 @@ from msquant.quant.smoothing import (
     ov_scales_mean,
     search_alpha_beta,
     update_channel_max,
+)
+from msquant.quant.value_types import (
+    ValueType,
+    value_type_named,
 )
 from msquant.quant.w8a8_params import (
     decode_deq_scale,
@@ -387,6 +398,11 @@ __all__ = [
     "parse_device",
     # numerics and quantized representation
     "QuantizedWeight",
+    "ValueType",
+    "value_type_named",
+    "pack_nibbles",
+    "unpack_nibbles",
+    "E8M0_BIAS",
     "QuantizedLinear",
     "OnlineMinMax",
     "decode_deq_scale",

@@ -130,6 +130,9 @@ class Saver(Processor):
     #: ``"C8"``, the int8 KV cache's scales) this format stores; a saver refuses the others,
     #: naming the tensor, rather than leave them out.
     tensor_kinds: ClassVar[tuple[str, ...]] = ()
+    #: The value-type families (:attr:`msquant.plugin.ValueType.family`: ``int``, ``mx``) whose
+    #: codes this format stores; a saver refuses a layer of another, naming it.
+    value_families: ClassVar[tuple[str, ...]] = ("int",)
 
     @classmethod
     def stores_activation_scheme(cls, scheme: str) -> bool:
@@ -213,6 +216,12 @@ class Saver(Processor):
         for name, module in root.named_modules(prefix=prefix):
             if not isinstance(module, QuantizedLinear) or name in self.state.quantized:
                 continue
+            if module.value_type.family not in self.value_families:
+                raise QuantizationError(
+                    f"{self.type_name}: {name} holds {module.value_type.name} codes, which this "
+                    f"format does not store (it stores {', '.join(self.value_families)} value "
+                    "types); use a saver that stores them (docs/value-types.md lists which)"
+                )
             if module.act is not None and not self.stores_activation_scheme(
                 module.act.scheme_name(module.bits)
             ):

@@ -22,6 +22,10 @@ Two activation schemes feed msModelSlim's W8A8 family:
   dynamically as W8A8_DYNAMIC does. Calibration runs prompts, i.e. prefill: the calibration
   forward (and ``msquant eval``) therefore simulates the per-token path, and the static range is
   observed on the unquantized inputs.
+* **per-block dynamic** (MX: W8A8_MXFP8, W4A4_MXFP4, W4A8_MXFP): each block of 32 consecutive
+  values along the last dimension gets its own power-of-two scale at run time, its values
+  rounded to the value type's float element (:meth:`msquant.quant.value_types.ValueType.fake_quantize`,
+  msModelSlim's numerics); nothing about activations is exported.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any, Literal
 import torch
 
 from msquant.quant.int_quant import compute_qparams, qrange
+from msquant.quant.value_types import value_type_named
 
 __all__ = [
     "ACT_BITS",
@@ -128,7 +133,7 @@ class OnlineMinMax:
 
 
 #: The activation scopes implemented: one static range per layer, or one scale per token at run time.
-ActScope = Literal["per_tensor", "per_token", "pd_mix"]
+ActScope = Literal["per_tensor", "per_token", "pd_mix", "per_block"]
 
 
 @dataclass(frozen=True)
@@ -140,10 +145,12 @@ class ActivationQuant:
     symmetric). ``per_token`` (W8A8_DYNAMIC): symmetric, nothing calibrated (``scale`` and
     ``offset`` None): each token is scaled by ``max|x_token| / 127`` at run time. ``pd_mix``
     (W8A8_MIX): the static ``scale`` / ``offset`` of the decode steps (asymmetric) and per-token
-    dynamic quantization in prefill (what :meth:`fake_quantize` simulates).
+    dynamic quantization in prefill (what :meth:`fake_quantize` simulates). ``per_block`` (MX):
+    dynamic, symmetric, each block of 32 values scaled at run time, of ``value_type``
+    (``mxfp8``, ``mxfp4``; ``bits`` is its width).
 
     :raises ValueError: for a per-tensor scheme without its parameters, or an asymmetric or
-        parametrised per-token one.
+        parametrised per-token one, or a per-block one without a block value type.
     """
 
     scope: ActScope
@@ -151,8 +158,20 @@ class ActivationQuant:
     scale: float | None = None
     offset: float | None = None
     bits: int = ACT_BITS
+    #: ``per_block`` only: the value type's name (:mod:`msquant.quant.value_types`).
+    value_type: str | None = None
 
     def __post_init__(self) -> None:
+        if self.scope == "per_block":
+            values = value_type_named(self.value_type or "")
+            if values.block_size is None or self.scale is not None or self.offset is not None:
+                raise ValueError(
+                    f"per_block activations are dynamic with a block value type, got {values.name}"
+                )
+            object.__setattr__(self, "bits", values.bits)
+            return
+        if self.value_type is not None:
+            raise ValueError(f"{self.scope} activations are int{self.bits}, not {self.value_type}")
         if self.scope in ("per_tensor", "pd_mix"):
             if self.scope == "pd_mix" and self.symmetric:
                 raise ValueError(
@@ -171,16 +190,18 @@ class ActivationQuant:
                 raise ValueError("per_token activations are symmetric and carry no parameters")
         else:
             raise ValueError(
-                f"activation scope {self.scope!r}; valid: per_tensor, per_token, pd_mix"
+                f"activation scope {self.scope!r}; valid: per_tensor, per_token, pd_mix, per_block"
             )
 
     @property
     def dynamic(self) -> bool:
-        """Whether the scale is computed at run time (per token) rather than calibrated."""
-        return self.scope == "per_token"
+        """Whether the scale is computed at run time (per token or block) rather than calibrated."""
+        return self.scope in ("per_token", "per_block")
 
     def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` quantized and dequantized as the deployed kernel quantizes it (in ``x``'s dtype)."""
+        if self.value_type is not None:
+            return value_type_named(self.value_type).fake_quantize(x)
         if self.scope in ("per_token", "pd_mix"):  # pd_mix: its prefill path
             return fake_quantize_per_token(x, self.bits)
         assert self.scale is not None and self.offset is not None
@@ -188,8 +209,12 @@ class ActivationQuant:
 
     def scheme_name(self, weight_bits: int) -> str:
         """msModelSlim's name of this activation scheme with ``weight_bits``-bit weights:
-        ``W8A8`` (static), ``W8A8_DYNAMIC``, ``W4A8_DYNAMIC``, ``W8A8_MIX`` (the names plans
-        show)."""
+        ``W8A8`` (static), ``W8A8_DYNAMIC``, ``W4A8_DYNAMIC``, ``W8A8_MIX``; MX: ``W8A8_MXFP8``,
+        ``W4A4_MXFP4``, ``W4A8_MXFP`` (msModelSlim's names; the names plans show)."""
+        if self.value_type is not None:
+            # msModelSlim names a mixed-width MX scheme by the family alone (W4A8_MXFP)
+            same = weight_bits == self.bits
+            return f"W{weight_bits}A{self.bits}_MXFP" + (str(self.bits) if same else "")
         if self.scope == "pd_mix":
             return f"W{weight_bits}A{self.bits}_MIX"
         return f"W{weight_bits}A{self.bits}" + ("_DYNAMIC" if self.dynamic else "")
@@ -197,6 +222,8 @@ class ActivationQuant:
     def describe(self) -> str:
         """``a8 per_tensor asym`` and the like (plans, module reprs)."""
         kind = "sym" if self.symmetric else "asym"
+        if self.value_type is not None:
+            return f"a {self.value_type} per_block"
         if self.scope == "pd_mix":
             return f"a{self.bits} pd_mix (prefill per_token, decode per_tensor {kind})"
         return (
@@ -205,13 +232,16 @@ class ActivationQuant:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready record (floats are float32 values, exact in JSON's doubles)."""
-        return {
+        record: dict[str, Any] = {
             "scope": self.scope,
             "symmetric": self.symmetric,
             "scale": self.scale,
             "offset": self.offset,
             "bits": self.bits,
         }
+        if self.value_type is not None:
+            record["value_type"] = self.value_type
+        return record
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> ActivationQuant:
@@ -222,4 +252,5 @@ class ActivationQuant:
             scale=record["scale"],
             offset=record["offset"],
             bits=int(record["bits"]),
+            value_type=record.get("value_type"),
         )

@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from msquant.quant.value_types import VALUE_TYPES, ValueType
+
 __all__ = ["QDType", "QScope", "WeightQConfig", "ActQConfig", "LinearQConfig"]
 
 
@@ -26,12 +28,26 @@ class QDType(str, Enum):
     FP8_E4M3 = "fp8_e4m3"
 
     @property
+    def value_type(self) -> ValueType:
+        """The value type of a quantized dtype (:mod:`msquant.quant.value_types`).
+
+        :raises ValueError: for ``float`` and dtypes without a value type yet (``fp8_e4m3``).
+        """
+        if self.value not in VALUE_TYPES:
+            raise ValueError(f"{self.value} has no quantized value type in msquant")
+        return VALUE_TYPES[self.value]
+
+    @property
+    def self_scaled(self) -> bool:
+        """Whether the dtype's value type computes its own scales (the MX block types, which
+        go with ``scope: per_block``)."""
+        return self.value in VALUE_TYPES and VALUE_TYPES[self.value].self_scaled
+
+    @property
     def bits(self) -> int:
-        """Bit width of an integer type; raises for non-integer types."""
-        widths = {QDType.INT8: 8, QDType.INT4: 4}
-        if self not in widths:
-            raise ValueError(f"{self.value} is not an integer type")
-        return widths[self]
+        """Code width of a quantized type (8 for int8 and mxfp8, 4 for int4 and mxfp4); raises
+        for types without a value type."""
+        return self.value_type.bits
 
 
 class QScope(str, Enum):
@@ -69,7 +85,8 @@ class WeightQConfig(BaseModel):
 class ActQConfig(BaseModel):
     """How activations are quantized (``qconfig.act``): float (the default, weight-only), or
     int8 ``per_tensor`` (static, W8A8) / ``per_token`` (dynamic, W8A8_DYNAMIC) with method
-    ``minmax``; which combinations a processor implements, it checks (``linear_quant``)."""
+    ``minmax``, or ``mxfp8`` / ``mxfp4`` ``per_block`` (dynamic MX blocks of 32, ``ext: {axes:
+    -1}``); which combinations a processor implements, it checks (``linear_quant``)."""
 
     model_config = ConfigDict(extra="forbid", use_enum_values=False)
 

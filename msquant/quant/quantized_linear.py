@@ -42,6 +42,9 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.bits = qweight.bits
+        #: What the codes are (:mod:`msquant.quant.value_types`); formats refuse those they
+        #: cannot store.
+        self.value_type = qweight.value_type
         self.symmetric = qweight.symmetric
         self.group_size = qweight.group_size
         self.method = method
@@ -80,10 +83,11 @@ class QuantizedLinear(nn.Module):
             self.bits,
             self.symmetric,
             self.group_size,
+            self.value_type,
         )
 
     def dequantized_weight(self) -> torch.Tensor:
-        """The float32 fake-quantized weight ``(weight - offset) * scale``."""
+        """The float32 fake-quantized weight ``(decode(weight) - offset) * scale``."""
         return self.qweight.dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,13 +98,11 @@ class QuantizedLinear(nn.Module):
         return F.linear(x, weight, bias)
 
     def extra_repr(self) -> str:
-        scope = "per_channel" if self.group_size is None else f"per_group({self.group_size})"
-        kind = "sym" if self.symmetric else "asym"
+        scheme = self.value_type.describe(self.group_size, self.symmetric)
         order = ", act-order" if self.act_order else ""
         act = f", {self.act.describe()}" if self.act is not None else ""
         return (
-            f"in={self.in_features}, out={self.out_features}, int{self.bits} {scope} {kind}, "
-            f"{self.method}{order}{act}"
+            f"in={self.in_features}, out={self.out_features}, {scheme}, {self.method}{order}{act}"
         )
 
 

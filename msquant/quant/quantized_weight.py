@@ -7,13 +7,20 @@ from dataclasses import dataclass
 import torch
 
 from msquant.quant.int_quant import dequantize
+from msquant.quant.value_types import ValueType, int_value_type
 
 __all__ = ["QuantizedWeight"]
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """Integer codes plus per-channel or per-group parameters of one ``[out, in]`` weight.
+    """Codes plus per-channel or per-group parameters of one ``[out, in]`` weight.
+
+    What a code means is its :class:`~msquant.quant.value_types.ValueType` (``value_type``,
+    integer codes of width ``bits`` when not given): the float weight is
+    ``(value_type.decode(codes) - offset) * scale``. The rest of this docstring describes the
+    integer codes; MX codes are uint8 element codes with ``scale = 2^e`` per block of 32 and
+    ``offset = 0`` (:class:`~msquant.quant.value_types.MXValues`).
 
     Conventions (msModelSlim's): ``codes`` are signed integers in ``[-2^(b-1), 2^(b-1)-1]`` stored as
     int8; ``offset`` is the signed zero point (all zeros when symmetric); the float weight is
@@ -26,6 +33,7 @@ class QuantizedWeight:
     :param bits: bit width of the codes (8 for int8).
     :param symmetric: whether the offset is identically zero by construction.
     :param group_size: group width over input columns, or ``None`` for per-channel.
+    :param value_type: what the codes are; None: :func:`int_value_type` of ``bits``.
     """
 
     codes: torch.Tensor
@@ -34,11 +42,16 @@ class QuantizedWeight:
     bits: int
     symmetric: bool
     group_size: int | None
+    value_type: ValueType = None  # type: ignore[assignment]  # set from bits when None
 
     def __post_init__(self) -> None:
-        if self.codes.dim() != 2 or self.codes.dtype != torch.int8:
+        if self.value_type is None:
+            object.__setattr__(self, "value_type", int_value_type(self.bits))
+        code_dtype = self.value_type.code_dtype
+        if self.codes.dim() != 2 or self.codes.dtype != code_dtype:
             raise ValueError(
-                f"codes must be a 2-D int8 tensor, got {self.codes.dtype} {tuple(self.codes.shape)}"
+                f"codes must be a 2-D {str(code_dtype).removeprefix('torch.')} tensor, got "
+                f"{self.codes.dtype} {tuple(self.codes.shape)}"
             )
         out_features, in_features = self.codes.shape
         groups = 1 if self.group_size is None else in_features // self.group_size
@@ -48,6 +61,13 @@ class QuantizedWeight:
                 raise ValueError(
                     f"{name} must be float32 {expected}, got {tensor.dtype} {tuple(tensor.shape)}"
                 )
+
+    @classmethod
+    def self_scaled(cls, weight: torch.Tensor, value_type: ValueType) -> QuantizedWeight:
+        """``weight`` quantized by a value type that computes its own scales (MX,
+        :attr:`ValueType.self_scaled`): symmetric, groups of its block."""
+        codes, scale, offset = value_type.quantize(weight)
+        return cls(codes, scale, offset, value_type.bits, True, value_type.block_size, value_type)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -72,7 +92,8 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight these codes represent (the 'fake-quantized' weight)."""
-        return dequantize(self.codes, self.scale, self.offset, self.group_size)
+        values = self.value_type.decode(self.codes)
+        return dequantize(values, self.scale, self.offset, self.group_size)
 
     def unsigned_codes(self) -> torch.Tensor:
         """Codes shifted to ``[0, 2^b - 1]`` (int32): the GPTQ / compressed-tensors storage view.

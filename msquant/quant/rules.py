@@ -47,6 +47,7 @@ from pydantic import (
 from msquant.errors import ConfigIssue, validation_message
 from msquant.model.fused import FusedGroup
 from msquant.quant.regex_safety import pattern_risk
+from msquant.quant.value_types import ValueType, int_value_type, value_type_named
 
 __all__ = [
     "NEGATIVE_PREFIX",
@@ -311,6 +312,8 @@ class BaseScheme:
     :param mse: MSE scale search norm, 0.0 when off.
     :param static_groups: GPTQ static groups.
     :param mse_norm: the norm ``mse: true`` turns on (the entry's ``ext.mse_norm``).
+    :param value_type: the codes' value type name (:mod:`msquant.quant.value_types`) when
+        it is not the integer type of ``bits`` (``mxfp8``), else None.
     """
 
     bits: int
@@ -321,6 +324,7 @@ class BaseScheme:
     mse: float = 0.0
     static_groups: bool = False
     mse_norm: float = DEFAULT_MSE_NORM
+    value_type: str | None = None
 
     def resolved(self, decided_by: str = BASE_SOURCE) -> ResolvedScheme:
         """This scheme, unmodified, as a module's result."""
@@ -334,6 +338,7 @@ class BaseScheme:
             self.static_groups,
             skipped=False,
             decided_by=decided_by,
+            value_type=self.value_type,
         )
 
 
@@ -354,20 +359,31 @@ class ResolvedScheme:
     static_groups: bool
     skipped: bool
     decided_by: str
+    #: The value type's name when it is not ``int<bits>`` (``mxfp8``), else None.
+    value_type: str | None = None
+
+    @property
+    def values(self) -> ValueType:
+        """The codes' value type (:mod:`msquant.quant.value_types`)."""
+        return (
+            int_value_type(self.bits)
+            if self.value_type is None
+            else value_type_named(self.value_type)
+        )
 
     def signature(self) -> tuple[object, ...]:
-        """What the shards of a fused layer must share: skip decision, bits, group size, sym,
-        act order."""
+        """What the shards of a fused layer must share: skip decision, value type, bits, group
+        size, sym, act order."""
         if self.skipped:
             return ("skipped",)
-        return (self.bits, self.group_size, self.sym, self.desc_act)
+        return (self.bits, self.group_size, self.sym, self.desc_act, self.value_type)
 
     def describe(self) -> str:
-        """e.g. ``int4 group 32 sym``, ``int8 per-channel asym act-order``, ``not quantized``."""
+        """e.g. ``int4 group 32 sym``, ``int8 per-channel asym act-order``, ``mxfp8 block 32``,
+        ``not quantized``."""
         if self.skipped:
             return "not quantized"
-        scope = "per-channel" if self.group_size is None else f"group {self.group_size}"
-        text = f"int{self.bits} {scope} {'sym' if self.sym else 'asym'}"
+        text = self.values.describe(self.group_size, self.sym)
         return text + (" act-order" if self.desc_act else "")
 
 

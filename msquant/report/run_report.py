@@ -66,6 +66,7 @@ class ModuleReport:
         ``minmax``. An MoE expert sees only the tokens routed to it.
     :param fallback: why the module was rounded to nearest although ``gptq`` was asked for (an
         MoE expert with too few calibration tokens); None otherwise.
+    :param value_type: what the codes are (``int8``, ``mxfp8``).
     """
 
     name: str
@@ -82,6 +83,9 @@ class ModuleReport:
     solve_seconds: float | None = None
     tokens: int | None = None
     fallback: str | None = None
+    #: The codes' value type (``int8``, ``mxfp4``; :mod:`msquant.quant.value_types`); None in
+    #: reports written before it was recorded.
+    value_type: str | None = None
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,9 @@ def _module_row(module: ModuleReport) -> tuple[str, ...]:
     return (
         module.name,
         module.method,
-        str(module.bits),
+        str(module.bits)
+        if module.value_type in (None, f"int{module.bits}")
+        else str(module.value_type),
         "channel" if module.group_size is None else str(module.group_size),
         "yes" if module.symmetric else "no",
         _fmt(module.gptq_loss),

@@ -24,7 +24,7 @@ from msquant.load.model_folder import load_causal_lm
 from msquant.load.streaming import StreamedWeights, load_causal_lm_streaming
 from msquant.model.adapter_registry import adapter_for
 from msquant.model.checkpoint_names import CheckpointNames
-from msquant.model.checkpoint_sources import checkpoint_sources
+from msquant.model.checkpoint_sources import checkpoint_sources, fused_expert_sources
 from msquant.model.layers import DecoderLayer
 from msquant.model.moe import MoEInfo
 from msquant.run.checkpoint.layout import SCRATCH_PREFIX
@@ -103,8 +103,12 @@ def load_for_run(
         experts = adapter.unfuse_experts(model)  # layers on the meta device: nothing is copied
         names = adapter.checkpoint_names(model)
         if experts:
-            # per-expert tensors are read from the checkpoint's own per-expert names
+            # per-expert tensors are read from the checkpoint's own per-expert names; experts the
+            # checkpoint holds fused are cut out of the fused tensor transformers loaded
+            fused = fused_expert_sources(experts, streamed.sources)
             streamed.sources.update(checkpoint_sources(model, names, model_dir))
+            for key, source in fused.items():
+                streamed.sources.setdefault(key, source)
         spill = None
         if keep_reference:
             spill = LayerStore(scratch / "reference")

@@ -16,6 +16,8 @@ import torch
 
 from msquant.errors import ModelLoadError
 from msquant.quant.quantized_weight import QuantizedWeight
+from msquant.quant.value_types import int_value_type
+from msquant.verify.fused_experts import split_fused_experts
 from msquant.verify.layer import DecodedLayer
 from msquant.verify.report import Findings, LayerReport
 from msquant.verify.tensors import TensorStore, open_weights
@@ -40,7 +42,7 @@ def relative_error_bound(bits: int) -> float:
     for outliers, while an unrelated matrix of the same scale (a transposed square weight, swapped
     nibbles, codes read with the wrong layout) lands near sqrt(2) = 1.41 and fails at any width.
     """
-    return min(2.0 ** (3 - bits), 1.2)
+    return int_value_type(bits).error_bound()
 
 
 def scale_tolerance(reference: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -63,6 +65,11 @@ def compare_reference(
         return
     if reference.bits != layer.bits:
         findings.error(f"{name}: stored as {layer.bits}-bit, in memory {reference.bits}-bit")
+        return
+    if reference.value_type != layer.values:
+        findings.error(
+            f"{name}: stored as {layer.values.name}, in memory {reference.value_type.name}"
+        )
         return
     if reference.effective_group_size != min(layer.effective_group_size, layer.shape[1]):
         findings.error(
@@ -115,7 +122,7 @@ def compare_original(
     norm = float(weight.norm())
     error = float((layer.dequantize() - weight).norm())
     entry.relative_error = error / norm if norm > 0 else (0.0 if error == 0 else float("inf"))
-    entry.error_bound = relative_error_bound(layer.bits)
+    entry.error_bound = layer.values.error_bound()
     if not entry.relative_error <= entry.error_bound:
         findings.error(
             f"{layer.tensors['codes']}: relative error {entry.relative_error:.3g} against the original "
@@ -142,7 +149,8 @@ def compare_float_tensor(
 
 
 def open_original(model_path: str | Path) -> TensorStore:
-    """The original model's weights (``model.safetensors`` or shards + index).
+    """The original model's weights (``model.safetensors`` or shards + index), experts it
+    stores fused listed one tensor per expert projection (:func:`split_fused_experts`).
 
     :raises ModelLoadError: when the folder or its weights cannot be read.
     """
@@ -157,7 +165,7 @@ def open_original(model_path: str | Path) -> TensorStore:
         raise ModelLoadError(
             f"cannot read the original weights in {directory}: " + "; ".join(findings.errors)
         )
-    return store
+    return split_fused_experts(store)  # experts stored fused: compared expert by expert
 
 
 def missing_modules(

@@ -141,6 +141,7 @@ def _check_layer(
     if layer is None:
         return entry
     entry.bits, entry.group_size = layer.bits, layer.group_size
+    entry.value_type = layer.values.name
     if entry.symmetric is None:  # the format does not declare it (Ascend): read it off the offsets
         entry.symmetric = layer.symmetric
     values_ok = check_values(layer, findings)

@@ -39,6 +39,8 @@ from msquant.errors import ModelLoadError
 from msquant.load.model_folder import check_model_dir, load_causal_lm, load_tokenizer
 from msquant.plugin.format import FormatRegistry
 from msquant.quant.int_quant import dequantize, minmax_qparams, quantize
+from msquant.quant.quantized_weight import QuantizedWeight
+from msquant.quant.value_types import ValueType, value_type_named
 from msquant.verify.errors import ExportReadError
 from msquant.verify.rebuild import load_export
 from msquant.verify.report import Findings, LayerReport
@@ -137,23 +139,42 @@ def logits_error_bound(weight_bits: int | None, rounded_error: float) -> float:
 
 @torch.no_grad()
 def rounded_logits_error(
-    model: nn.Module, ids: torch.Tensor, reference: torch.Tensor, bits: int
+    model: nn.Module,
+    ids: torch.Tensor,
+    reference: torch.Tensor,
+    bits: int,
+    values: ValueType | None = None,
 ) -> float:
     """The logits error of ``model`` once every linear but its output head is rounded to
-    nearest at ``bits`` bits (per channel, symmetric; in place: the model is spent)."""
+    nearest at ``bits`` bits (per channel, symmetric; in place: the model is spent), or, for a
+    value type computing its own scales (``values``: MX), quantized by it (a linear whose
+    ``in_features`` it cannot block stays float)."""
     output_embeddings = getattr(model, "get_output_embeddings", None)
     head = output_embeddings() if callable(output_embeddings) else None
     for module in model.modules():
         if isinstance(module, nn.Linear) and module is not head:
             weight = module.weight
+            if values is not None and values.self_scaled:
+                if weight.shape[1] % (values.block_size or 1) == 0:
+                    rounded = QuantizedWeight.self_scaled(weight, values).dequantize()
+                    weight.copy_(rounded.to(weight.dtype))
+                continue
             scale, offset = minmax_qparams(weight, bits, True, None)
             codes = quantize(weight, scale, offset, bits, None)
             weight.copy_(dequantize(codes, scale, offset, None).to(weight.dtype))
     return logits_error(_logits(model, ids), reference)[0]
 
 
-def _scheme(weight_bits: int | None) -> str:
+def _scheme(weight_bits: int | None, values: ValueType | None = None) -> str:
+    if values is not None and values.self_scaled:
+        return f"{values.name} weights"
     return f"W{weight_bits} weights" if weight_bits else "float weights"
+
+
+def _loosest(layers: list[LayerReport]) -> ValueType | None:
+    """The layers' value type with the largest error bound (the export's most lossy), or None."""
+    found = {value_type_named(e.value_type) for e in layers if e.value_type is not None}
+    return max(found, key=lambda v: v.error_bound(), default=None)
 
 
 def forward_tokens(model_path: Path, vocab_size: int) -> torch.Tensor:
@@ -205,7 +226,8 @@ def compare_forward(
     vocab = int(getattr(config, "vocab_size", 0) or getattr(text_config, "vocab_size", 0) or 0)
     ids = forward_tokens(model_path, vocab)
     reference = _logits(original, ids)
-    rounded = rounded_logits_error(original, ids, reference, min(weight_bits or 8, 8))
+    values = _loosest(layers)
+    rounded = rounded_logits_error(original, ids, reference, min(weight_bits or 8, 8), values)
     del original
     gc.collect()
     try:
@@ -227,7 +249,7 @@ def compare_forward(
     relative, agreement = logits_error(logits, reference)
     check = ForwardCheck(
         tokens=int(ids.shape[1]),
-        scheme=_scheme(weight_bits),
+        scheme=_scheme(weight_bits, values),
         relative_error=relative,
         bound=logits_error_bound(weight_bits, rounded),
         rounded_error=rounded,

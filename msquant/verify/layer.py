@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from msquant.quant.value_types import ValueType, int_value_type
 from msquant.verify.report import Findings
 
 __all__ = ["DecodedLayer", "check_values", "signed_range", "trivial_g_idx"]
@@ -38,6 +39,9 @@ class DecodedLayer:
     :param scale_dtype: dtype the scales are stored in (sets the tolerance against a reference).
     :param tensors: role (``codes``, ``scale``, ``offset``, ``g_idx``) -> stored tensor name, for
         messages.
+    :param value_type: what the codes are (:mod:`msquant.quant.value_types`); None: the
+        integers of ``bits`` (the signed convention above). MX codes are uint8 element codes,
+        ``scale`` the blocks' powers of two, ``offset`` 0.
     """
 
     name: str
@@ -50,6 +54,12 @@ class DecodedLayer:
     g_idx: torch.Tensor
     scale_dtype: torch.dtype
     tensors: dict[str, str]
+    value_type: ValueType | None = None
+
+    @property
+    def values(self) -> ValueType:
+        """The codes' value type (integers of ``bits`` when not given)."""
+        return int_value_type(self.bits) if self.value_type is None else self.value_type
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -67,9 +77,9 @@ class DecodedLayer:
         return self.shape[1] if self.group_size is None else self.group_size
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight ``(codes - offset[:, g_idx]) * scale[:, g_idx]``."""
+        """The float32 weight ``(decode(codes) - offset[:, g_idx]) * scale[:, g_idx]``."""
         index = self.g_idx.to(torch.int64)
-        return (self.codes.to(torch.float32) - self.offset[:, index]) * self.scale[:, index]
+        return (self.values.decode(self.codes) - self.offset[:, index]) * self.scale[:, index]
 
 
 def check_values(layer: DecodedLayer, findings: Findings) -> bool:
@@ -96,12 +106,8 @@ def check_values(layer: DecodedLayer, findings: Findings) -> bool:
             f"{offset_name}: {int(outside.sum())} zero point(s) outside the {layer.bits}-bit code "
             f"range [{qmin}, {qmax}] (signed convention)"
         )
-    codes_outside = (layer.codes < qmin) | (layer.codes > qmax)
-    if bool(codes_outside.any()):
-        findings.error(
-            f"{layer.tensors['codes']}: {int(codes_outside.sum())} code(s) outside the "
-            f"{layer.bits}-bit range"
-        )
+    for problem in layer.values.code_problems(layer.codes):
+        findings.error(f"{layer.tensors['codes']}: {problem}")
     groups = int(layer.scale.shape[1])
     if layer.g_idx.numel() and (int(layer.g_idx.min()) < 0 or int(layer.g_idx.max()) >= groups):
         findings.error(

@@ -33,6 +33,7 @@ class LayerReport:
     :param relative_error: ``||W - W_hat||_F / ||W||_F`` against the original model, when given.
     :param error_bound: the bound ``relative_error`` was held to.
     :param max_code_mismatch: largest ``|code - reference code|``, when a reference was given.
+    :param value_type: what the codes are (``int8``, ``mxfp8``), once the layer was decoded.
     """
 
     name: str
@@ -43,6 +44,7 @@ class LayerReport:
     relative_error: float | None = None
     error_bound: float | None = None
     max_code_mismatch: int | None = None
+    value_type: str | None = None
 
 
 @dataclass

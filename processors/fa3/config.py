@@ -6,9 +6,11 @@ calibrated), ``include`` (default ``["*"]``), ``exclude``, and ``details`` (``fa
 modules by full name (``model.layers.3.self_attn``; GLM-5: its indexer,
 ``model.layers.3.self_attn.indexer``).
 
-Implemented: int8, symmetric, ``per_head`` (static) and ``per_token`` (dynamic). msModelSlim
-also knows fp8_e4m3 (``per_head`` / ``per_token``) and mxfp4 / mxfp8 ``per_block``; those are
-refused here, naming the YAML path (MXFP / FP8 values are tracked separately, msquant issue 26).
+Implemented: int8 and fp8_e4m3 (float8 e4m3, as msModelSlim's DeepSeek-V3.1 / Kimi-K2.6
+``c8`` practices), symmetric, ``per_head`` (static) and ``per_token`` (dynamic), branches free to
+mix them (``fa_q`` fp8 per_token with ``fa_k`` / ``fa_v`` fp8 per_head). msModelSlim also knows
+mxfp4 / mxfp8 ``per_block`` (dynamic, per block of 32 along the head dimension); those are refused
+here, naming the YAML path.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from msquant.plugin import ConfigIssue, ProcessorConfig, QDType, QScope, pattern
 __all__ = ["BRANCHES", "FA3QConfig", "FA3Details", "FA3QuantConfig", "config_issues"]
 
 BRANCHES = ("fa_q", "fa_k", "fa_v")
+IMPLEMENTED_DTYPES = (QDType.INT8, QDType.FP8_E4M3)
 IMPLEMENTED_SCOPES = (QScope.PER_HEAD, QScope.PER_TOKEN)
 NOT_YET = (
-    "fa3_quant implements int8 symmetric per_head (static) and per_token (dynamic) with method "
-    "minmax; {what} is not implemented (MXFP / FP8 attention values are tracked separately, "
-    "msquant issue 26): use dtype: int8 with scope per_head or per_token"
+    "fa3_quant implements int8 and fp8_e4m3, symmetric, per_head (static) and per_token "
+    "(dynamic) with method minmax; {what} is not implemented (msModelSlim's mxfp4 / mxfp8 "
+    "per_block attention values are not, msquant issue 26): use dtype int8 or fp8_e4m3 with "
+    "scope per_head or per_token"
 )
 
 
@@ -35,7 +39,10 @@ class FA3QConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_enum_values=False)
 
-    dtype: QDType = Field(description="int8 (fp8_e4m3 / mxfp4 / mxfp8 are not implemented).")
+    dtype: QDType = Field(
+        description="int8 or fp8_e4m3 (float8 e4m3, scale from max |x| / 448); mxfp4 / mxfp8 are "
+        "not implemented."
+    )
     scope: QScope = Field(
         description="per_head: static, one scale per head from calibration; per_token: dynamic, "
         "computed by the serving engine (no tensor exported)."
@@ -116,7 +123,7 @@ def config_issues(config: FA3QuantConfig) -> list[ConfigIssue]:
 
 
 def _qconfig_issues(path: str, qconfig: FA3QConfig) -> list[ConfigIssue]:
-    if qconfig.dtype != QDType.INT8:
+    if qconfig.dtype not in IMPLEMENTED_DTYPES:
         what = f"dtype {qconfig.dtype.value}"
         return [ConfigIssue(f"{path}.dtype", NOT_YET.format(what=what))]
     issues = []

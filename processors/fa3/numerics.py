@@ -1,4 +1,4 @@
-"""FA3 numerics: msModelSlim's recall-window range and its per-head int8 scale, as pure functions.
+"""FA3 numerics: msModelSlim's recall-window range and its per-head scales, as pure functions.
 
 ``fa3_quant``'s static (``per_head``) scheme observes, for every calibration forward, a tensor of
 shape ``(batch, heads, seq, dim)`` at an attention point (MLA's absorbed ``q_nope``, its
@@ -6,9 +6,12 @@ normalised ``compressed_kv``) and keeps per head the narrowest window holding ``
 samples (the *recall window*); the running range is the elementwise min of the windows' left ends
 and max of their right ends over the forwards. The scale is then msModelSlim's symmetric int8
 one: ``max(-min(lo, 0), max(hi, 0)) / 127``, at least float32's eps, computed in the observed
-tensor's dtype. These functions reproduce msModelSlim 26.1.0's results bit for bit
-(``msmodelslim/core/observer/recall_window.py``, ``ir/api/impl/int_quantization.py``; compared by
-``tests/oracle/test_msmodelslim_fa3.py``).
+tensor's dtype. The float8 (``fp8_e4m3``) scale is ``max(|lo|, |hi|)``, floored at ``1e-12``,
+over e4m3's largest value 448 (``ir/api/impl/fp_quantization.py``); a value is then
+``x / scale`` clamped to ``[-448, 448]`` and rounded to the nearest e4m3 value (torch's
+``float8_e4m3fn`` cast: to nearest, ties to even). These functions reproduce msModelSlim 26.1.0's
+results bit for bit (``msmodelslim/core/observer/recall_window.py``,
+``ir/api/impl/int_quantization.py``; compared by ``tests/oracle/test_msmodelslim_fa3.py``).
 """
 
 from __future__ import annotations
@@ -16,16 +19,24 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "FP8_E4M3_MAX",
     "INT8_MAX",
     "head_samples",
     "merge_range",
+    "fp8_e4m3_fake_quant",
+    "per_head_fp8_scale",
     "per_head_int8_scale",
+    "per_token_fp8_fake_quant",
     "per_token_int8_fake_quant",
     "recall_window",
     "window_length",
 ]
 
 INT8_MAX = 127
+#: The largest finite float8 e4m3 (``float8_e4m3fn``) value: its clamp bound and scale divisor.
+FP8_E4M3_MAX = 448.0
+#: msModelSlim's floor of the float8 range's magnitude (before dividing by 448).
+FP8_AMAX_FLOOR = 1e-12
 
 
 def window_length(count: int, ratio: float) -> int:
@@ -102,3 +113,29 @@ def per_token_int8_fake_quant(x: torch.Tensor) -> torch.Tensor:
     scale = per_head_int8_scale(low, high)
     codes = torch.clamp(torch.round(rows / scale), -INT8_MAX - 1, INT8_MAX)
     return (codes * scale).reshape(x.shape).to(x.dtype)
+
+
+def per_head_fp8_scale(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """msModelSlim's symmetric float8 e4m3 scale of a range, in the range's dtype:
+    ``max(|low|, |high|)`` floored at ``1e-12``, divided by 448."""
+    magnitude = torch.maximum(low.abs(), high.abs()).clamp(min=FP8_AMAX_FLOOR)
+    return magnitude / FP8_E4M3_MAX
+
+
+def fp8_e4m3_fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x`` quantized to float8 e4m3 with ``scale`` (broadcast) and dequantized, in ``x``'s dtype:
+    ``x / scale`` clamped to ``[-448, 448]``, rounded to the nearest e4m3 value (ties to even),
+    times ``scale``."""
+    scaled = torch.clamp(x / scale, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    codes = scaled.to(torch.float8_e4m3fn)
+    return (codes.to(scale.dtype) * scale).to(x.dtype)
+
+
+def per_token_fp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """The dynamic (``per_token``) float8 scheme's effect on ``x``: each row of the last
+    dimension quantized to e4m3 with its own scale, then dequantized (what the consumer's
+    attention computes with; msquant exports no tensor for it)."""
+    rows = x.reshape(-1, x.shape[-1])
+    low = torch.amin(rows, dim=1, keepdim=True)
+    high = torch.amax(rows, dim=1, keepdim=True)
+    return fp8_e4m3_fake_quant(rows, per_head_fp8_scale(low, high)).reshape(x.shape)

@@ -1,4 +1,4 @@
-"""``fa3_quant``: int8 quantization of the attention's query / key / value (msModelSlim's FA3).
+"""``fa3_quant``: int8 / float8 quantization of the attention's query / key / value (msModelSlim's FA3).
 
 Sample yaml (msModelSlim's DeepSeek-V3 ``w4a8c8`` practices)::
 
@@ -41,6 +41,7 @@ from msquant.plugin import (
     DecoderLayer,
     Processor,
     ProcessorConfig,
+    QDType,
     QScope,
     QuantizationError,
     RunContext,
@@ -51,6 +52,7 @@ from msquant.processors.fa3.config import FA3QConfig, FA3QuantConfig, config_iss
 from msquant.processors.fa3.numerics import (
     head_samples,
     merge_range,
+    per_head_fp8_scale,
     per_head_int8_scale,
     recall_window,
 )
@@ -59,6 +61,7 @@ from msquant.processors.formats.ascend.fa_quant import (
     FAQuantRecord,
     branch_letter,
     point_quant_type,
+    quant_type_name,
     static_tensors,
 )
 
@@ -67,6 +70,11 @@ __all__ = ["FA3QuantProcessor"]
 logger = logging.getLogger(__name__)
 
 Range = tuple[torch.Tensor, torch.Tensor]
+#: A static branch's scale from its observed range, by qconfig dtype (config.IMPLEMENTED_DTYPES).
+PER_HEAD_SCALES: dict[QDType, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    QDType.INT8: per_head_int8_scale,
+    QDType.FP8_E4M3: per_head_fp8_scale,
+}
 
 
 class FA3QuantProcessor(Processor):
@@ -209,7 +217,8 @@ class FA3QuantProcessor(Processor):
                 qconfig = self._config_of(branch)
                 assert qconfig is not None
                 dynamic = qconfig.scope == QScope.PER_TOKEN
-                schemes[branch_letter(branch)] = (qconfig.dtype.value.upper(), dynamic)
+                dtype_name = quant_type_name(qconfig.dtype.value)
+                schemes[branch_letter(branch)] = (dtype_name, dynamic)
                 if dynamic:
                     continue
                 found = self._ranges.get((name, branch))
@@ -218,8 +227,8 @@ class FA3QuantProcessor(Processor):
                         f"fa3_quant: {name}.{branch} saw no calibration data (the calibration "
                         "forward did not reach this attention)"
                     )
-                scale = per_head_int8_scale(*found)
-                for leaf, tensor in static_tensors(scale).items():
+                scale = PER_HEAD_SCALES[qconfig.dtype](*found)
+                for leaf, tensor in static_tensors(scale, dtype_name).items():
                     tensors[f"{name}.{branch}.{leaf}"] = tensor
                 self._record.static = True
             if schemes:

@@ -1,14 +1,21 @@
 """``method: minmax``: round-to-nearest with min/max scales (msModelSlim's numerics), optionally
-with the MSE scale search and GPTQModel's symmetric grid."""
+with the MSE scale search and GPTQModel's symmetric grid; for the MX value types (``mxfp8`` /
+``mxfp4``, ``scope: per_block``) the value type's own block quantization
+(:meth:`msquant.plugin.ValueType.quantize`), as msModelSlim's ``minmax`` does for them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+from pydantic import Field, StrictInt, field_validator
 
 from msquant.plugin import (
     DYNAMIC_KEYS,
     GPTQ_ONLY_KEYS,
     BaseScheme,
+    ConfigIssue,
+    DynamicRule,
     MethodOptions,
     QDType,
     QScope,
@@ -28,6 +35,12 @@ from msquant.processors.methods.options import (
     round_to_nearest,
 )
 
+#: The block value types ``minmax`` quantizes with ``scope: per_block`` (every dtype whose value
+#: type computes its own scales: mxfp8, mxfp4).
+MX_DTYPES = tuple(dtype for dtype in QDType if dtype.self_scaled)
+#: The scopes of integer weights.
+INT_SCOPES = (QScope.PER_CHANNEL, QScope.PER_GROUP)
+
 __all__ = ["MinMaxExt", "MinMaxMethod"]
 
 
@@ -41,6 +54,22 @@ class MinMaxExt(MethodOptions):
     mse_norm: MseNorm = 2.4
     full_range: FullRange = False
     expert_min_tokens: ExpertMinTokens = EXPERT_MIN_TOKENS
+    axes: StrictInt = Field(
+        -1,
+        description="MX (per_block) only: the dimension blocks of 32 run along; -1 (the input "
+        "features: msModelSlim's default, the only one its linear layers use) is the one "
+        "implemented.",
+    )
+
+    @field_validator("axes")
+    @classmethod
+    def _last_axis(cls, value: int) -> int:
+        if value != -1:
+            raise ValueError(
+                f"MX blocks run along the input features (axes: -1); axes {value} is not "
+                "implemented"
+            )
+        return value
 
 
 class MinMaxMethod(QuantMethod):
@@ -48,14 +77,40 @@ class MinMaxMethod(QuantMethod):
 
     name = "minmax"
     options_class = MinMaxExt
-    dtypes = frozenset({QDType.INT8, QDType.INT4})
-    scopes = frozenset({QScope.PER_CHANNEL, QScope.PER_GROUP})
+    dtypes = frozenset({QDType.INT8, QDType.INT4, *MX_DTYPES})
+    scopes = frozenset({QScope.PER_CHANNEL, QScope.PER_GROUP, QScope.PER_BLOCK})
     summary = "round-to-nearest with min/max scales"
     rule_keys = tuple(key for key in DYNAMIC_KEYS if key not in GPTQ_ONLY_KEYS)
     options: MinMaxExt
 
+    def config_issues(self, rules: Sequence[DynamicRule]) -> list[ConfigIssue]:
+        """``per_block`` goes with the MX dtypes and they with it (their block is fixed)."""
+        weight = self.weight
+        if (weight.scope is QScope.PER_BLOCK) == (weight.dtype in MX_DTYPES):
+            return []
+        combos = sorted(
+            [(d.value, s.value) for d in (QDType.INT8, QDType.INT4) for s in INT_SCOPES]
+            + [(d.value, QScope.PER_BLOCK.value) for d in MX_DTYPES]
+        )
+        return [
+            ConfigIssue(
+                "qconfig.weight",
+                f"(dtype {weight.dtype.value}, scope {weight.scope.value}) is not implemented "
+                "for method minmax (scope per_block is for the MX dtypes, which take only it); "
+                f"implemented (dtype, scope): {', '.join(f'({d}, {s})' for d, s in combos)}",
+            )
+        ]
+
     def base_scheme(self) -> BaseScheme:
         options = self.options
+        values = self.weight.dtype.value_type
+        if values.self_scaled:
+            return BaseScheme(
+                bits=values.bits,
+                group_size=values.block_size,
+                sym=True,
+                value_type=values.name,
+            )
         return BaseScheme(
             bits=self.bits,
             group_size=self.group_size,
@@ -68,6 +123,9 @@ class MinMaxMethod(QuantMethod):
         self, weight: torch.Tensor, scheme: ResolvedScheme, name: str
     ) -> QuantizedWeight:
         options = self.options
+        values = scheme.values
+        if values.self_scaled:
+            return QuantizedWeight.self_scaled(weight, values)
         return round_to_nearest(
             weight, scheme, name, options.mse_grid, options.mse_maxshrink, options.full_range
         )

@@ -587,7 +587,7 @@ def test_an_unknown_ext_key_is_a_schema_error_with_its_path(registry: ProcessorR
     assert len(err.issues) == 2
     assert issue_at(err, f"{W}.ext.bogus").message == (
         "unknown minmax option; valid: group_size, mse, mse_grid, mse_maxshrink, mse_norm, "
-        "full_range, expert_min_tokens"
+        "full_range, expert_min_tokens, axes"
     )
     issue_at(err, f"{W}.symmetric")
     gptq = config_error(linear_quant("{method: gptq, ext: {percdampp: 0.1}}"), registry)

@@ -302,6 +302,42 @@ MOE_SCHEMES: dict[str, Scheme] = {
 }  # fmt: skip
 
 
+def _mx(dtype: str, axes: bool = True) -> dict[str, Any]:
+    """An MX ``per_block`` minmax config (``ext.axes: -1`` as the practices write it for act)."""
+    config: dict[str, Any] = {
+        "scope": "per_block",
+        "dtype": dtype,
+        "symmetric": True,
+        "method": "minmax",
+    }
+    return {**config, "ext": {"axes": -1}} if axes else config
+
+
+def _mx_entry(weight: str, act: str, include: list[str], **extra: Any) -> dict[str, Any]:
+    qconfig = {"act": _mx(act), "weight": _mx(weight, axes=False)}
+    return {"type": "linear_quant", "qconfig": qconfig, "include": include, **extra}
+
+
+#: MX (issue 26): the entries of the shipped MXFP practices on the tiny Qwen3: all linears one
+#: scheme, GLM-5.1's mix (attention W8A8_MXFP8, MLP W4A4_MXFP4, as a group) and W4A8_MXFP.
+MX_SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme("w8a8_mxfp8", {}, "W8A8_MXFP8", process=(_mx_entry("mxfp8", "mxfp8", ["*"]),)),
+        Scheme("w4a4_mxfp4", {}, "W4A4_MXFP4", process=(
+            # longcat's form: weight ext.axes written too
+            {**_mx_entry("mxfp4", "mxfp4", ["*"]),
+             "qconfig": {"act": _mx("mxfp4"), "weight": _mx("mxfp4")}},
+        )),
+        Scheme("w4a8_mxfp", {}, "W4A8_MXFP", process=(_mx_entry("mxfp4", "mxfp8", ["*"]),)),
+        Scheme("mx_mixed", {}, "W4A4_MXFP4", process=({"type": "group", "configs": [
+            _mx_entry("mxfp8", "mxfp8", ["*self_attn*"], exclude=["*o_proj"]),
+            _mx_entry("mxfp4", "mxfp4", ["*mlp*"]),
+        ]},)),
+    )
+}  # fmt: skip
+
+
 #: W4A8_DYNAMIC ``ssz`` weights on the attention linears, and on every linear (issue 25): how
 #: ``scale_bias`` is written for linears whose names are not those of Llama's attention and MLP
 #: (DeepSeek's MLA ``q_a_proj`` / ``q_b_proj`` / ``kv_a_proj_with_mqa`` / ``kv_b_proj``).
@@ -316,12 +352,15 @@ W4A8_NAME_SCHEMES: dict[str, Scheme] = {
     )
 }  # fmt: skip
 
+#: The description types of the MX layers.
+MX_QUANT_TYPES = ("W8A8_MXFP8", "W4A4_MXFP4", "W4A8_MXFP")
+
 
 def all_schemes() -> dict[str, Scheme]:
     """Every scheme the oracle can run."""
     return {
         **SCHEMES, **SSZ_SCHEMES, **C8_SCHEMES, **SPARSE_SCHEMES, **MOE_SCHEMES,
-        **W4A8_NAME_SCHEMES,
+        **W4A8_NAME_SCHEMES, **MX_SCHEMES,
     }  # fmt: skip
 
 

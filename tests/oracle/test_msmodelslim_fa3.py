@@ -9,6 +9,11 @@ points, registered through msModelSlim's adapter entry points). The exports must
 tensors with the same description, every tensor bit-identical: the ``FAQuant`` scales (recall
 window, per-head int8 scale, float32 ``[heads, 1]``) and offsets, the attention's int8 linears.
 
+The ``fp8_*`` cases are float8 e4m3 (``fp8_e4m3``): ``fp8_details`` is the entry of msModelSlim's
+DeepSeek-V3.1-Terminus and Kimi-K2.6 ``c8`` practices (query per token, key and value per head),
+``fp8_mx`` the whole ``deepseekv31_terminus_w8a8c8`` process (that entry, then MXFP8 linears);
+their static scales are ``max |range| / 448`` with float32 zero offsets.
+
 The shipped DeepSeek-V3 files put ``fa3_quant`` after the ``linear_quant`` entries: msModelSlim runs
 each entry's forward after the entries before it finished the layer, so it observes the attention
 through the fake-quantized linears; msquant does the same (``calibrates_after_previous``,
@@ -60,6 +65,27 @@ ATTENTION_STATIC = {
         "weight": W8A8_DYNAMIC["weight"],
     },
 }
+FP8_PER_TOKEN = {**PER_TOKEN, "dtype": "fp8_e4m3"}
+FP8_PER_HEAD = {**FP8_PER_TOKEN, "scope": "per_head"}
+#: The DeepSeek-V3.1-Terminus / Kimi-K2.6 c8 practices' fa3_quant entry.
+FP8_ENTRY = {
+    "type": "fa3_quant",
+    "details": {"fa_q": FP8_PER_TOKEN, "fa_k": FP8_PER_HEAD, "fa_v": FP8_PER_HEAD},
+    "include": ["*"],
+}
+MXFP8 = {"scope": "per_block", "dtype": "mxfp8", "symmetric": True, "method": "minmax"}
+#: deepseekv31_terminus_w8a8c8's linears: MXFP8 weights and activations, kv_b_proj float.
+MX_LINEARS = {
+    "type": "group",
+    "configs": [
+        {
+            "type": "linear_quant",
+            "qconfig": {"act": MXFP8, "weight": MXFP8},
+            "include": ["*self_attn*", "*mlp*"],
+            "exclude": ["*self_attn.kv_b_proj*"],
+        }
+    ],
+}
 CASES: dict[str, list[dict[str, Any]]] = {
     # the practices' entry: default qconfig (int8 per_head, static)
     "per_head": [{"type": "fa3_quant", "include": ["*"]}, ATTENTION],
@@ -70,7 +96,14 @@ CASES: dict[str, list[dict[str, Any]]] = {
     # the shipped DeepSeek-V3 files' order: fa3_quant after the linear_quant of the attention
     "after_dynamic": [ATTENTION, {"type": "fa3_quant", "include": ["*"]}],
     "after_static": [ATTENTION_STATIC, {"type": "fa3_quant", "include": ["*"]}],
+    # float8: every branch static, every branch dynamic, the practices' mix, the whole practice
+    "fp8_per_head": [{"type": "fa3_quant", "qconfig": FP8_PER_HEAD}, ATTENTION],
+    "fp8_per_token": [{"type": "fa3_quant", "qconfig": FP8_PER_TOKEN}, ATTENTION],
+    "fp8_details": [FP8_ENTRY, ATTENTION],
+    "fp8_mx": [FP8_ENTRY, MX_LINEARS],
 }
+#: FAQuant tensors per selected layer (scale and offset of each static branch).
+STATIC_TENSORS = {"per_token": 0, "fp8_per_token": 0, "fp8_details": 4, "fp8_mx": 4}
 
 
 def _model() -> Path:
@@ -127,10 +160,8 @@ def _compare(case: str, out: Path) -> list[str]:
     assert sorted(ours) == sorted(theirs)
     assert our_description == their_description
     fa = sorted(name for name in theirs if ".fa_" in name)
-    if case == "per_token":
-        assert fa == []
-    else:  # fa_q / fa_k / fa_v scale and offset of each selected layer
-        assert len(fa) == 6 * (1 if case == "per_head_exclude" else 2)
+    # fa_q / fa_k / fa_v scale and offset of each selected layer, those of the static branches
+    assert len(fa) == STATIC_TENSORS.get(case, 6) * (1 if case == "per_head_exclude" else 2)
     return [
         name
         for name in sorted(theirs)
@@ -174,3 +205,25 @@ def test_fa3_after_dynamic_linears(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(activation, "fake_quantize_per_token", _per_column)
     assert _compare("after_dynamic", tmp_path / "per_column") == []
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if case.startswith("fp8_")])
+def test_fa3_fp8_layout_is_msmodelslims(case: str) -> None:
+    """msModelSlim's float8 records themselves (what the bit-identical comparison compares):
+    float32 scales and float32 zero offsets, the FP8 ``quant_type`` strings, the global key."""
+    theirs_dir = _theirs(case)
+    theirs = load_file(theirs_dir / "quant_model_weights.safetensors")
+    description = json.loads((theirs_dir / "quant_model_description.json").read_text())
+    expected = {
+        "fp8_per_head": "FP8",
+        "fp8_per_token": "FP8_DYNAMIC",
+        "fp8_details": "Q_FP8_DYNAMIC_KV_FP8",
+        "fp8_mx": "Q_FP8_DYNAMIC_KV_FP8",
+    }[case]
+    assert description["model.layers.1.self_attn.quant_type"] == expected
+    assert description.get("fa_quant_type") == (None if case == "fp8_per_token" else "FAKQuant")
+    for name, tensor in theirs.items():
+        if ".fa_" in name:
+            assert tensor.dtype == torch.float32 and tensor.shape[1] == 1
+            if name.endswith(".offset"):
+                assert not tensor.any()

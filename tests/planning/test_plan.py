@@ -335,6 +335,7 @@ def test_cli_plan_json_and_preset(weightless_llama: Path, run_cli: Callable[...,
         "decided_by": "spec.process[0]",
         "entry": 0,
         "act": None,
+        "value_type": "int8",
     }
 
 

@@ -13,13 +13,20 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tiny_models import MLA_DEEPSEEK_V3
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import msquant
 from msquant import ConfigError, QuantizationError
-from msquant.processors.fa3.numerics import per_head_int8_scale, recall_window
+from msquant.processors.fa3.numerics import (
+    FP8_E4M3_MAX,
+    fp8_e4m3_fake_quant,
+    per_head_fp8_scale,
+    per_head_int8_scale,
+    per_token_fp8_fake_quant,
+    recall_window,
+)
 from msquant.processors.formats.ascend.fa_quant import (
     parse_point_quant_type,
     point_quant_type,
@@ -40,6 +47,11 @@ W8A8_DYNAMIC = {
     "exclude": ["*kv_b_proj"],
 }
 PER_TOKEN = {"dtype": "int8", "scope": "per_token", "symmetric": True, "method": "minmax"}
+FP8_PER_TOKEN = {**PER_TOKEN, "dtype": "fp8_e4m3"}
+FP8_PER_HEAD = {**FP8_PER_TOKEN, "scope": "per_head"}
+#: msModelSlim's DeepSeek-V3.1-Terminus / Kimi-K2.6 c8 practices' entry: the query float8 per
+#: token (dynamic), the latent's key and value float8 per head (static).
+FP8_DETAILS = {"fa_q": FP8_PER_TOKEN, "fa_k": FP8_PER_HEAD, "fa_v": FP8_PER_HEAD}
 SAVER = {"type": "ascendv1_saver", "part_file_size": 0}
 
 
@@ -88,6 +100,66 @@ def test_per_head_scale_is_the_symmetric_int8_scale() -> None:
     assert per_head_int8_scale(low, high).tolist() == pytest.approx(expected, rel=1e-7)
 
 
+def test_per_head_fp8_scale_is_the_magnitude_over_448_float64() -> None:
+    low = torch.tensor([-2.54, 0.5, -0.0, -1e-13, -7.0], dtype=torch.float64)
+    high = torch.tensor([1.0, 3.81, 0.0, 1e-14, -8.0], dtype=torch.float64)
+    expected = [2.54 / 448, 3.81 / 448, 1e-12 / 448, 1e-12 / 448, 8.0 / 448]
+    scale = per_head_fp8_scale(low, high)
+    assert scale.dtype == torch.float64
+    assert scale.tolist() == pytest.approx(expected, rel=1e-15)
+    assert FP8_E4M3_MAX == max(_E4M3_TABLE) == 448
+
+
+#: OCP FP8 e4m3's non-negative finite values in code order (the definition: exponent bias 7,
+#: 3 mantissa bits, subnormals at exponent 0, code 0x7F NaN), in float64.
+_E4M3_TABLE = [
+    (m / 8) * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+    for e in range(16)
+    for m in range(8)
+    if (e, m) != (15, 7)
+]
+
+
+def _nearest_e4m3(values: list[float]) -> list[float]:
+    """The definition: each value clamped to [-448, 448], then the nearest e4m3 value (float64
+    table of the format's values), ties to the even code (even mantissa)."""
+    table = _E4M3_TABLE
+    out = []
+    for value in values:
+        magnitude = min(abs(value), 448.0)
+        best = min(range(len(table)), key=lambda i: (abs(table[i] - magnitude), i % 2))
+        out.append(-table[best] if value < 0 else table[best])
+    return out
+
+
+def test_fp8_fake_quant_rounds_to_the_nearest_e4m3_value_float64() -> None:
+    torch.manual_seed(0)
+    scale = torch.tensor([[0.5], [2.0], [1e-3]], dtype=torch.float64)
+    x = torch.randn(3, 200, dtype=torch.float64) * torch.tensor([[300.0], [900.0], [0.01]])
+    # exact values, ties to even (8.5 -> 8, 9.5 -> 10, 1.0625 -> 1, 1.1875 -> 1.25), a subnormal
+    # and a tie below the smallest one, 464 (-> 448)
+    grid = [1.0, 1.125, 448.0, 464.0, 2**-9, 2**-10, 3 * 2**-10, 8.5, 9.5, 1.0625, 1.1875]
+    x[0, : len(grid)] = torch.tensor(grid, dtype=torch.float64) * 0.5
+    x[1, 0] = 5000.0  # clamped to 448
+    got = fp8_e4m3_fake_quant(x, scale)
+    expected = [
+        [v * s for v in _nearest_e4m3([u / s for u in row])]
+        for row, s in zip(x.tolist(), scale[:, 0].tolist(), strict=True)
+    ]
+    assert got.tolist() == expected
+    assert got[1, 0].item() == 448.0 * 2.0
+    assert (got[0, 7:11] / 0.5).tolist() == [8.0, 10.0, 1.0, 1.25]
+    rows = torch.randn(4, 3, 5, 16, dtype=torch.float64)
+    per_token = per_token_fp8_fake_quant(rows)
+    flat = rows.reshape(-1, 16)
+    steps = flat.abs().amax(dim=1, keepdim=True) / 448
+    reference = [
+        [v * s for v in _nearest_e4m3([u / s for u in row])]
+        for row, s in zip(flat.tolist(), steps[:, 0].tolist(), strict=True)
+    ]
+    assert per_token.reshape(-1, 16).tolist() == reference
+
+
 @pytest.mark.parametrize(
     ("schemes", "text"),
     [
@@ -98,6 +170,8 @@ def test_per_head_scale_is_the_symmetric_int8_scale() -> None:
             {"Q": ("INT8", False), "K": ("INT8", True), "V": ("INT8", True)},
             "Q_INT8_KV_INT8_DYNAMIC",
         ),
+        ({"Q": ("FP8", True), "K": ("FP8", False), "V": ("FP8", False)}, "Q_FP8_DYNAMIC_KV_FP8"),
+        ({"Q": ("FP8", False), "K": ("FP8", False), "V": ("FP8", False)}, "FP8"),
     ],
 )
 def test_point_quant_type_strings(schemes: dict[str, tuple[str, bool]], text: str) -> None:
@@ -255,6 +329,49 @@ def test_after_linear_quant_it_observes_the_quantized_linears(
     assert moved > 1e-4  # the quantized linears moved the scales: the test tells them apart
 
 
+def test_fp8_details_export_the_float8_scales_float64(
+    deepseek: Path, calib: Path, tmp_path: Path
+) -> None:
+    """msModelSlim's DeepSeek-V3.1 / Kimi-K2.6 entry: ``fa_q`` float8 per token (no tensor),
+    ``fa_k`` / ``fa_v`` float8 per head: scale ``max |range| / 448`` from the float64 reference
+    range, float32 zero offsets, ``Q_FP8_DYNAMIC_KV_FP8``; verify reads the records."""
+    out = tmp_path / "out"
+    entry = {"type": "fa3_quant", "details": FP8_DETAILS, "include": ["*"]}
+    msquant.quantize(deepseek, out, cfg(entry, W8A8_DYNAMIC), calib_path=calib, progress=False)
+    tensors = load_file(out / "quant_model_weights.safetensors")
+    description = json.loads((out / "quant_model_description.json").read_text())
+    assert sorted(n for n in tensors if ".fa_" in n) == sorted(
+        f"model.layers.{i}.self_attn.{b}.{leaf}"
+        for i in (0, 1)
+        for b in ("fa_k", "fa_v")
+        for leaf in ("scale", "offset")
+    )
+    for key, (low, high) in _reference_ranges(deepseek).items():
+        layer, branch = key.split(".")
+        if branch == "fa_q":
+            continue
+        name = f"model.layers.{layer}.self_attn.{branch}"
+        scale, offset = tensors[f"{name}.scale"], tensors[f"{name}.offset"]
+        assert scale.dtype == offset.dtype == torch.float32
+        assert tuple(scale.shape) == tuple(offset.shape) == (1, 1)
+        assert not offset.any()
+        expected = torch.maximum(low.abs(), high.abs()) / 448
+        torch.testing.assert_close(scale[:, 0].double(), expected, rtol=1e-5, atol=0)
+        assert description[f"{name}.scale"] == description[f"{name}.offset"] == "FAQuant"
+    for layer in (0, 1):
+        assert description[f"model.layers.{layer}.self_attn.quant_type"] == "Q_FP8_DYNAMIC_KV_FP8"
+    assert description["fa_quant_type"] == "FAKQuant"
+    assert msquant.verify_export(out, forward=False).ok
+
+    # an FP8 branch's offset is float32: int8 zeros (the INT8 layout) are reported
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    tensors["model.layers.0.self_attn.fa_k.offset"] = torch.zeros(1, 1, dtype=torch.int8)
+    save_file(tensors, broken / "quant_model_weights.safetensors")
+    errors = "\n".join(msquant.verify_export(broken, forward=False).errors)
+    assert "fa_k.offset: torch.int8 [1, 1], expected torch.float32 [heads, 1]" in errors
+
+
 def test_per_token_exports_no_tensor(deepseek: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     config = cfg(
@@ -300,7 +417,12 @@ def _issues(entry: dict[str, Any]) -> dict[str, str]:
 @pytest.mark.parametrize(
     ("qconfig", "path", "words"),
     [
-        ({**PER_TOKEN, "dtype": "fp8_e4m3"}, "qconfig.dtype", "dtype fp8_e4m3 is not implemented"),
+        (
+            {**PER_TOKEN, "dtype": "mxfp8", "scope": "per_block"},
+            "qconfig.dtype",
+            "dtype mxfp8 is not implemented",
+        ),
+        ({**FP8_PER_TOKEN, "scope": "per_block"}, "qconfig.scope", "scope per_block is not"),
         (
             {**PER_TOKEN, "dtype": "mxfp4", "scope": "per_block"},
             "qconfig.dtype",

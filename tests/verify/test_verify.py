@@ -461,9 +461,10 @@ ASCEND_CORRUPTIONS: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = 
     ),
     "unknown_type": (
         lambda f: edit_json(
-            f / "quant_model_description.json", lambda d: d.update({f"{DOWN}.weight": "W4A4_MXFP4"})
+            f / "quant_model_description.json",
+            lambda d: d.update({f"{DOWN}.weight": "W4A4_MXFP4_DUALSCALE"}),
         ),
-        (f"{DOWN}.weight", "W4A4_MXFP4", "not supported"),
+        (f"{DOWN}.weight", "W4A4_MXFP4_DUALSCALE", "not supported"),
     ),
 }
 

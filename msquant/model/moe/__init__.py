@@ -5,7 +5,10 @@ transformers (5.x) holds the routed experts of an MoE block FUSED: one module (`
 ``down_proj [E, H, I]``. Checkpoints on disk, and the engines that load them (vLLM, vLLM-Ascend,
 SGLang), name every expert projection separately (``mlp.experts.3.gate_proj.weight``, Mixtral's
 ``block_sparse_moe.experts.3.w1.weight``); transformers converts between the two when it loads
-and saves (``transformers.conversion_mapping``).
+and saves (``transformers.conversion_mapping``). Some checkpoints keep the experts fused on disk
+(Qwen3-VL-MoE: ``experts.gate_up_proj`` / ``experts.down_proj``, transposed in the released
+checkpoints); msquant then names the per-expert layers ``experts.3.gate_proj`` etc., as
+msModelSlim exports them and the engines load them.
 
 msquant quantizes ``nn.Linear`` modules and calibrates GPTQ through hooks on them, so this package
 (one job per module):

@@ -10,12 +10,29 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-__all__ = ["FUSED_PARAMS", "ROLES", "ExpertMLP", "UnfusedExperts"]
+__all__ = ["FUSED_PARAMS", "ROLES", "ROLE_PARAM", "ExpertMLP", "UnfusedExperts", "expert_slice"]
 
 #: The 3-D parameters of the supported fused layout, in the order transformers defines them.
 FUSED_PARAMS: tuple[str, str] = ("gate_up_proj", "down_proj")
 
 ROLES: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+#: The fused parameter holding each expert Linear's weight.
+ROLE_PARAM: dict[str, str] = {
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+    "down_proj": "down_proj",
+}
+
+
+def expert_slice(fused: torch.Tensor, expert: int, role: str) -> torch.Tensor:
+    """The ``[out, in]`` weight of expert ``expert``'s Linear ``role`` inside its fused
+    parameter in the model's layout (``gate_up_proj [E, 2I, H]``: gate rows first, then up;
+    ``down_proj [E, H, I]``), a view of ``fused``."""
+    if role == "down_proj":
+        return fused[expert]
+    inter = fused.shape[1] // 2
+    return fused[expert, :inter] if role == "gate_proj" else fused[expert, inter:]
 
 
 class ExpertMLP(nn.Module):
@@ -85,18 +102,18 @@ class UnfusedExperts(nn.Module):
         device (``meta`` included) and ``requires_grad`` of the fused parameters.
         """
         gate_up, down = (_param(fused, name) for name in FUSED_PARAMS)
-        num_experts, _, hidden = gate_up.shape
-        inter = down.shape[2]
+        fused_params = {"gate_up_proj": gate_up, "down_proj": down}
         experts = []
         with torch.no_grad():
-            for e in range(num_experts):
-                experts.append(
-                    ExpertMLP(
-                        _linear_from(gate_up[e, :inter], gate_up.requires_grad),
-                        _linear_from(gate_up[e, inter:], gate_up.requires_grad),
-                        _linear_from(down[e], down.requires_grad),
+            for e in range(gate_up.shape[0]):
+                linears = [
+                    _linear_from(
+                        expert_slice(fused_params[ROLE_PARAM[role]], e, role),
+                        fused_params[ROLE_PARAM[role]].requires_grad,
                     )
-                )
+                    for role in ROLES
+                ]
+                experts.append(ExpertMLP(*linears))
         shapes = {"gate_up_proj": tuple(gate_up.shape), "down_proj": tuple(down.shape)}
         act_fn: Callable[[torch.Tensor], torch.Tensor] = getattr(fused, "act_fn")  # noqa: B009
         return cls(experts, act_fn, type(fused).__name__, shapes)

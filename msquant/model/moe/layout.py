@@ -125,6 +125,6 @@ def find_fused_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
             + " | ".join(refused)
             + ". msquant supports experts holding gate_up_proj [E, 2I, H] and down_proj [E, H, I] "
             "called as forward(hidden_states, top_k_index, top_k_weights) (Qwen2/3-MoE, Mixtral, "
-            "DeepSeek-V3 in transformers 5)"
+            "DeepSeek-V3, Qwen3-VL-MoE in transformers 5)"
         )
     return found

@@ -18,6 +18,7 @@ from torch import nn
 from msquant.quant.activation import ActivationQuant
 from msquant.quant.quantized_linear import QuantizedLinear, replace_module
 from msquant.quant.quantized_weight import QuantizedWeight
+from msquant.quant.value_types import ValueType, int_value_type, value_type_named
 from msquant.run.checkpoint.durable import save_tensors_atomically
 from msquant.run.checkpoint.layout import ResumeError
 
@@ -88,6 +89,8 @@ class LayerStore(Mapping[str, QuantizedWeight]):
                 "shape": list(qweight.shape),
                 "bias": None if bias is None else str(bias.dtype).removeprefix("torch."),
             }
+            if qweight.value_type != int_value_type(qweight.bits):  # integer codes: implied
+                entries[name]["value_type"] = qweight.value_type.name
         metadata = {"modules": json.dumps(entries)}
         if floats:
             kept = _float_state(root, prefix, [*exclude, *_quantized_names(root, prefix)])
@@ -174,13 +177,15 @@ class LayerStore(Mapping[str, QuantizedWeight]):
         group_size = entry["group_size"]
         groups = 1 if group_size is None else in_features // group_size
         meta = torch.device("meta")
+        values = _value_type(entry)
         qweight = QuantizedWeight(
-            torch.empty(out_features, in_features, dtype=torch.int8, device=meta),
+            torch.empty(out_features, in_features, dtype=values.code_dtype, device=meta),
             torch.empty(out_features, groups, dtype=torch.float32, device=meta),
             torch.empty(out_features, groups, dtype=torch.float32, device=meta),
             entry["bits"],
             entry["symmetric"],
             group_size,
+            values,
         )
         dtype = entry["bias"]
         if dtype is None:
@@ -199,7 +204,13 @@ class LayerStore(Mapping[str, QuantizedWeight]):
         with safe_open(str(path), framework="pt") as handle:
             codes, scale, offset = (handle.get_tensor(f"{name}.{part}") for part in _PARTS)
         return QuantizedWeight(
-            codes, scale, offset, entry["bits"], entry["symmetric"], entry["group_size"]
+            codes,
+            scale,
+            offset,
+            entry["bits"],
+            entry["symmetric"],
+            entry["group_size"],
+            _value_type(entry),
         )
 
     def __iter__(self) -> Iterator[str]:
@@ -207,6 +218,12 @@ class LayerStore(Mapping[str, QuantizedWeight]):
 
     def __len__(self) -> int:
         return len(self._modules)
+
+
+def _value_type(entry: Mapping[str, Any]) -> ValueType:
+    """The codes' value type of a checkpoint entry (integers of ``bits`` when not named)."""
+    name = entry.get("value_type")
+    return int_value_type(entry["bits"]) if name is None else value_type_named(name)
 
 
 def _under(name: str, prefixes: Sequence[str]) -> bool:

@@ -28,7 +28,18 @@ DESCRIPTION_FILE = "quant_model_description.json"
 DESCRIPTION_VERSION = "1.0.0"
 # msModelSlim's order for the global ``model_quant_type`` (the highest type present wins); W4A16,
 # which msModelSlim v1 does not export, ranks above W8A16 (the more compressed weight type).
-QUANT_TYPE_PRIORITY = ("FLOAT", "W16A16S", "W8A16", "W4A16", "W8A8_DYNAMIC", "W8A8_MIX", "W8A8")
+QUANT_TYPE_PRIORITY = (
+    "FLOAT",
+    "W16A16S",
+    "W8A16",
+    "W4A16",
+    "W8A8_DYNAMIC",
+    "W8A8_MIX",
+    "W8A8",
+    "W8A8_MXFP8",
+    "W4A8_MXFP",
+    "W4A4_MXFP4",
+)
 #: The type of the int8 KV cache's tensors, and the globals naming it (msModelSlim 26.1.0).
 KV_CACHE_TYPE = "C8"
 KV_CACHE_GLOBALS = ("kv_cache_type", "kv_quant_type")

@@ -5,14 +5,16 @@ What msModelSlim 26.1.0's ``ascendv1_saver`` writes for ``fa3_quant`` (read in
 ``tests/oracle/test_msmodelslim_fa3.py``):
 
 * static (``per_head``) branches: ``<point>.<branch>.scale`` float32 ``[heads, 1]`` (``[1, 1]``
-  for a one-head branch such as MLA's ``fa_k`` / ``fa_v``) and ``<point>.<branch>.offset`` int8
-  zeros of the same shape, both typed ``FAQuant`` in the description; the global key
-  ``fa_quant_type: "FAKQuant"``;
+  for a one-head branch such as MLA's ``fa_k`` / ``fa_v``) and ``<point>.<branch>.offset`` zeros
+  of the same shape (int8 for an int8 branch, float32 for a float8 ``fp8_e4m3`` one), both typed
+  ``FAQuant`` in the description; the global key ``fa_quant_type: "FAKQuant"`` (for either
+  dtype);
 * dynamic (``per_token``) branches: no tensor, no global key;
 * every quantized point: ``<point>.quant_type``, its branches' schemes in one string: the
   branches (Q, K, V in that order) grouped by ``(dtype, strategy)``, each group written
   ``<letters>_<DTYPE>[_DYNAMIC]``, the letters left out when the group is exactly ``QKV``, the
-  groups joined by ``_`` (``INT8``, ``INT8_DYNAMIC``, ``QK_INT8_DYNAMIC``, ``Q_INT8_KV_INT8_DYNAMIC``).
+  groups joined by ``_`` (``INT8``, ``INT8_DYNAMIC``, ``QK_INT8_DYNAMIC``, ``Q_INT8_KV_INT8_DYNAMIC``,
+  ``Q_FP8_DYNAMIC_KV_FP8``); ``fp8_e4m3`` is written ``FP8``.
 
 The branch letter is the text after the last ``_`` of the branch name (``fa_q``, ``fa3_q`` -> Q).
 The ``fa3_quant`` processor hands its results to the Ascend savers through
@@ -34,11 +36,14 @@ __all__ = [
     "FA_QUANT_GLOBAL",
     "FA_QUANT_STATIC",
     "FAQuantRecord",
+    "OFFSET_DTYPES",
+    "QUANT_TYPE_NAMES",
     "KNOWN_BRANCHES",
     "branch_letter",
     "fa_quant_problems",
     "parse_point_quant_type",
     "point_quant_type",
+    "quant_type_name",
     "static_tensors",
 ]
 
@@ -52,6 +57,22 @@ FA_QUANT_STATIC = "FAKQuant"
 #: The tensors of a static branch.
 BRANCH_LEAVES = ("scale", "offset")
 _ORDER = ("Q", "K", "V", "P")
+#: qconfig ``dtype`` -> its name in ``quant_type`` strings (msModelSlim's saver's table).
+QUANT_TYPE_NAMES = {"int8": "INT8", "fp8_e4m3": "FP8"}
+#: A static branch's offset zeros, by its dtype's name (msModelSlim's saver: int8 for INT8
+#: scales, float32 for FP8 ones).
+OFFSET_DTYPES = {"INT8": torch.int8, "FP8": torch.float32}
+
+
+def quant_type_name(dtype: str) -> str:
+    """``int8`` -> ``INT8``, ``fp8_e4m3`` -> ``FP8``.
+
+    :raises ValueError: for a dtype the export has no FA3 name for.
+    """
+    try:
+        return QUANT_TYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"no FA3 quant_type name for dtype {dtype!r}") from None
 
 
 def branch_letter(branch: str) -> str:
@@ -76,11 +97,12 @@ def point_quant_type(schemes: Mapping[str, tuple[str, bool]]) -> str:
     return "_".join(parts)
 
 
-def static_tensors(scale: torch.Tensor) -> dict[str, torch.Tensor]:
+def static_tensors(scale: torch.Tensor, dtype_name: str) -> dict[str, torch.Tensor]:
     """A static branch's stored tensors from its per-head scale (any shape with ``heads``
-    elements): ``scale`` float32 ``[heads, 1]`` and ``offset`` int8 zeros alike."""
+    elements): ``scale`` float32 ``[heads, 1]`` and ``offset`` zeros alike, typed by the
+    branch's dtype name (``INT8``: int8, ``FP8``: float32; :data:`OFFSET_DTYPES`)."""
     stored = scale.detach().to(torch.float32).reshape(-1, 1).cpu()
-    return {"scale": stored, "offset": torch.zeros_like(stored, dtype=torch.int8)}
+    return {"scale": stored, "offset": torch.zeros_like(stored, dtype=OFFSET_DTYPES[dtype_name])}
 
 
 @dataclass
@@ -177,7 +199,8 @@ def fa_quant_problems(
         if info is None:
             continue  # missing tensors are reported by the inventory check
         dtype, shape = info
-        expected = torch.float32 if leaf == "scale" else torch.int8
+        value = schemes[letter][0] if schemes is not None and letter in schemes else "INT8"
+        expected = torch.float32 if leaf == "scale" else OFFSET_DTYPES.get(value, torch.int8)
         if dtype != expected or len(shape) != 2 or shape[1] != 1:
             problems.append(
                 f"{key}: {dtype} {list(shape)}, expected {expected} [heads, 1] (msModelSlim's layout)"

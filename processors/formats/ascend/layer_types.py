@@ -4,6 +4,9 @@ section 7). Shared by the reader and the activation layers' decoding."""
 
 from __future__ import annotations
 
+from msquant.plugin import value_type_named
+from msquant.processors.formats.ascend.mx import MX_PARTS, MX_TYPES
+
 __all__ = [
     "FLOAT",
     "GLOBAL_KEYS",
@@ -28,6 +31,7 @@ TYPE_BITS = {
     "W8A8": 8,
     "W8A8_MIX": 8,
     "W4A8_DYNAMIC": 4,
+    **{kind: value_type_named(weight).bits for kind, (weight, _) in MX_TYPES.items()},
 }
 PARTS = ("weight", "weight_scale", "weight_offset")
 W8A8_PARTS = ("weight", "input_scale", "input_offset", "deq_scale", "quant_bias")
@@ -39,6 +43,8 @@ TYPE_PARTS = {
     "W8A8": W8A8_PARTS,
     "W8A8_MIX": (*W8A8_PARTS, "weight_scale", "weight_offset"),
     "W4A8_DYNAMIC": (*PARTS, "scale_bias"),
+    # MX (:mod:`.mx`): float8 / packed float4 elements and E8M0 block exponents, no offset
+    **dict.fromkeys(MX_TYPES, MX_PARTS),
 }
 #: Every tensor name ending that belongs to a quantized linear's parameters.
 PARAMETER_LEAVES = tuple(dict.fromkeys(p for parts in TYPE_PARTS.values() for p in parts[1:]))

@@ -24,6 +24,8 @@ With quantized activations (``module.act``), msModelSlim's W8A8 family (docs/asc
   float32 ``[out, 1]``, or ``[out, 16]`` for the row-parallel layers (``o_proj``, ``down_proj``):
   8 times the sum of the dequantized weights over the row or each of its 16 slices;
 * the float bias beside them in the model's dtype, ``P.bias`` (``FLOAT``), not folded in.
+
+MX layers (``W8A8_MXFP8``, ``W4A4_MXFP4``, ``W4A8_MXFP``): :mod:`.mx`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from msquant.plugin import (
+    ActivationQuant,
     QuantizationError,
     QuantizedLinear,
     deq_scale,
@@ -40,6 +43,7 @@ from msquant.plugin import (
     quant_bias,
     scale_bias,
 )
+from msquant.processors.formats.ascend.mx import MX_TYPES, mx_module_tensors
 
 __all__ = [
     "QUANT_TYPES_BY_BITS",
@@ -73,6 +77,8 @@ def quant_type(module: QuantizedLinear, name: str) -> str:
 
     :raises QuantizationError: naming the module and the format that stores other widths.
     """
+    if module.act is not None and module.act.value_type is not None:
+        return _mx_type(module, module.act, name)
     if module.act is not None:
         int4_dynamic = module.bits == 4 and module.act.dynamic
         if (
@@ -100,6 +106,20 @@ def quant_type(module: QuantizedLinear, name: str) -> str:
     return found
 
 
+def _mx_type(module: QuantizedLinear, act: ActivationQuant, name: str) -> str:
+    """The MX type of a layer with MX activations (msModelSlim's layer for the pair).
+
+    :raises QuantizationError: for a (weight, activation) pair without an MX type.
+    """
+    kind = act.scheme_name(module.bits)
+    if MX_TYPES.get(kind) != (module.value_type.name, act.value_type):
+        raise QuantizationError(
+            f"{name}: {module.value_type.name} weights with {act.value_type} activations have no "
+            f"Ascend type; valid: {', '.join(f'{t} ({w} weights, {a} act)' for t, (w, a) in MX_TYPES.items())}"
+        )
+    return kind
+
+
 def ascend_module_tensors(
     name: str, module: QuantizedLinear, model_dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
@@ -110,6 +130,8 @@ def ascend_module_tensors(
         ``in_features`` (two codes per byte).
     """
     kind = quant_type(module, name)
+    if kind in MX_TYPES:
+        return mx_module_tensors(name, module, kind)
     if module.act is not None:
         return activation_module_tensors(name, module, kind, model_dtype)
     weight = module.weight

@@ -31,6 +31,9 @@ globals (msModelSlim's ``ext.json_append`` merges user keys in) and are not tens
 * W4A8_DYNAMIC: ``P.weight`` int8 ``[out / 2, in]`` (int4 codes in pairs of rows: row ``2i`` in
   the low nibble), ``P.weight_scale`` / ``P.weight_offset`` float32 ``[out, 1]``, ``P.scale_bias``
   float32 ``[out, 1]`` or ``[out, 16]`` (row-parallel layers), checked exactly against the codes.
+* MX (W8A8_MXFP8, W4A4_MXFP4, W4A8_MXFP): ``P.weight`` float8_e4m3fn ``[out, in]`` or uint8
+  ``[out, in / 2]`` (packed e2m1), ``P.weight_scale`` uint8 E8M0 ``[out, in / 32]``
+  (:mod:`~msquant.processors.formats.ascend.mx`).
 """
 
 from __future__ import annotations
@@ -76,6 +79,13 @@ from msquant.processors.formats.ascend.layer_types import (
     TYPE_BITS,
     TYPE_PARTS,
     W16A16S,
+)
+from msquant.processors.formats.ascend.mx import (
+    MX_PARTS,
+    MX_TYPES,
+    decode_mx,
+    mx_dtypes,
+    stored_columns,
 )
 
 __all__ = ["AscendReader", "GLOBAL_KEYS", "TYPE_BITS"]
@@ -431,6 +441,8 @@ class AscendReader(ExportReader):
         shapes = self._shapes(module)
         if shapes is None or len(shapes[0]) != 2:
             return None
+        if kind in MX_TYPES:
+            return shapes[0][1] * stored_columns(kind)
         return shapes[0][1] * (2 if kind == "W4A16" else 1)
 
     def _group_size(self, module: str, kind: str) -> int | None:
@@ -451,6 +463,8 @@ class AscendReader(ExportReader):
             return decode_w8a8(self, module, kind)
         if kind == "W4A8_DYNAMIC":
             return decode_w4a8(self, module)
+        if kind in MX_TYPES:
+            return self._decode_mx(module, kind)
         names = {part: f"{module}.{part}" for part in PARTS}
         present = [
             self.expect(names[part], (dtype,), None)
@@ -459,6 +473,24 @@ class AscendReader(ExportReader):
         if not all(present) or self.store is None:
             return None
         return self._decode_checked(module, kind, bits, names)
+
+    def _decode_mx(self, module: str, kind: str) -> DecodedLayer | None:
+        present = [
+            self.expect(f"{module}.{part}", (dtype,), None)
+            for part, dtype in zip(MX_PARTS, mx_dtypes(kind), strict=True)
+        ]
+        if not all(present) or self.store is None:
+            return None
+        decoded = decode_mx(
+            module,
+            kind,
+            self.store.get(f"{module}.weight"),
+            self.store.get(f"{module}.weight_scale"),
+        )
+        if isinstance(decoded, str):
+            self.findings.error(decoded)
+            return None
+        return decoded
 
     def _decode_checked(
         self, module: str, kind: str, bits: int, names: dict[str, str]
@@ -521,6 +553,8 @@ class AscendReader(ExportReader):
         kind = self.types.get(f"{module}.weight")
         if kind in ("W8A8_DYNAMIC", "W4A8_DYNAMIC"):
             return ActivationQuant("per_token")
+        if kind in MX_TYPES:
+            return ActivationQuant("per_block", value_type=MX_TYPES[kind][1])
         if kind not in ("W8A8", "W8A8_MIX") or self.store is None:
             return None
         scale = float(self.store.get(f"{module}.input_scale")[0])
@@ -546,7 +580,7 @@ class AscendReader(ExportReader):
             self.findings.note(VLLM_ASCEND_W4A8_LINEAR, layer.name)
         if layer.scheme == "W4A16":
             self.findings.note(VLLM_ASCEND_W4A16, layer.name)
-        elif layer.group_size is not None:
+        elif layer.scheme == "W8A16" and layer.group_size is not None:
             self.findings.note(VLLM_ASCEND_PER_GROUP, layer.name)
         if not layer.symmetric:
             self.findings.note(VLLM_ASCEND_ASYM, layer.name)
