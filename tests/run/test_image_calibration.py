@@ -73,18 +73,19 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_calibration_images(tmp_path_factory.mktemp("data") / "calibImages")
 
 
-@pytest.mark.parametrize("arch", ["qwen3_vl", "internvl", "glm4v_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen3_vl_moe", "internvl", "glm4v_moe"])
 def test_layer_wise_run_on_images_computes_the_whole_models_logits(
     arch: str, qwen3_vl: Path, images: Path, tmp_path: Path
 ) -> None:
     """In float64, the decoder's inputs captured through the vision tower, pushed through the
     layers one at a time (Qwen3-VL's deepstack features added back between them), give
-    transformers' logits of the image + text forward (GLM-4.xV-MoE in float32: its experts'
+    transformers' logits of the image + text forward (the MoE models in float32: their experts'
     grouped matrix product takes no float64, so the same operations in float32, to 1e-6)."""
     from transformers import AutoModelForImageTextToText
 
     folder = qwen3_vl if arch == "qwen3_vl" else build_tiny_vlm_with_processor(tmp_path, arch)
-    dtype, tolerance = (torch.float32, 1e-6) if arch == "glm4v_moe" else (torch.float64, 1e-12)
+    moe = arch in ("glm4v_moe", "qwen3_vl_moe")
+    dtype, tolerance = (torch.float32, 1e-6) if moe else (torch.float64, 1e-12)
     model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=dtype).eval()
     samples = image_samples(read_image_folder(images), TEXT, load_processor(folder))
     assert len(samples.input_ids) == 2 and "pixel_values" in samples.inputs[0]
@@ -94,6 +95,9 @@ def test_layer_wise_run_on_images_computes_the_whole_models_logits(
     plain = capture_layer_inputs(model, layers, samples.input_ids, media=samples.inputs)
     if arch == "qwen3_vl":
         assert sorted(activations.between[0]) == [0, 1]  # deepstack after layers 0 and 1
+        plain.between = []  # the same run without the deepstack additions
+    elif arch == "qwen3_vl_moe":
+        assert sorted(activations.between[0]) == [0]  # its one deepstack feature
         plain.between = []  # the same run without the deepstack additions
     else:
         assert activations.between == []  # InternVL and GLM-4.xV add nothing between layers
@@ -109,7 +113,7 @@ def test_layer_wise_run_on_images_computes_the_whole_models_logits(
             expected = model(input_ids=ids, **inputs).logits
             logits = model.lm_head(body.norm(activations.hidden[number]))
             torch.testing.assert_close(logits, expected, rtol=tolerance, atol=tolerance)
-            if arch == "qwen3_vl":
+            if arch.startswith("qwen3_vl"):
                 without = model.lm_head(body.norm(plain.hidden[number]))
                 assert (without - expected).abs().max() > 1e-3  # the deepstack additions matter
             text_only = model(input_ids=ids, attention_mask=inputs["attention_mask"]).logits
