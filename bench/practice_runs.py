@@ -1,6 +1,8 @@
 """Run msModelSlim's configs on tiny models of their architecture families: ``msquant quant``
 with the config unchanged (only the calibration data is replaced, by a tiny local text file
-and a small ``--max_calib_tokens``), then ``msquant verify`` on the export.
+and a small ``--max_calib_tokens``, or for the vision-language archs of :data:`IMAGE_ARCHS` by
+a ``calibImages`` folder of random images beside the config), then ``msquant verify`` on the
+export.
 
 Used by ``bench/msmodelslim_configs.py --run``. A config's family comes from its folder in
 msModelSlim's ``lab_practice`` (``qwen3_moe/...`` -> Qwen3-MoE); each family is a random-weight
@@ -25,7 +27,13 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
-from tiny_models import CORPUS, build_tiny_model, build_tiny_vlm  # noqa: E402
+from tiny_models import (  # noqa: E402
+    CORPUS,
+    build_tiny_model,
+    build_tiny_vlm,
+    build_tiny_vlm_with_processor,
+    write_calibration_images,
+)
 
 #: Exit status of ``msquant`` for bad input (a clear refusal, not a crash).
 EXIT_INPUT = 2
@@ -97,6 +105,10 @@ VLM_FAMILIES: dict[str, tuple[str, str]] = {
     "qwen2_5_omni_thinker": ("Qwen2.5-Omni", "qwen2_5_omni"),
     "qwen3_omni_moe": ("Qwen3-Omni-MoE", "qwen3_omni_moe"),
 }
+#: The VLM archs whose tiny model is built with its processor and calibrated on images (a
+#: ``calibImages`` folder of random images beside the config, ``default_text`` with each), as
+#: their practices' ``dataset: calibImages`` asks; the others calibrate on the text corpus.
+IMAGE_ARCHS = frozenset({"qwen3_vl", "qwen3_vl_moe", "internvl", "glm4v_moe"})
 #: The dense files of the ``qwen3_5_moe`` folder (Qwen3.5 / 3.6 dense models).
 VLM_FILES: dict[str, tuple[str, str]] = {
     name: ("Qwen3.5 (dense)", "qwen3_5")
@@ -131,6 +143,10 @@ def build_family_model(family: str, directory: Path, name: str = "") -> str:
     """Write the tiny model of ``family`` (of the file ``name``: the vision-language ones by
     file) into ``directory``; returns the model's name."""
     vlm = vlm_family(name) if name else None
+    if vlm is not None and vlm[1] in IMAGE_ARCHS:
+        build_tiny_vlm_with_processor(directory, vlm[1])
+        write_calibration_images(directory.parent / "calibImages")
+        return f"{vlm[0]}, images"
     if vlm is not None:
         build_tiny_vlm(directory, vlm[1])
         return vlm[0]
@@ -184,10 +200,15 @@ def run_config(
     except Exception as exc:  # a tiny model transformers cannot build: say so, run the rest
         return RunRow(name, family, "not run", f"model build: {exc!r}"[:300], 0.0)
     save = case / "export"
+    vlm = vlm_family(name)
+    calibration = (
+        []  # the config's calibImages, the images written beside it
+        if vlm is not None and vlm[1] in IMAGE_ARCHS
+        else ["--calib_path", str(CORPUS), "--max_calib_tokens", str(max_calib_tokens)]
+    )
     quant = msquant_cli(
         "quant", "--model_path", str(case / "model"), "--save_path", str(save),
-        "--config_path", str(config), "--calib_path", str(CORPUS),
-        "--max_calib_tokens", str(max_calib_tokens), "--no_progress", timeout=timeout,
+        "--config_path", str(config), *calibration, "--no_progress", timeout=timeout,
     )  # fmt: skip
     (case / "quant.log").write_text(quant.stdout + quant.stderr, encoding="utf-8")
     if quant.returncode == EXIT_INPUT:

@@ -226,6 +226,7 @@ class LinearQuantProcessor(Processor):
             self.method.name,
             act=self.act_scheme,
             data_free=not self.requires_calibration,
+            static_act_only=self._act_calibration is not None and not self.method.calibrated,
         )
 
     def selected(self, layer: DecoderLayer) -> list[tuple[str, nn.Linear, ResolvedScheme]]:

@@ -456,6 +456,156 @@ MLA_DEEPSEEK_V3: dict[str, int] = dict(
 )
 
 
+def _vl_template(image: str) -> str:
+    """A chat template of Qwen's form rendering an image as ``image`` (then the text), enough
+    for the tiny processors of :func:`build_tiny_vlm_with_processor`."""
+    return (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+        "{% for c in message['content'] %}{% if c['type'] == 'image' %}"
+        + image
+        + "{% elif c['type'] == 'text' %}{{ c['text'] }}"
+        "{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+#: Per arch: (the processor class, the chat template's image, the vision tokens added to the
+#: tokenizer, the config's token ids (field -> token), the processor's own settings, which the
+#: config shares).
+_VL_PROCESSORS: dict[str, tuple[str, str, list[str], dict[str, str], dict[str, Any]]] = {
+    "qwen3_vl": (
+        "Qwen3VLProcessor",
+        "<|vision_start|><|image_pad|><|vision_end|>",
+        ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
+        {
+            "vision_start_token_id": "<|vision_start|>",
+            "image_token_id": "<|image_pad|>",
+            "vision_end_token_id": "<|vision_end|>",
+            "video_token_id": "<|video_pad|>",
+        },
+        {},
+    ),
+    "internvl": (
+        "InternVLProcessor",
+        "<IMG_CONTEXT>\n",
+        ["<img>", "</img>", "<IMG_CONTEXT>", "<video>"],
+        {"image_token_id": "<IMG_CONTEXT>"},
+        {"image_seq_length": 1},
+    ),
+}
+_VL_PROCESSORS["qwen3_vl_moe"] = _VL_PROCESSORS["qwen3_vl"]
+_VL_PROCESSORS["glm4v_moe"] = (
+    "Glm4vProcessor",
+    "<|begin_of_image|><|image|><|end_of_image|>",
+    ["<|begin_of_image|>", "<|image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|video|>",
+     "<|end_of_video|>"],
+    {
+        "image_start_token_id": "<|begin_of_image|>",
+        "image_token_id": "<|image|>",
+        "image_end_token_id": "<|end_of_image|>",
+        "video_start_token_id": "<|begin_of_video|>",
+        "video_token_id": "<|video|>",
+        "video_end_token_id": "<|end_of_video|>",
+    },
+    {},
+)  # fmt: skip
+#: InternVL's processor reads its tokens off the tokenizer by these names.
+_INTERNVL_TOKENS = {
+    "start_image_token": "<img>",
+    "end_image_token": "</img>",
+    "context_image_token": "<IMG_CONTEXT>",
+    "video_token": "<video>",
+}
+
+
+def _save_image_processor(directory: Path, arch: str) -> dict[str, Any]:
+    """transformers' image processor of ``arch`` (PIL backend, a few patches per image) saved in
+    ``directory``; returns the vision config fields it implies."""
+    if arch == "internvl":  # 28x28 tiles (4 patches, 1 token after pixel shuffle), at most 2 + 1
+        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (
+            GotOcr2ImageProcessorPil,
+        )
+
+        GotOcr2ImageProcessorPil(
+            size={"height": 28, "width": 28}, crop_to_patches=True, max_patches=2
+        ).save_pretrained(str(directory))
+        return {}
+    if arch == "glm4v_moe":  # 14-pixel patches merged 2x2, images of 28x28 to 56x56 pixels
+        from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+        Glm4vImageProcessorPil(
+            size={"shortest_edge": 28 * 28, "longest_edge": 56 * 56}
+        ).save_pretrained(str(directory))
+        return {}
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    Qwen2VLImageProcessorPil(
+        patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32,
+        max_pixels=64 * 64,
+    ).save_pretrained(str(directory))  # fmt: skip
+    return {"patch_size": 16}
+
+
+def build_tiny_vlm_with_processor(
+    directory: Path,
+    arch: str = "qwen3_vl",
+    seed: int = 0,
+    text: dict[str, Any] | None = None,
+    vision: dict[str, Any] | None = None,
+) -> Path:
+    """A tiny vision-language model (:data:`VLM_ARCHS`: Qwen3-VL, Qwen3-VL-MoE, InternVL) with
+    the processor files image calibration reads: the trained tokenizer with the family's vision
+    tokens added (the config's image token ids point at them), transformers' image processor
+    (PIL backend, images resized to a few patches), a chat template, and
+    ``processor_config.json`` naming the processor class. ``text`` / ``vision``: fields of the
+    text / vision config changed."""
+    import json
+
+    processor_class, image, tokens, token_ids, settings = _VL_PROCESSORS[arch]
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(directory)
+    tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+    if arch == "internvl":
+        tokenizer._set_model_specific_special_tokens(special_tokens=_INTERNVL_TOKENS)
+    tokenizer.save_pretrained(str(directory))
+    ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in token_ids.items()}
+    vision_fields = _save_image_processor(directory, arch)
+    (directory / "chat_template.jinja").write_text(_vl_template(image), encoding="utf-8")
+    (directory / "processor_config.json").write_text(
+        json.dumps({"processor_class": processor_class, **settings}), encoding="utf-8"
+    )
+    base = VLM_ARCHS[arch]
+    config = AutoConfig.for_model(
+        arch,
+        **{
+            **base,
+            "text_config": dict(base["text_config"], vocab_size=len(tokenizer) + 4, **(text or {})),
+            "vision_config": dict(base["vision_config"], **vision_fields, **(vision or {})),
+            **ids,
+            **settings,
+        },
+    )
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config).eval().save_pretrained(str(directory))
+    return directory
+
+
+def write_calibration_images(folder: Path, count: int = 2, seed: int = 0) -> Path:
+    """``count`` random RGB PNG images of different sizes (``img0.png``, ...) in ``folder``."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    for index in range(count):
+        pixels = torch.rand(40 + 8 * index, 56, 3, generator=generator) * 255
+        Image.fromarray(pixels.to(torch.uint8).numpy()).save(folder / f"img{index}.png")
+    return folder
+
+
 def transpose_fused_experts(directory: Path) -> None:
     """Rewrite the fused experts of ``directory``'s ``model.safetensors`` as the released
     Qwen3-VL-MoE checkpoints store them: ``experts.gate_up_proj [E, H, 2I]`` and

@@ -12,8 +12,9 @@ fails the schema (an unknown processor, say) does not hide the semantic problems
 
 Two ``apiversion`` s are read: ``modelslim_v1`` and msModelSlim's vision-language one,
 ``multimodal_vlm_modelslim_v1``, whose ``spec`` has one more key, ``default_text`` (the prompt
-msModelSlim pairs with a calibration image that has no text; msquant calibrates on text only,
-so it is validated and otherwise unused). The processors and their meaning are the same; a
+msModelSlim pairs with each calibration image of a folder such as ``calibImages``; msquant does
+the same when ``dataset`` names a folder of images, :mod:`msquant.load.image_calibration`, and
+ignores it for a text calibration file). The processors and their meaning are the same; a
 vision-language model's text decoder is what the layer loop walks (docs/msmodelslim-compat.md).
 
 Keys beside ``apiversion``/``metadata``/``spec`` at the top of a file are ignored, as msModelSlim
@@ -123,7 +124,10 @@ class SpecBody(BaseModel):
             "Calibration file (.jsonl, .json or .txt); relative to the CWD or the YAML. "
             "msModelSlim's dataset names (boolq.jsonl, cn_en.jsonl, ...) are read from an "
             "installed msModelSlim's lab_calib folder; without one, mix_calib.jsonl means "
-            "msquant's shipped default set and the other names are refused."
+            "msquant's shipped default set and the other names are refused. A "
+            "multimodal_vlm_modelslim_v1 config may name a folder of .jpg / .jpeg / .png images "
+            "instead (msModelSlim's calibImages: beside the YAML, in the CWD, or an installed "
+            "msModelSlim's), each paired with default_text through the model's processor."
         ),
     )
 
@@ -134,8 +138,9 @@ class VlmSpecBody(SpecBody):
     default_text: str = Field(
         "Describe this image in detail.",
         description=(
-            "msModelSlim's prompt for a calibration image without text (non-empty). msquant "
-            "calibrates vision-language models on text only, so it is checked and not used."
+            "msModelSlim's prompt paired with each calibration image (non-empty): with "
+            "spec.dataset naming a folder of images, each image and this text go through the "
+            "model's processor chat template as one user message; unused with a text file."
         ),
     )
 

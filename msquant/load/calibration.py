@@ -219,9 +219,10 @@ def _text_of(item: Any, where: str) -> str:
     media = [key for key in MEDIA_KEYS if isinstance(item, dict) and item.get(key)]
     if media:
         raise CalibrationDataError(
-            f"{where}: a multimodal sample (its {media[0]!r} key); msquant calibrates on text "
-            "only (of a vision-language model, the text decoder), so give text samples: drop "
-            f"the {media[0]!r} key or use a text calibration file"
+            f"{where}: a multimodal sample (its {media[0]!r} key); msquant reads text samples "
+            "from a calibration file, and images only as a folder of .jpg / .png files (each "
+            "paired with spec.default_text of a vision-language config), so drop the "
+            f"{media[0]!r} key, or put the images in a folder and name it in spec.dataset"
         )
     if isinstance(item, dict):
         for key in TEXT_KEYS:

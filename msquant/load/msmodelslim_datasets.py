@@ -73,8 +73,9 @@ def refuse_msmodelslim_dataset(name: str) -> NoReturn:
     if name in MSMODELSLIM_MEDIA_SETS:
         raise CalibrationDataError(
             f"spec.dataset {name!r} is one of msModelSlim's image/video calibration sets; "
-            "msquant calibrates on text only (of a vision-language model, the text decoder), so "
-            "give a text calibration file (.jsonl, .json or .txt) in spec.dataset or --calib_path"
+            "msquant reads image folders only for a vision-language model's config (apiversion "
+            "multimodal_vlm_modelslim_v1), so give a text calibration file (.jsonl, .json or "
+            ".txt) in spec.dataset or --calib_path"
         )
     raise CalibrationDataError(
         f"spec.dataset {name!r} names a calibration set shipped with msModelSlim (its lab_calib "

@@ -5,12 +5,14 @@ A vision-language model of transformers (Qwen3-VL, Qwen3.5, InternVL, Kimi-K2.5,
 text decoder (``model.language_model``) beside a vision tower (``model.visual``,
 ``model.vision_tower``) and a projector (``model.multi_modal_projector``, ``model.mm_projector``,
 or a merger inside the tower) whose output replaces the image tokens' embeddings. msquant's layer
-loop walks the text decoder's layers and calibrates on text; the other parts are not walked, so
-their weights are exported unchanged (as float). msModelSlim walks the vision tower and the
-projector too, each as one unit, and quantizes the linear layers its scopes reach there, with
-image calibration data. msquant quantizes the linears a config selects there only when their
-scheme needs no calibration data (:mod:`msquant.run.vision_stage`); a config selecting them with
-one that does is refused (:mod:`msquant.planning.vision_scopes`). A rotation of the residual
+loop walks the text decoder's layers; the other parts are not walked, so their weights are
+exported unchanged (as float) unless a config selects linears there. msModelSlim walks the
+vision tower and the projector too, each as one unit, and quantizes the linear layers its scopes
+reach there, with image calibration data. msquant quantizes the linears a config selects there
+with a data-free scheme, or, when the run calibrates on images
+(:mod:`msquant.load.image_calibration`), with static activations calibrated on the images'
+forward (:mod:`msquant.run.vision_stage`); a config selecting them with a scheme the run cannot
+calibrate is refused (:mod:`msquant.planning.vision_scopes`). A rotation of the residual
 stream also rotates the projector linears whose output joins it (:data:`STREAM_FEEDERS`), for
 the families where that is known; it is refused for the others. An Omni checkpoint (thinker,
 talker, speech decoder) is loaded as its thinker, the part msModelSlim quantizes
@@ -26,7 +28,10 @@ from typing import Any
 from torch import nn
 
 __all__ = [
+    "BETWEEN_LAYERS",
+    "between_layers_method",
     "is_vision_language",
+    "multimodal_body_name",
     "other_parts",
     "part_prefix",
     "stream_feeders",
@@ -166,3 +171,33 @@ def vision_parts(model: nn.Module, head: str | None = None) -> list[tuple[str, n
             if any(isinstance(m, nn.Linear) for m in module.modules()):
                 parts.append((name, module))
     return parts
+
+
+#: Per ``model_type``: the method of the text decoder's body that it applies to the hidden
+#: states between two decoder layers on image inputs, ``method(hidden_states, *arguments)``.
+#: Qwen3-VL adds its deepstack visual features to the image tokens' hidden states after the
+#: first layers (transformers' ``Qwen3VLTextModel._deepstack_process``; msModelSlim's Qwen3-VL
+#: adapter does the same between the layers it runs one by one). A layer-wise run records each
+#: call with its arguments and makes it again on the layer's outputs
+#: (:class:`msquant.run.capture.CalibrationActivations`).
+BETWEEN_LAYERS: dict[str, str] = {
+    "qwen3_vl": "_deepstack_process",
+    "qwen3_vl_moe": "_deepstack_process",
+}
+
+
+def between_layers_method(model: nn.Module) -> str | None:
+    """The name of the method the text decoder's body applies between layers on image inputs
+    (:data:`BETWEEN_LAYERS`), or None."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return BETWEEN_LAYERS.get(str(model_type))
+
+
+def multimodal_body_name(model: nn.Module) -> str | None:
+    """Full name of the module of a vision-language model that runs the vision tower, merges
+    its features into the text embeddings and runs the text decoder (``model`` of
+    ``Qwen3VLForConditionalGeneration``: the text decoder's owner); None for a text-only model."""
+    decoder = text_decoder_name(model)
+    if decoder is None:
+        return None
+    return decoder.rsplit(".", 1)[0] if "." in decoder else ""

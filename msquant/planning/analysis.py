@@ -131,6 +131,7 @@ def analyse_plan(
     *,
     adapter: ModelAdapter | None = None,
     allow_float_export: bool = False,
+    images: bool = False,
 ) -> ModelPlan:
     """The plan of ``model`` (usually a meta model) under the ``spec.process`` entries, with the
     cross-entry errors and the warnings (the entries' own ``check_model`` errors are not included).
@@ -138,6 +139,8 @@ def analyse_plan(
     :param adapter: the model's adapter (default: the installed one for its ``model_type``).
     :param allow_float_export: a plan that quantizes no linear layer is no error (the user asks
         for the float model, transformed by the config's rotations or smoothings if any).
+    :param images: the run calibrates on images, which reach a vision-language model's vision
+        tower (:func:`msquant.planning.vision_scopes.vision_scope_errors`).
     """
     adapter = adapter if adapter is not None else adapter_for(model)
     planners = _planners(processors)
@@ -161,7 +164,7 @@ def analyse_plan(
     errors += fused_errors([*groups, *adapter.expert_groups(names)], selected_by, by_name, adapter)
     errors += tied_head_errors(model, selected_by, adapter)
     head = adapter.output_head(model)
-    errors += vision_scope_errors(planners, model, head[0] if head else None)
+    errors += vision_scope_errors(planners, model, head[0] if head else None, images)
     process = [p for p in processors if p.stage == "process"]
     planning = {id(planner) for _, planner in planners}
     others = [p for p in process if id(p) not in planning]
@@ -194,12 +197,18 @@ def check_plan(
     *,
     adapter: ModelAdapter | None = None,
     allow_float_export: bool = False,
+    images: bool = False,
 ) -> list[str]:
     """The cross-entry problems of a run (logging the warnings): call it on the meta model after
     every processor's ``check_model``, before weights are loaded (``allow_float_export``: as for
-    :func:`analyse_plan`)."""
+    :func:`analyse_plan`, ``images`` too)."""
     result = analyse_plan(
-        processors, model, layers, adapter=adapter, allow_float_export=allow_float_export
+        processors,
+        model,
+        layers,
+        adapter=adapter,
+        allow_float_export=allow_float_export,
+        images=images,
     )
     for warning in result.warnings:
         logger.warning("%s", warning)

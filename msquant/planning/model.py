@@ -52,6 +52,9 @@ class ModuleDecision:
     #: method, float or dynamic per-token activations): no calibration data need reach it, so
     #: modules no calibration reaches (a vision-language model's vision tower) may be selected.
     data_free: bool = False
+    #: Whether the selected module needs calibration data only for its static activation range
+    #: (its weight method reads no data): image calibration gives it to a vision tower's modules.
+    static_act_only: bool = False
 
 
 @runtime_checkable

@@ -14,6 +14,16 @@ it into is recorded (:attr:`LayerCall.handed`), and the layer-wise run puts in w
 returned in the same forward whose hidden states it commits to the next layer. What the body does
 otherwise with such an output (computes with it, drops it, nests it) is refused.
 
+A vision-language model calibrated on images (``media``: per sample the processor's pixel values,
+image grid, attention mask beside the token ids) is captured one sample at a time through the
+module that runs its vision tower, merges the image features into the text embeddings and runs
+the text decoder (:func:`msquant.model.vision.multimodal_body_name`), so layer 0 receives the
+merged embeddings and every layer the multimodal positions (Qwen3-VL's M-RoPE). What the text
+decoder's body does to the hidden states between two layers on image inputs (Qwen3-VL's
+deepstack features added after the first layers, :data:`msquant.model.vision.BETWEEN_LAYERS`)
+is recorded call by call with its arguments, and made again on each layer's outputs when they
+become the next layer's inputs (:meth:`CalibrationActivations.commit`).
+
 Samples of equal length are stacked into batches of up to ``max_batch_tokens`` tokens (no padding,
 so no token is added and every Hessian sees exactly the calibration tokens): one ``[8, 512]``
 forward costs a quarter of eight ``[1, 512]`` forwards on a CPU, since small matrix products and
@@ -23,7 +33,7 @@ per-call overhead dominate there. Batches keep the samples' order within each le
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,8 +43,10 @@ from torch import nn
 from msquant.backends.base import Backend
 from msquant.errors import ModelLoadError
 from msquant.model.layers import DecoderLayer, layer_list_name, parent_module
+from msquant.model.vision import between_layers_method, multimodal_body_name
 
 __all__ = [
+    "BetweenLayers",
     "DEFAULT_MAX_BATCH_TOKENS",
     "HandedOn",
     "LayerCall",
@@ -65,6 +77,11 @@ class LayerCall:
     handed: dict[int | str, tuple[int, int]] = field(default_factory=dict)
 
 
+#: What the model body did to the hidden states after one layer, per call: the bound method and
+#: its arguments beside the hidden states.
+BetweenLayers = list[tuple[Callable[..., torch.Tensor], tuple[Any, ...], dict[str, Any]]]
+
+
 @dataclass
 class CalibrationActivations:
     """Per-batch hidden states entering the next layer, plus each layer's other call arguments."""
@@ -79,6 +96,9 @@ class CalibrationActivations:
     state: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
     #: what the last kept :meth:`run` returned beside the hidden states (``id`` of its outputs)
     _pending: tuple[int, dict[tuple[int, int], list[Any]]] | None = field(default=None, repr=False)
+    #: per batch, per layer: what the model body applied to that layer's outputs before the
+    #: next layer took them (image inputs; empty for text)
+    between: list[dict[int, BetweenLayers]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_count = sum(int(h.shape[0] * h.shape[1]) for h in self.hidden)
@@ -181,9 +201,20 @@ class CalibrationActivations:
                 )
             self.state.update(self._pending[1])
         self._pending = None
+        if self.between:
+            outputs = [
+                self._apply_between(layer.index, batch, out) for batch, out in enumerate(outputs)
+            ]
         self.hidden = outputs
         self.next_layer += 1
         self._drop_state_before(self.next_layer)
+
+    def _apply_between(self, layer: int, batch: int, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` (layer ``layer``'s outputs on batch ``batch``) as the model body hands it
+        to the next layer: the recorded calls made again on it."""
+        for method, args, kwargs in self.between[batch].get(layer, []):
+            hidden = method(hidden, *args, **kwargs)
+        return hidden
 
     def _drop_state_before(self, layer: int) -> None:
         """Forget the kept state no call from ``layer`` on takes."""
@@ -302,6 +333,8 @@ class _CaptureSession:
     returned: list[int] = field(default_factory=list)
     layer_type: str = ""
     kinds: str = ""
+    #: what the body applied between layers in this forward (after layer -> calls)
+    between: dict[int, BetweenLayers] = field(default_factory=dict)
 
 
 def _link_handed_state(session: _CaptureSession, count: int) -> None:
@@ -353,6 +386,20 @@ def _handed_message(session: _CaptureSession, how: str) -> str:
     )
 
 
+def _recording_between(
+    method: Callable[..., torch.Tensor], session: _CaptureSession
+) -> Callable[..., torch.Tensor]:
+    """``method`` (the body's between-layers method), recording each call after the layer that
+    ran last in the session."""
+
+    def record(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        after = session.order[-1] if session.order else -1
+        session.between.setdefault(after, []).append((method, args, dict(kwargs)))
+        return method(hidden_states, *args, **kwargs)
+
+    return record
+
+
 def batch_samples(
     samples: Sequence[torch.Tensor], max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
 ) -> list[torch.Tensor]:
@@ -385,12 +432,15 @@ def capture_layer_inputs(
     samples: Sequence[torch.Tensor],
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
     part: tuple[int, int] = (0, 1),
+    media: Sequence[Mapping[str, torch.Tensor]] | None = None,
 ) -> CalibrationActivations:
     """Record the inputs of every decoder layer for the calibration samples (``[1, seq]``
     input_ids tensors), batched by :func:`batch_samples`.
 
     :param part: ``(rank, world_size)``: keep batches ``rank``, ``rank + world_size``, ... only
         (a process of a ``dp_layer_wise`` group calibrates on its share).
+    :param media: per sample, the other inputs of a vision-language model's forward (image
+        calibration): each sample is a batch of its own, run through the multimodal body.
 
     The model body (the module owning the layer list) runs with ``use_cache=False``; the layer list
     is restored afterwards even if a forward fails.
@@ -403,18 +453,34 @@ def capture_layer_inputs(
     originals = list(layer_list)
     hidden: list[torch.Tensor] = []
     calls: list[list[LayerCall]] = []
+    between: list[dict[int, BetweenLayers]] = []
+    runner = body
+    batches: list[tuple[torch.Tensor, Mapping[str, torch.Tensor] | None]] = [
+        (ids, None) for ids in batch_samples(samples, max_batch_tokens)
+    ]
+    between_name = None
+    if media is not None:
+        runner, batches, between_name = _multimodal(model, body, samples, media)
     try:
         for i, real in enumerate(originals):
             layer_list[i] = _Recorder(i, real, session)
+        if between_name is not None:
+            setattr(body, between_name, _recording_between(getattr(body, between_name), session))
         rank, world_size = part
-        for input_ids in batch_samples(samples, max_batch_tokens)[rank::world_size]:
+        for input_ids, inputs in batches[rank::world_size]:
             session.calls = []
             session.order = []
             session.first_hidden = None
+            session.between = {}
             try:
-                body(
-                    input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False
-                )
+                if inputs is None:
+                    body(
+                        input_ids=input_ids,
+                        attention_mask=torch.ones_like(input_ids),
+                        use_cache=False,
+                    )
+                else:
+                    runner(input_ids=input_ids, **inputs, use_cache=False)
             except (TypeError, AttributeError, ValueError) as error:
                 if not session.returned:
                     raise
@@ -429,10 +495,38 @@ def capture_layer_inputs(
                     raise ModelLoadError(_handed_message(session, "differently between batches"))
             hidden.append(session.first_hidden.detach())
             calls.append(session.calls)
+            between.append(session.between)
     finally:
         for i, real in enumerate(originals):
             layer_list[i] = real
-    return CalibrationActivations(hidden, calls, tuple_output=bool(session.tuple_output))
+        if between_name is not None and between_name in vars(body):
+            delattr(body, between_name)
+    activations = CalibrationActivations(hidden, calls, tuple_output=bool(session.tuple_output))
+    if any(between):
+        activations.between = between
+    return activations
+
+
+def _multimodal(
+    model: nn.Module,
+    body: nn.Module,
+    samples: Sequence[torch.Tensor],
+    media: Sequence[Mapping[str, torch.Tensor]],
+) -> tuple[nn.Module, list[tuple[torch.Tensor, Mapping[str, torch.Tensor] | None]], str | None]:
+    """The module run on image samples, the batches (one per sample, in order) and the name of
+    the body's between-layers method (None when its family has none)."""
+    name = multimodal_body_name(model)
+    if name is None:
+        raise ModelLoadError(
+            f"{type(model).__name__} is not a vision-language model msquant knows the text "
+            "decoder of, so it cannot be calibrated on images; calibrate it on text"
+        )
+    if len(media) != len(samples):
+        raise ValueError(f"{len(samples)} image samples but {len(media)} sets of model inputs")
+    method = between_layers_method(model)
+    if method is not None and not callable(getattr(body, method, None)):
+        method = None
+    return model.get_submodule(name), list(zip(samples, media, strict=True)), method
 
 
 def _check_body(body: nn.Module) -> None:

@@ -126,11 +126,15 @@ def warn_few_tokens(samples: Sequence[torch.Tensor], what: str = "calibration") 
 
 
 def check_applicable(
-    processors: list[Processor], meta_model: Any, allow_float_export: bool = False
+    processors: list[Processor],
+    meta_model: Any,
+    allow_float_export: bool = False,
+    images: bool = False,
 ) -> None:
     """Refuse, before weights load, a config that cannot be applied to the model: every
     processor's ``check_model`` and the plan's cross-entry problems (a config quantizing no
-    linear layer among them, unless ``allow_float_export``), listed together.
+    linear layer among them, unless ``allow_float_export``), listed together (``images``: the
+    run calibrates on images, which reach a vision-language model's vision tower).
 
     :raises QuantizationError: listing every problem.
     """
@@ -139,7 +143,12 @@ def check_applicable(
     problems = [msg for p in processors for msg in p.check_model(meta_model, layers)]
     # across entries: overlaps, fused splits
     problems += check_plan(
-        processors, meta_model, layers, adapter=adapter, allow_float_export=allow_float_export
+        processors,
+        meta_model,
+        layers,
+        adapter=adapter,
+        allow_float_export=allow_float_export,
+        images=images,
     )
     if problems:
         count = len(problems)

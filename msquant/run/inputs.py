@@ -10,7 +10,7 @@ estimate and the fingerprint a resumed run must match. Any problem raises a type
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,13 @@ from msquant.evaluate.windows import DEFAULT_SEQLEN
 from msquant.export.files import copied_model_files
 from msquant.export.staging import check_save_path
 from msquant.load.calibration import SampleLimit, tokenize_samples
+from msquant.load.image_calibration import (
+    ImageSamples,
+    image_folder,
+    image_samples,
+    load_processor,
+    read_image_folder,
+)
 from msquant.load.model_folder import (
     build_meta_model,
     check_model_dir,
@@ -96,6 +103,9 @@ class RunInputs:
     :param evaluation: the evaluation text and settings (``eval_data``), or None.
     :param eval_ids: its token ids, or None.
     :param fingerprint: what a resumed run must share with this one.
+    :param media: for image calibration (a vision-language model's ``spec.dataset`` naming a
+        folder of images), per sample the model inputs beside its token ids (``samples``);
+        None for text calibration.
     """
 
     options: QuantizeOptions
@@ -112,6 +122,7 @@ class RunInputs:
     evaluation: EvaluationData | None
     eval_ids: torch.Tensor | None
     fingerprint: dict[str, Any]
+    media: list[dict[str, torch.Tensor]] | None = None
 
     @property
     def streaming(self) -> bool:
@@ -136,14 +147,26 @@ def check_inputs(
     if dist.is_main:
         recover_early(Path(save_path).expanduser().absolute())
     target = check_save_path(save_path, options.overwrite, model_path)
-    texts = calibration_texts(resolved, options.calib_path, needs_calibration(processors))
+    images = _calibration_images(resolved, options.calib_path)
+    texts = (
+        None
+        if images is not None
+        else calibration_texts(resolved, options.calib_path, needs_calibration(processors))
+    )
+    if images is not None and options.checkpoints:
+        logger.info("image calibration: the run writes no per-layer checkpoints")
+        options = replace(options, checkpoints=False, resume=False)
     check_prior_datasets(resolved)  # prior stages are not run (msquant.run.prior_inputs)
     evaluation = _evaluation_data(options)
     model_dir, model_config, meta_model = _check_model(
-        model_path, options, processors, resolved, evaluation
+        model_path, options, processors, resolved, evaluation, images is not None
     )
     check_prior_stages(prior_stages, meta_model)
     samples, eval_ids = _tokenize(model_dir, model_config, texts, evaluation, options)
+    media = None
+    if images is not None and needs_calibration(processors):
+        encoded = _encode_images(model_dir, images, resolved, options)
+        samples, media = encoded.input_ids, encoded.inputs
     streaming = streams(resolved.config.spec.runner)
     if options.max_memory is not None:
         check_memory_limit(
@@ -155,8 +178,32 @@ def check_inputs(
     return RunInputs(
         options, model_path, target, resolved, processors, backend, dist, model_dir,
         model_config, meta_model, samples if needs_calibration(processors) else None,
-        evaluation, eval_ids, fingerprint,
+        evaluation, eval_ids, fingerprint, media,
     )  # fmt: skip
+
+
+def _calibration_images(
+    resolved: ResolvedConfig, calib_path: str | Path | None
+) -> list[Path] | None:
+    """The calibration images of a vision-language config (``spec.default_text``) whose
+    ``spec.dataset`` (or ``calib_path``) names a folder of images; None for text calibration."""
+    spec = resolved.config.spec
+    if getattr(spec, "default_text", None) is None:
+        return None
+    name = str(calib_path) if calib_path is not None else spec.dataset
+    if name is None:
+        return None
+    folder = image_folder(name, None if calib_path is not None else resolved.directory)
+    return None if folder is None else read_image_folder(folder)
+
+
+def _encode_images(
+    model_dir: Path, images: list[Path], resolved: ResolvedConfig, options: QuantizeOptions
+) -> ImageSamples:
+    """The images, each with ``spec.default_text``, through the model folder's processor."""
+    processor = load_processor(model_dir, options.trust_remote_code)
+    text = str(getattr(resolved.config.spec, "default_text", ""))
+    return image_samples(images, text, processor)
 
 
 def _evaluation_data(options: QuantizeOptions) -> EvaluationData | None:
@@ -174,16 +221,18 @@ def _check_model(
     processors: list[Processor],
     resolved: ResolvedConfig,
     evaluation: EvaluationData | None,
+    images: bool = False,
 ) -> tuple[Path, Any, nn.Module]:
     """The model folder, its config and a weightless model, once the config is known to apply
-    to it (the processors' checks and the plan) and, with an evaluation, that it can run."""
+    to it (the processors' checks and the plan; ``images``: calibrated on images) and, with an
+    evaluation, that it can run."""
     model_dir = check_model_dir(model_path)
     copied_model_files(model_dir)  # a link out of the model folder is refused before any work
     model_config = load_model_config(model_dir, options.trust_remote_code)
     if evaluation is not None:
         evaluation.check_model(model_config, model_dir)
     meta_model = build_meta_model(model_config, options.trust_remote_code)
-    check_applicable(processors, meta_model, options.allow_float_export)
+    check_applicable(processors, meta_model, options.allow_float_export, images=images)
     if evaluation is not None and streams(resolved.config.spec.runner):
         check_evaluable_export(processors)
     return model_dir, model_config, meta_model

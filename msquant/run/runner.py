@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 
 import torch
 from tqdm.auto import tqdm
@@ -50,7 +51,7 @@ from msquant.run.capture import (
 from msquant.run.checkpoint.folder import RunCheckpoints
 from msquant.run.output_head import run_output_head
 from msquant.run.probe import TransformProbe
-from msquant.run.vision_stage import run_vision_stage
+from msquant.run.vision_stage import calibrated_vision_stage, run_vision_stage
 
 __all__ = [
     "batch_token_limit",
@@ -83,6 +84,7 @@ def run_layer_wise(
     samples: Sequence[torch.Tensor] | None,
     progress: bool = True,
     checkpoints: RunCheckpoints | None = None,
+    media: Sequence[Mapping[str, torch.Tensor]] | None = None,
 ) -> None:
     """Run ``processors`` over ``ctx.model`` layer by layer.
 
@@ -91,7 +93,13 @@ def run_layer_wise(
     :param progress: show tqdm progress bars on stderr.
     :param checkpoints: write a checkpoint after each layer (:mod:`msquant.run.checkpoint`), and when
         it resumes one, continue after its last finished layer.
+    :param media: image calibration of a vision-language model: per sample, its model inputs
+        beside the token ids (pixel values, image grid, ...). The decoder's inputs are then
+        captured through the vision tower, whose selected linears are calibrated on the same
+        forward (:func:`msquant.run.vision_stage.calibrated_vision_stage`); no checkpoints.
     """
+    if media is not None and checkpoints is not None:
+        raise ValueError("a run calibrated on images writes no checkpoints")
     if checkpoints is not None and checkpoints.finished:  # the export files are complete
         checkpoints.restore_finished(ctx)
         return
@@ -103,7 +111,7 @@ def run_layer_wise(
     ctx.probe = probe
     try:
         with collect_new_objects_only():
-            _run_layers(ctx, processors, samples, progress, checkpoints, probe)
+            _run_layers(ctx, processors, samples, progress, checkpoints, probe, media)
     finally:
         ctx.probe = None
 
@@ -115,11 +123,13 @@ def _run_layers(
     progress: bool,
     checkpoints: RunCheckpoints | None,
     probe: TransformProbe | None,
+    media: Sequence[Mapping[str, torch.Tensor]] | None = None,
 ) -> None:
     """The body of :func:`run_layer_wise` (``ctx.probe`` set)."""
     for processor in processors:
         processor.setup(ctx)
     activations = None
+    calibrated_vision: set[str] = set()
     if needs_calibration(processors):
         if not samples:
             raise ValueError("calibration samples are required by the configured processors")
@@ -128,13 +138,20 @@ def _run_layers(
             ctx.streamed.materialize(ctx.layers[0].module, ctx.layers[0].name)
         batch_tokens = batch_token_limit(processors)
         _check_batches_for_processes(samples, ctx.dist.world_size, batch_tokens)
-        activations = capture_layer_inputs(
-            ctx.model,
-            ctx.layers,
-            samples,
-            max_batch_tokens=batch_tokens,
-            part=(ctx.dist.rank, ctx.dist.world_size),
+        vision = (
+            nullcontext(calibrated_vision)
+            if media is None
+            else calibrated_vision_stage(ctx, processors)
         )
+        with vision as calibrated_vision:
+            activations = capture_layer_inputs(
+                ctx.model,
+                ctx.layers,
+                samples,
+                max_batch_tokens=batch_tokens,
+                part=(ctx.dist.rank, ctx.dist.world_size),
+                media=media,
+            )
         ctx.report.capture_seconds = time.perf_counter() - started
         logger.info(
             "captured decoder inputs for %d sample(s), %d token(s) in %.1f s",
@@ -195,8 +212,8 @@ def _run_layers(
         if checkpoints is not None:
             checkpoints.commit_layer(ctx, processors, layer, activations)
         logger.debug("layer %s done in %.2f s", layer.name, seconds)
-    # a vision-language model's vision linears, when an entry selects them (data-free schemes)
-    run_vision_stage(ctx, processors)
+    # a vision-language model's vision linears an entry selects, not calibrated on images above
+    run_vision_stage(ctx, processors, calibrated_vision)
     # lm_head, only when a processor asked for it (linear_quant lm_head: true)
     run_output_head(ctx, processors, activations.hidden if activations is not None else None)
     for processor in processors:

@@ -125,6 +125,7 @@ def run_layers(ctx: RunContext, inputs: RunInputs, checkpoints: RunCheckpoints |
         inputs.samples,
         progress=inputs.options.progress and dist.is_main,
         checkpoints=checkpoints,
+        media=inputs.media,
     )
 
 

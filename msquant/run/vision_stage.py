@@ -1,8 +1,18 @@
 """The vision stage of a run: a vision-language model's vision tower and projector linears
-quantized without calibration data, when a ``spec.process`` entry selects them.
+quantized, when a ``spec.process`` entry selects them.
 
-msquant calibrates on text (:mod:`msquant.model.vision`), so no calibration data reaches the
-vision tower; the plan admits an entry selecting linears there only when their scheme is
+A run calibrated on images (:mod:`msquant.load.image_calibration`) calibrates them on the images:
+:func:`calibrated_vision_stage` presents each selected vision part to the quantizing entries and
+the savers as one more layer, with ``before_layer`` and the first calibration pass's
+``before_pass`` before the capture of the decoder's inputs (which runs the whole multimodal body
+one image sample after the other, the vision tower included: the entries' hooks see its linears'
+inputs, sample by sample, and W8A8's online range calibration computes their outputs from the
+inputs fake-quantized with the range seen so far, as msModelSlim's layer-wise run of the vision
+tower does), then ``after_pass`` and ``after_layer`` once the capture is done, before the first
+decoder layer. The vision parts stay in host memory there, as the capture's embeddings do.
+
+A run calibrated on text (:mod:`msquant.model.vision`) gets no calibration data to the vision
+tower; the plan admits an entry selecting linears there only when their scheme is
 data-free (weights from themselves by a data-free method, activations float or dynamic
 per-token; :func:`msquant.planning.vision_scopes.vision_scope_errors`). This stage then presents
 each vision part (the tower, the projector) to the quantizing entries and the savers as one
@@ -18,7 +28,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from torch import nn
 
 from msquant.model.adapter_registry import adapter_for
 from msquant.model.layers import DecoderLayer
@@ -29,7 +42,12 @@ from msquant.plugin.context import RunContext
 from msquant.plugin.processor import Processor
 from msquant.report.run_report import LayerTiming
 
-__all__ = ["VISION_STAGE_INDEX", "run_vision_stage", "vision_stage_processors"]
+__all__ = [
+    "VISION_STAGE_INDEX",
+    "calibrated_vision_stage",
+    "run_vision_stage",
+    "vision_stage_processors",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +61,10 @@ def vision_stage_processors(processors: Sequence[Processor]) -> list[Processor]:
     return [p for p in processors if p.stage == "save" or isinstance(p, ModulePlanner)]
 
 
-def run_vision_stage(ctx: RunContext, processors: Sequence[Processor]) -> int:
-    """Quantize and write the vision linears the entries select, part by part (nothing for a
-    text-only model or when no entry selects one).
-
-    :returns: the number of vision parts presented.
-    """
+def _selected_parts(
+    ctx: RunContext, processors: Sequence[Processor]
+) -> list[tuple[str, nn.Module]]:
+    """The vision parts holding a linear an entry selects (none for a text-only model)."""
     head = adapter_for(ctx.model).output_head(ctx.model)
     head_name = head[0] if head else None
     planners = [
@@ -58,12 +74,58 @@ def run_vision_stage(ctx: RunContext, processors: Sequence[Processor]) -> int:
     ]
     selections = vision_selections(planners, ctx.model, head_name)
     if not selections:
-        return 0
+        return []
     chosen = {name for _, decisions in selections for name in decisions}
+    return [
+        (name, module)
+        for name, module in vision_parts(ctx.model, head_name)
+        if any(selected.startswith(f"{name}.") for selected in chosen)
+    ]
+
+
+@contextmanager
+def calibrated_vision_stage(ctx: RunContext, processors: Sequence[Processor]) -> Iterator[set[str]]:
+    """The selected vision parts calibrated on what runs inside the ``with`` block (the capture
+    of the decoder's inputs on image samples), then quantized and written; yields the names of
+    the parts, which :func:`run_vision_stage` then skips."""
+    parts = _selected_parts(ctx, processors)
+    taking_part = vision_stage_processors(processors)
+    done = {name for name, _ in parts}
+    started = time.perf_counter()
+    for name, module in parts:
+        if ctx.streamed is not None:
+            ctx.streamed.materialize(module, name)
+        stage = DecoderLayer(VISION_STAGE_INDEX, name, module)
+        for processor in taking_part:
+            processor.before_layer(ctx, stage)
+        for processor in taking_part:
+            processor.before_pass(ctx, stage, 0)
+    yield done
+    for name, _ in parts:
+        current = DecoderLayer(VISION_STAGE_INDEX, name, ctx.model.get_submodule(name))
+        for processor in taking_part:
+            processor.after_pass(ctx, current, 0)
+        for processor in taking_part:
+            processor.after_layer(ctx, current)
+        seconds = time.perf_counter() - started
+        ctx.report.add_layer(LayerTiming(VISION_STAGE_INDEX, name, seconds))
+        logger.info("vision part %s calibrated on the images and quantized", name)
+        started = time.perf_counter()
+
+
+def run_vision_stage(
+    ctx: RunContext, processors: Sequence[Processor], done: set[str] | frozenset[str] = frozenset()
+) -> int:
+    """Quantize and write the vision linears the entries select, part by part (nothing for a
+    text-only model or when no entry selects one), without calibration.
+
+    :param done: the parts :func:`calibrated_vision_stage` quantized already.
+    :returns: the number of vision parts presented.
+    """
     taking_part = vision_stage_processors(processors)
     count = 0
-    for name, module in vision_parts(ctx.model, head_name):
-        if not any(selected.startswith(f"{name}.") for selected in chosen):
+    for name, module in _selected_parts(ctx, processors):
+        if name in done:
             continue
         started = time.perf_counter()
         stage = DecoderLayer(VISION_STAGE_INDEX, name, module)

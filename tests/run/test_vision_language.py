@@ -1,7 +1,8 @@
 """Vision-language models under ``apiversion: multimodal_vlm_modelslim_v1``: the text decoder is
 quantized, the vision tower and projector are exported unchanged with their checkpoint names,
-and what msquant cannot do as msModelSlim does (scopes reaching the vision tower, a rotation of
-the residual stream, image calibration data) is refused with what to change.
+and what msquant cannot do as msModelSlim does (scopes reaching the vision tower without image
+calibration, a rotation of an unlisted family) is refused with what to change (image calibration
+itself: tests/run/test_image_calibration.py).
 """
 
 from __future__ import annotations
@@ -315,7 +316,11 @@ def test_image_calibration_samples_are_refused(qwen3_vl: Path, tmp_path: Path) -
         msquant.quantize(qwen3_vl, tmp_path / "x", TEXT_ONLY, calib_path=data, progress=False)
 
 
-def test_image_dataset_name_is_refused(qwen3_vl: Path, tmp_path: Path) -> None:
-    """``calibImages`` (every practice's dataset) is refused, installed msModelSlim or not."""
-    with pytest.raises(msquant.CalibrationDataError, match="calibrates on text only"):
+def test_image_dataset_name_without_its_folder_is_refused(
+    qwen3_vl: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``calibImages`` (every practice's dataset) is read from a folder of that name beside the
+    YAML or from an installed msModelSlim; with neither, it is refused saying where to put it."""
+    monkeypatch.setattr("msquant.load.image_calibration.msmodelslim_lab_calib", lambda: None)
+    with pytest.raises(msquant.CalibrationDataError, match="put a folder of that name"):
         msquant.quantize(qwen3_vl, tmp_path / "x", TEXT_ONLY, progress=False)
