@@ -45,7 +45,7 @@ def test_msquant_names_only_the_misaligned_layer_per_engine(make_export: ExportF
     warning = _marlin_warning(export)
     assert f"{DOWN_PROJ} [out 128, in 160, group_size 32]" in warning
     assert "gate_up_proj" not in warning and "gate_proj" not in warning
-    assert "vLLM 0.33 zero-pads them to whole tiles and loads the checkpoint" in warning
+    assert "vLLM 0.33 / 0.34 zero-pads them to whole tiles and loads the checkpoint" in warning
     assert "SGLang 0.5.23 runs its Marlin kernels on them without checking" in warning
     [note] = [w for w in msquant.verify_export(export.path).warnings if "Marlin" in w]
     assert f"(2 layers: {DOWN_PROJ}, model.layers.1.mlp.down_proj)" in note
