@@ -75,16 +75,23 @@ def test_ssz_quantizer_equals_msmodelslims(tmp_path: Path) -> None:
         assert not theirs[f"{name}.offset"].any(), name
 
 
+def _up_down_only(scheme: str) -> bool:
+    """Whether the scheme's flex_awq_ssz entry smooths up-down subgraphs only."""
+    entry = oracle.AWQ_SMOOTHINGS.get(scheme.split("-")[0])
+    return entry is not None and entry.get("enable_subgraph_type") == ["up-down"]
+
+
 #: Every ssz scheme, and the flex_awq_ssz ones, on the three dense archs (msModelSlim's default
-#: adapter). The up-down-only flex_awq_ssz entry is left out here: under the default adapter
-#: msModelSlim smooths nothing with it and msquant refuses it saying so
-#: (tests/processors/test_smoothing_model_type.py); tests/oracle/test_msmodelslim_awq.py runs it
-#: through msModelSlim's Qwen3 adapter, which smooths up-down.
+#: adapter). The up-down-only flex_awq_ssz entries are left out here: under the default adapter
+#: msModelSlim smooths nothing with them and msquant refuses them saying so
+#: (tests/processors/test_smoothing_model_type.py); tests/oracle/test_msmodelslim_awq.py runs the
+#: dense one through msModelSlim's Qwen3 adapter, which smooths up-down, and
+#: tests/oracle/test_msmodelslim_awq_experts.py the routed experts' one on MoE models.
 CASES = [
     (arch, scheme)
     for arch in ("llama", "qwen2", "qwen3")
     for scheme in oracle.SSZ_SCHEMES
-    if not scheme.startswith("flex_awq_ssz_updown")
+    if not _up_down_only(scheme)
 ]
 
 
