@@ -229,3 +229,100 @@ def test_fp8_activation_scheme_names_and_round_trips() -> None:
     assert ActivationQuant.from_json(act.to_json()) == act
     with pytest.raises(ValueError, match="per_tensor activations of fp8_e4m3"):
         ActivationQuant("per_tensor", scale=1.0, offset=0.0, value_type="fp8_e4m3")
+
+
+# --- compressed-tensors export (float-quantized) ----------------------------------------------
+
+
+def test_compressed_tensors_fp8_export_config_verify_eval_and_transformers(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """The ``float-quantized`` layout and config (compressed-tensors' FP8_DYNAMIC preset), its
+    arguments validated by compressed-tensors itself, read back by ``msquant verify``, simulated
+    by ``msquant eval``; transformers + compressed-tensors loads it and its decompressed weights
+    are msquant's."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    save = tmp_path / "ct"
+    msquant.quantize(tiny_llama, save, config(saver="compressed_tensors"), progress=False)
+    tensors = load_file(str(save / "model.safetensors"))
+    qconfig = json.loads((save / "config.json").read_text(encoding="utf-8"))["quantization_config"]
+    assert qconfig["format"] == "float-quantized"
+    (group,) = qconfig["config_groups"].values()
+    assert group["format"] == "float-quantized" and group["targets"] == ["Linear"]
+    assert group["weights"] == {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "strategy": "channel",
+        "dynamic": False,
+    }
+    assert group["input_activations"] == {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "strategy": "token",
+        "dynamic": True,
+    }
+    for key in ("weights", "input_activations"):
+        QuantizationArgs.model_validate(group[key])  # extra="forbid": no unknown key
+    assert qconfig["ignore"] == ["lm_head"]
+    linears = float_linears(tiny_llama)
+    for name, module in linears.items():
+        want_elements, want_scale = reference(module.weight.data)
+        assert tensors[f"{name}.weight"].dtype == torch.float8_e4m3fn
+        assert torch.equal(tensors[f"{name}.weight"].float(), want_elements), name
+        assert tensors[f"{name}.weight_scale"].dtype == torch.float32
+        assert torch.equal(tensors[f"{name}.weight_scale"], want_scale), name
+        assert not {f"{name}.input_scale", f"{name}.weight_packed"} & set(tensors)
+
+    report = verify_export(save, model_path=tiny_llama)
+    assert report.ok, report.errors
+    entry = report.layer("model.layers.0.mlp.down_proj")
+    assert entry.value_type == "fp8_e4m3" and entry.relative_error is not None
+    assert entry.relative_error < 0.05
+
+    eval_model, _ = load_model_for_eval(save)
+    name = "model.layers.1.mlp.up_proj"
+    weight = QuantizedWeight.self_scaled(linears[name].weight.data, FP8).dequantize()
+    torch.manual_seed(2)
+    x = torch.randn(3, linears[name].in_features)
+    with torch.no_grad():
+        got = eval_model.get_submodule(name)(x)
+    assert torch.allclose(got, nn.functional.linear(FP8.fake_quantize(x), weight), atol=1e-5)
+
+    loaded = AutoModelForCausalLM.from_pretrained(save).eval()
+    with torch.no_grad():
+        loaded(torch.tensor([[1, 2, 3]]))  # decompresses on the first forward
+    for name, module in linears.items():
+        dense = loaded.get_submodule(name).weight.detach().float()
+        want = QuantizedWeight.self_scaled(module.weight.data, FP8).dequantize()
+        assert torch.allclose(dense, want, rtol=0, atol=0), name
+
+
+def test_compressed_tensors_reader_refuses_fp8_groups_it_does_not_verify(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    save = tmp_path / "ct"
+    msquant.quantize(tiny_llama, save, config(saver="compressed_tensors"), progress=False)
+    for change, needle in (
+        ("static", "input_activations.strategy 'tensor', expected 'token'"),
+        ("weight_only", "weight-only FP8 (vLLM's CompressedTensorsW8A16Fp8)"),
+        ("tensor", "weights.strategy 'tensor', expected 'channel'"),
+    ):
+        copy = tmp_path / change
+        shutil.copytree(save, copy)
+        (copy / "msquant_export.json").unlink()
+        path = copy / "config.json"
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+        group = cfg["quantization_config"]["config_groups"]["group_0"]
+        if change == "static":
+            group["input_activations"].update(strategy="tensor", dynamic=False)
+        elif change == "weight_only":
+            group["input_activations"] = None
+        else:
+            group["weights"]["strategy"] = "tensor"
+        path.write_text(json.dumps(cfg), encoding="utf-8")
+        report = verify_export(copy, model_path=tiny_llama, forward=False)
+        assert not report.ok
+        assert any(needle in error for error in report.errors), (change, report.errors)
