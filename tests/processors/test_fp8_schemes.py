@@ -123,7 +123,9 @@ def test_unimplemented_fp8_combinations_are_refused(
     assert needle in messages[f"spec.process[0].{path}"], messages
 
 
-def test_formats_without_fp8_refuse_it_before_weights_load(tiny_llama: Path, tmp_path: Path) -> None:
+def test_formats_without_fp8_refuse_it_before_weights_load(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
     with pytest.raises(
         msquant.MsquantInputError, match="gptq_saver does not store activation scheme WFP8AFP8"
     ):
@@ -155,9 +157,9 @@ def test_ascend_fp8_export_layout_numerics_verify_and_eval(
     for name, module in linears.items():
         out_features, in_features = module.weight.shape
         weight, scale = tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"]
-        assert {types[f"{name}.{leaf}"] for leaf in ("weight", "weight_scale", "weight_offset")} == {
-            "WFP8AFP8_DYNAMIC"
-        }
+        assert {
+            types[f"{name}.{leaf}"] for leaf in ("weight", "weight_scale", "weight_offset")
+        } == {"WFP8AFP8_DYNAMIC"}
         assert weight.dtype == torch.float8_e4m3fn and weight.shape == (out_features, in_features)
         assert scale.dtype == torch.float32 and scale.shape == (out_features, 1)
         assert torch.equal(tensors[f"{name}.weight_offset"], torch.zeros(out_features, 1))

@@ -486,9 +486,7 @@ class AscendReader(ExportReader):
         ]
         if not all(present) or self.store is None:
             return None
-        decoded = decode_fp8(
-            module, *(self.store.get(f"{module}.{part}") for part in FP8_PARTS)
-        )
+        decoded = decode_fp8(module, *(self.store.get(f"{module}.{part}") for part in FP8_PARTS))
         if isinstance(decoded, str):
             self.findings.error(decoded)
             return None

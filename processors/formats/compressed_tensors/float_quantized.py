@@ -33,7 +33,13 @@ FP8_VALUE_TYPE = "fp8_e4m3"
 #: The ``weights`` arguments of a verified FP8 group (``group_size`` may be absent or -1).
 FP8_WEIGHTS = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}
 #: The ``input_activations`` arguments of a verified FP8 group.
-FP8_INPUTS = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
+FP8_INPUTS = {
+    "num_bits": 8,
+    "type": "float",
+    "symmetric": True,
+    "strategy": "token",
+    "dynamic": True,
+}
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -73,7 +79,9 @@ def decode_fp8_layer(
     weight, scale = tensors.get("weight"), tensors.get("weight_scale")
     if weight is None or weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
         found = "missing" if weight is None else f"{weight.dtype} {list(weight.shape)}"
-        findings.error(f"{module}.weight: expected float8_e4m3fn [out, in] ({group}), found {found}")
+        findings.error(
+            f"{module}.weight: expected float8_e4m3fn [out, in] ({group}), found {found}"
+        )
         return None
     out_features, in_features = (int(v) for v in weight.shape)
     if scale is None or scale.dtype not in FLOAT_DTYPES or tuple(scale.shape) != (out_features, 1):
