@@ -103,8 +103,8 @@ from msquant.processors.formats.ascend.fa_quant import (
     FA_QUANT_STATIC,
     FAQuantRecord,
 )
-from msquant.processors.formats.ascend.layer_types import W16A16S
 from msquant.processors.formats.ascend.fp8 import FP8_TYPE
+from msquant.processors.formats.ascend.layer_types import W16A16S
 from msquant.processors.formats.ascend.mx import MX_TYPES
 from msquant.processors.formats.ascend.packer import FLOAT, ascend_module_tensors, quant_type
 

@@ -110,9 +110,9 @@ from msquant.plugin import (
     unmatched_patterns,
 )
 from msquant.processors.linear_quant_act import (
+    FP8_DTYPES,
     STATIC_SCHEMES,
     StaticActCalibration,
-    FP8_DTYPES,
     act_scheme,
     fp8_activation,
     mx_activation,

@@ -71,6 +71,7 @@ from msquant.processors.formats.ascend.detect import (
     description_files,
 )
 from msquant.processors.formats.ascend.fa_quant import FA_QUANT, fa_quant_problems
+from msquant.processors.formats.ascend.fp8 import FP8_PARTS, FP8_TYPE, FP8_VALUES, decode_fp8
 from msquant.processors.formats.ascend.layer_types import (
     FLOAT,
     GLOBAL_KEYS,
@@ -80,7 +81,6 @@ from msquant.processors.formats.ascend.layer_types import (
     TYPE_PARTS,
     W16A16S,
 )
-from msquant.processors.formats.ascend.fp8 import FP8_PARTS, FP8_TYPE, FP8_VALUES, decode_fp8
 from msquant.processors.formats.ascend.mx import (
     MX_PARTS,
     MX_TYPES,
