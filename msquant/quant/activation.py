@@ -175,6 +175,10 @@ class ActivationQuant:
             return
         if self.value_type is not None:
             values = value_type_named(self.value_type)
+            if values.block_size is not None:  # MX value types go with per_block only
+                raise ValueError(
+                    f"{self.scope} activations are int{self.bits}, not {self.value_type}"
+                )
             per_token_float = (
                 self.scope == "per_token" and values.self_scaled and values.block_size is None
             )
