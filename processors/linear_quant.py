@@ -110,9 +110,11 @@ from msquant.plugin import (
     unmatched_patterns,
 )
 from msquant.processors.linear_quant_act import (
+    FP8_DTYPES,
     STATIC_SCHEMES,
     StaticActCalibration,
     act_scheme,
+    fp8_activation,
     mx_activation,
 )
 from msquant.processors.linear_quant_calibration import HessianCollector, plan_passes
@@ -466,6 +468,8 @@ class LinearQuantProcessor(Processor):
         act = self.config.qconfig.act
         if act.scope is QScope.PER_BLOCK:  # MX: dynamic, of the act dtype's value type
             return mx_activation(act)
+        if act.dtype in FP8_DTYPES:  # W8A8 fp8: dynamic per token
+            return fp8_activation(act)
         return None
 
     def _module_report(self, name: str, scheme: ResolvedScheme) -> ModuleReport:

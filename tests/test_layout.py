@@ -40,9 +40,9 @@ TOP_LEVEL = {
 #: model loaders), 115 with the flex_awq_ssz, VLM and streaming-cycle tests (the loaders, the
 #: layer finder, the layer-wise runner), 120 with the routed-experts flex_awq_ssz tests (the same
 #: four), 123 with the MX-scheme tests (issue 26: the eval loader, the plan renderer, the
-#: checkpoint store), 124 with the image calibration test (the image loader); lower it when a
-#: test moves to the public API.
-CROSS_PART_IMPORTS = 124
+#: checkpoint store), 124 with the image calibration test (the image loader), 125 with the FP8
+#: scheme test (eval's model loader); lower it when a test moves to the public API.
+CROSS_PART_IMPORTS = 125
 
 
 def _parts() -> set[str]:
