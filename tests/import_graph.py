@@ -24,6 +24,7 @@ __all__ = [
     "ROOT_PACKAGE",
     "cycles",
     "import_graph",
+    "is_facade",
     "module_files",
     "package_graph",
     "subpackage",
@@ -33,6 +34,11 @@ ROOT_PACKAGE = "msquant"
 #: The two public facades: the user API (the root package) and the plugin-author API. Each
 #: re-exports names from every part of the engine, and no engine module imports either.
 FACADES = (ROOT_PACKAGE, f"{ROOT_PACKAGE}.plugin")
+
+
+def is_facade(module: str) -> bool:
+    """``msquant``, ``msquant.plugin`` or one of the plugin API's sub-namespaces."""
+    return module in FACADES or module.startswith(f"{ROOT_PACKAGE}.plugin.")
 
 
 def module_files(repo: Path) -> dict[str, Path]:
@@ -126,14 +132,15 @@ def subpackage(module: str) -> str:
 def package_graph(graph: Mapping[str, set[str]]) -> dict[str, set[str]]:
     """The import graph folded to first-level parts (:func:`subpackage`), without self-edges.
 
-    The two facades (:data:`FACADES`: ``msquant`` for users, ``msquant.plugin`` for plugin
-    authors) are left out as sources: they re-export every part and sit above everything by
-    design (the modules of ``msquant.plugin`` below its ``__init__`` are not left out).
+    The facades (:func:`is_facade`: ``msquant`` for users, ``msquant.plugin`` and its
+    sub-namespaces for plugin authors) are left out as sources: they re-export every part and
+    sit above everything by design (the contracts they re-export live in ``msquant.contracts``,
+    which is counted).
     """
     folded: dict[str, set[str]] = {}
     for module, targets in graph.items():
         source = subpackage(module)
-        if module in FACADES:
+        if is_facade(module):
             continue
         folded.setdefault(source, set()).update(
             subpackage(t) for t in targets if subpackage(t) != source

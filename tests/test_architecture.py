@@ -64,8 +64,8 @@ def _in(module: str, packages: tuple[str, ...]) -> bool:
 
 
 #: What architecture knowledge and pure numerics must never depend on: the run mechanics, the
-#: run report and the processor-facing plugin layer.
-UPPER_LAYERS = ("msquant.run", "msquant.report", "msquant.plugin")
+#: run report, the plugin contracts and the plugin facade.
+UPPER_LAYERS = ("msquant.run", "msquant.report", "msquant.plugin", "msquant.contracts")
 
 
 def test_model_and_quant_import_nothing_from_run_report_or_plugin() -> None:
