@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import ast
 import inspect
+import shutil
+import subprocess
 from pathlib import Path
 
-from import_graph import import_graph, is_facade
+import pytest
+from import_graph import import_graph, is_facade, module_files
 
 import msquant
 import msquant.plugin
@@ -265,6 +268,58 @@ def test_the_processor_check_catches_an_engine_import() -> None:
         "msquant.plugin.model.qrange",
         "msquant.plugin.qrange",
     ]
+
+
+def test_the_processors_ruff_rule_bans_every_import_outside_the_plugin_api() -> None:
+    """``processors/ruff.toml`` bans (flake8-tidy-imports ``banned-api``) every first-level part
+    of msquant but ``plugin`` and ``processors``, and every name of the user API, so that
+    ``ruff check`` refuses an engine or root import in ``processors/`` as it is written."""
+    tomllib = pytest.importorskip("tomllib")
+    config = tomllib.loads((REPO / "processors" / "ruff.toml").read_text(encoding="utf-8"))
+    assert config["extend"] == "../pyproject.toml"
+    banned = set(config["lint"]["flake8-tidy-imports"]["banned-api"])
+    parts = {m.split(".")[1] for m in module_files(REPO) if m.count(".") >= 1}
+    expected = {f"msquant.{p}" for p in parts - {"plugin", "processors"}}
+    expected |= {f"msquant.{name}" for name in msquant.__all__} | {"processors"}
+    assert sorted(banned) == sorted(expected)
+
+
+def test_ruff_refuses_an_engine_import_in_processors() -> None:
+    """The rule itself, run by ruff on a file it takes for one of ``processors/``: the root
+    package's names and engine modules are refused, the plugin API and the processors' own
+    modules are not."""
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed")
+    source = (
+        "from msquant import ConfigIssue\n"
+        "from msquant.quant.int_quant import qrange\n"
+        "import msquant.run.steps\n"
+        "from msquant.plugin import QuantizationError\n"
+        "from msquant.plugin.numerics import quantize_codes\n"
+        "from msquant.processors.methods.options import GroupSize\n"
+        "print(ConfigIssue, qrange, msquant.run.steps, QuantizationError, quantize_codes, GroupSize)\n"
+    )
+    result = subprocess.run(
+        [ruff, "check", "--no-cache", "--select", "TID251", "--output-format", "concise"]
+        + ["--stdin-filename", str(REPO / "processors" / "_banned_sample.py"), "-"],
+        input=source,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+    )
+    found = [
+        (int(line.split(":")[1]), line.split("`")[1])
+        for line in result.stdout.splitlines()
+        if "TID251" in line
+    ]
+    assert found == [
+        (1, "msquant.ConfigIssue"),
+        (2, "msquant.quant"),
+        (3, "msquant.run"),
+        (7, "msquant.run"),  # the use of the module imported on line 3
+    ], result.stdout + result.stderr
 
 
 def test_no_engine_module_imports_a_facade() -> None:
