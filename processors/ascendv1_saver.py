@@ -73,21 +73,17 @@ from torch import nn
 
 from msquant.plugin import (
     DecoderLayer,
-    ModelPlan,
     MsquantInputError,
-    PlanReview,
-    PlanRow,
     QuantizationError,
     QuantizedLinear,
     RunContext,
     Saver,
     SaverConfig,
     SaverState,
-    ShardedSafetensorsWriter,
-    copy_model_files,
-    parse_expert_linear,
-    safe_file_stem,
 )
+from msquant.plugin.export import ShardedSafetensorsWriter, copy_model_files, safe_file_stem
+from msquant.plugin.model import parse_expert_linear
+from msquant.plugin.planning import ModelPlan, PlanReview, PlanRow
 from msquant.processors.formats.ascend.config import (
     DESCRIPTION_FILE,
     HEAD_WARNING,

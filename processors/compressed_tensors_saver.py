@@ -99,16 +99,9 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from msquant.plugin import (
-    ModelPlan,
-    PlanReview,
-    QuantizedLinear,
-    RunContext,
-    Saver,
-    SaverConfig,
-    SaverState,
-    write_hf_config,
-)
+from msquant.plugin import QuantizedLinear, RunContext, Saver, SaverConfig, SaverState
+from msquant.plugin.export import write_hf_config
+from msquant.plugin.planning import ModelPlan, PlanReview
 from msquant.processors.formats.compressed_tensors.config import (
     WeightScheme,
     build_quantization_config,

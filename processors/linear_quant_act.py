@@ -8,7 +8,7 @@ Implemented (msModelSlim's W8A8 family, the schemes vLLM-Ascend serves for dense
   are calibrated as msModelSlim 26.1.0 calibrates them (established on its exports, see
   docs/ascend-format.md): the samples go through each layer one at a time in the dataset's order;
   every selected linear first widens its running min/max with the sample's input
-  (:class:`msquant.plugin.OnlineMinMax`), then computes its output from that input fake-quantized with the
+  (:class:`msquant.plugin.numerics.OnlineMinMax`), then computes its output from that input fake-quantized with the
   range seen so far and from its fake-quantized weight; those outputs feed the rest of the layer
   and the next layer.
 * **W8A8_MIX** (msModelSlim's ``scope: pd_mix``): ``act: {dtype: int8, scope: pd_mix, symmetric:
@@ -64,12 +64,12 @@ from msquant.plugin import (
     ActivationQuant,
     ActQConfig,
     ConfigIssue,
-    OnlineMinMax,
     QDType,
     QScope,
     QuantizationError,
     WeightQConfig,
 )
+from msquant.plugin.numerics import OnlineMinMax
 
 __all__ = [
     "ACT_SCHEMES",

@@ -12,8 +12,6 @@ import torch
 from pydantic import Field, StrictInt, field_validator
 
 from msquant.plugin import (
-    DYNAMIC_KEYS,
-    GPTQ_ONLY_KEYS,
     BaseScheme,
     ConfigIssue,
     DynamicRule,
@@ -24,6 +22,7 @@ from msquant.plugin import (
     QuantMethod,
     ResolvedScheme,
 )
+from msquant.plugin.planning import DYNAMIC_KEYS, GPTQ_ONLY_KEYS
 from msquant.processors.methods.options import (
     EXPERT_MIN_TOKENS,
     ExpertMinTokens,

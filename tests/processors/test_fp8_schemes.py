@@ -26,7 +26,9 @@ from transformers import AutoModelForCausalLM
 import msquant
 from msquant import ConfigError, load_config_text, verify_export
 from msquant.evaluate.models import load_model_for_eval
-from msquant.plugin import ActivationQuant, QuantizedWeight, default_registry, value_type_named
+from msquant.plugin import ActivationQuant, QuantizedWeight, default_registry
+from msquant.plugin.numerics import value_type_named
+from msquant.plugin.planning import build_plan
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FP8 = value_type_named("fp8_e4m3")
@@ -87,7 +89,7 @@ def reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_w8a8_fp8_config_validates_and_plans(tiny_llama: Path) -> None:
     load_config_text(json.dumps(config()), default_registry())
-    plan = msquant.plugin.build_plan(tiny_llama, config(include=["*mlp*"]))
+    plan = build_plan(tiny_llama, config(include=["*mlp*"]))
     assert not plan.errors and not plan.warnings, (plan.errors, plan.warnings)
     down = {row.module: row for row in plan.rows}["model.layers.0.mlp.down_proj"]
     assert (down.value_type, down.bits, down.group_size, down.act) == (

@@ -6,13 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from msquant.plugin import (
-    ActivationQuant,
-    QDType,
-    QuantizedWeight,
-    ResolvedScheme,
-    value_type_named,
-)
+from msquant.plugin import ActivationQuant, QDType, QuantizedWeight, ResolvedScheme
+from msquant.plugin.numerics import value_type_named
 from msquant.quant.int_quant import dequantize, minmax_qparams, quantize
 from msquant.quant.minifloat import E4M3
 from msquant.quant.mx_quant import mx_dequantize, mx_quantize

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from msquant.plugin import DecodedLayer, QuantizedLinear, trivial_g_idx, value_type_named
+from msquant.plugin import DecodedLayer, QuantizedLinear
+from msquant.plugin.numerics import value_type_named
+from msquant.plugin.reading import trivial_g_idx
 
 __all__ = ["FP8_PARTS", "FP8_TYPE", "FP8_VALUES", "decode_fp8", "fp8_module_tensors"]
 

@@ -4,7 +4,7 @@ section 7). Shared by the reader and the activation layers' decoding."""
 
 from __future__ import annotations
 
-from msquant.plugin import value_type_named
+from msquant.plugin.numerics import value_type_named
 from msquant.processors.formats.ascend.fp8 import FP8_PARTS, FP8_TYPE
 from msquant.processors.formats.ascend.mx import MX_PARTS, MX_TYPES
 

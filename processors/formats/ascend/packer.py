@@ -32,13 +32,11 @@ from __future__ import annotations
 
 import torch
 
-from msquant.plugin import (
-    ActivationQuant,
-    QuantizationError,
-    QuantizedLinear,
+from msquant.plugin import ActivationQuant, QuantizationError, QuantizedLinear
+from msquant.plugin.export import pack_int4_pairs
+from msquant.plugin.numerics import (
     deq_scale,
     encode_deq_scale,
-    pack_int4_pairs,
     pack_int4_rows,
     quant_bias,
     scale_bias,

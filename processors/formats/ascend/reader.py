@@ -44,14 +44,10 @@ from pathlib import Path
 
 import torch
 
-from msquant.plugin import (
-    ActivationQuant,
-    DecodedLayer,
-    ExportReader,
-    Findings,
-    LayerReport,
+from msquant.plugin import ActivationQuant, DecodedLayer, ExportReader, Findings, LayerReport
+from msquant.plugin.model import parse_expert_linear
+from msquant.plugin.reading import (
     open_weights,
-    parse_expert_linear,
     read_json,
     ties_word_embeddings,
     trivial_g_idx,

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
-from msquant.plugin import DecodedLayer, Findings, trivial_g_idx, value_type_named
+from msquant.plugin import DecodedLayer, Findings
+from msquant.plugin.numerics import value_type_named
+from msquant.plugin.reading import trivial_g_idx
 
 __all__ = [
     "FLOAT_QUANTIZED",

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from msquant import QuantizationError
-from msquant.plugin import ActivationQuant, QuantizedWeight, pack_int32
+from msquant.plugin import ActivationQuant, QuantizationError, QuantizedWeight
+from msquant.plugin.export import pack_int32
 
 __all__ = [
     "pack_float_quantized_tensors",

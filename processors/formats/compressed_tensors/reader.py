@@ -34,17 +34,8 @@ from typing import Any
 
 import torch
 
-from msquant.plugin import (
-    ActivationQuant,
-    DecodedLayer,
-    ExportReader,
-    Findings,
-    LayerReport,
-    open_weights,
-    trivial_g_idx,
-    unpack_int32_stream,
-    words_needed,
-)
+from msquant.plugin import ActivationQuant, DecodedLayer, ExportReader, Findings, LayerReport
+from msquant.plugin.reading import open_weights, trivial_g_idx, unpack_int32_stream, words_needed
 from msquant.processors.formats.compressed_tensors import int_quantized
 from msquant.processors.formats.compressed_tensors.config_groups import (
     PACK_QUANTIZED,
