@@ -31,11 +31,10 @@ from typing import TypeVar
 
 import torch
 
-from msquant.plugin import (
-    Backend,
+from msquant.plugin.devices import Backend, get_backend
+from msquant.plugin.numerics import (
     HessianAccumulator,
     compute_qparams,
-    get_backend,
     gptq_quantize,
     qrange,
     quantize_weight_minmax,

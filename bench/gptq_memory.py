@@ -36,7 +36,7 @@ def current_rss_bytes() -> int:
 
 def child(folder: Path, index: int) -> None:
     """Solve one configuration and print the measurement as JSON."""
-    from msquant.plugin import gptq_quantize
+    from msquant.plugin.numerics import gptq_quantize
 
     name, bits, symmetric, group, desc_act = CONFIGS[index]
     weight = torch.load(folder / "weight.pt", weights_only=True)

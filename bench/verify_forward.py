@@ -49,7 +49,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import msquant
-from msquant.plugin import rotation_for
+from msquant.plugin.numerics import rotation_for
 from msquant.verify import export_folders
 from msquant.verify.forward import compare_forward
 from msquant.verify.report import Findings

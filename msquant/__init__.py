@@ -9,8 +9,8 @@ model-adapter authors import from :mod:`msquant.plugin`. The names in ``__all__`
 ``logging`` under ``msquant``.
 """
 
-# The plugin facade first: it loads the engine in dependency order, so that no engine module
-# finds it half-initialised (they import its submodules, never the facade itself).
+# ``import msquant`` also loads the plugin facade (``msquant.plugin``); no engine module imports
+# it (they import ``msquant.contracts`` and the modules behind it), so the order is free.
 from msquant import plugin as plugin  # isort: skip
 from msquant.config import (
     QuantConfig,

@@ -73,21 +73,17 @@ from torch import nn
 
 from msquant.plugin import (
     DecoderLayer,
-    ModelPlan,
     MsquantInputError,
-    PlanReview,
-    PlanRow,
     QuantizationError,
     QuantizedLinear,
     RunContext,
     Saver,
     SaverConfig,
     SaverState,
-    ShardedSafetensorsWriter,
-    copy_model_files,
-    parse_expert_linear,
-    safe_file_stem,
 )
+from msquant.plugin.export import ShardedSafetensorsWriter, copy_model_files, safe_file_stem
+from msquant.plugin.model import parse_expert_linear
+from msquant.plugin.planning import ModelPlan, PlanReview, PlanRow
 from msquant.processors.formats.ascend.config import (
     DESCRIPTION_FILE,
     HEAD_WARNING,
@@ -103,6 +99,7 @@ from msquant.processors.formats.ascend.fa_quant import (
     FA_QUANT_STATIC,
     FAQuantRecord,
 )
+from msquant.processors.formats.ascend.fp8 import FP8_TYPE
 from msquant.processors.formats.ascend.layer_types import W16A16S
 from msquant.processors.formats.ascend.mx import MX_TYPES
 from msquant.processors.formats.ascend.packer import FLOAT, ascend_module_tensors, quant_type
@@ -203,9 +200,10 @@ class AscendV1Saver(Saver):
         "W8A8_DYNAMIC",
         "W4A8_DYNAMIC",
         *MX_TYPES,
+        FP8_TYPE,
     )
     #: Integer codes and the MX value types (:mod:`msquant.processors.formats.ascend.mx`).
-    value_families = ("int", "mx")
+    value_families = ("int", "mx", "fp8")
     #: The int8 KV cache's scales and offsets (``dynamic_cache``).
     tensor_kinds = (KV_CACHE_TYPE, W16A16S)
 

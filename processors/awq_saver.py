@@ -38,9 +38,6 @@ from torch import nn
 
 from msquant.plugin import (
     DecoderLayer,
-    ModelPlan,
-    OutputHeadStage,
-    PlanReview,
     QuantizationError,
     QuantizedLinear,
     RunContext,
@@ -48,8 +45,10 @@ from msquant.plugin import (
     SaverConfig,
     SaverState,
     adapter_for,
-    write_hf_config,
 )
+from msquant.plugin.export import write_hf_config
+from msquant.plugin.model import OutputHeadStage
+from msquant.plugin.planning import ModelPlan, PlanReview
 from msquant.processors.formats.awq.config import build_quantization_config
 from msquant.processors.formats.awq.packer import AWQ_BITS, awq_module_tensors
 

@@ -99,16 +99,9 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from msquant.plugin import (
-    ModelPlan,
-    PlanReview,
-    QuantizedLinear,
-    RunContext,
-    Saver,
-    SaverConfig,
-    SaverState,
-    write_hf_config,
-)
+from msquant.plugin import QuantizedLinear, RunContext, Saver, SaverConfig, SaverState
+from msquant.plugin.export import write_hf_config
+from msquant.plugin.planning import ModelPlan, PlanReview
 from msquant.processors.formats.compressed_tensors.config import (
     WeightScheme,
     build_quantization_config,
@@ -119,6 +112,7 @@ from msquant.processors.formats.compressed_tensors.consumers import (
     transformers_loading_note,
 )
 from msquant.processors.formats.compressed_tensors.packer import (
+    pack_float_quantized_tensors,
     pack_int_quantized_tensors,
     pack_quantized_tensors,
 )
@@ -154,7 +148,9 @@ class CompressedTensorsSaver(Saver):
     weights_prefix = "model"
     #: int8 W8A8 (vLLM's CompressedTensorsW8A8Int8); W4A8_DYNAMIC is refused at plan time.
     writes_activations = True
-    activation_schemes = ("W8A8", "W8A8_DYNAMIC")
+    activation_schemes = ("W8A8", "W8A8_DYNAMIC", "WFP8AFP8_DYNAMIC")
+    #: Integer codes and FP8 (``float-quantized``).
+    value_families = ("int", "fp8")
 
     def prepare(self, ctx: RunContext) -> None:
         # The float dtype each linear had before quantization: scales and bias are stored in it.
@@ -168,6 +164,8 @@ class CompressedTensorsSaver(Saver):
 
     def pack(self, ctx: RunContext, name: str, module: QuantizedLinear) -> dict[str, torch.Tensor]:
         dtype = self.float_dtypes.get(name, self.default_dtype)
+        if module.value_type.family == "fp8":
+            return pack_float_quantized_tensors(name, module.qweight, module.bias, dtype)
         if module.act is not None:
             return pack_int_quantized_tensors(name, module.qweight, module.act, module.bias, dtype)
         return pack_quantized_tensors(name, module.qweight, module.bias, dtype)

@@ -60,9 +60,8 @@ from msquant.plugin import (
     QScope,
     QuantizationError,
     RunContext,
-    is_selected,
-    unmatched_patterns,
 )
+from msquant.plugin.model import is_selected, unmatched_patterns
 from msquant.processors.adapters.kv_cache import KV_CACHE_LAYOUTS, KVCacheLayout, kv_cache_layout
 from msquant.processors.kv_cache_quant import KVRange
 

@@ -92,10 +92,7 @@ from torch import nn
 
 from msquant.plugin import (
     DecoderLayer,
-    ModelPlan,
     NameSet,
-    OutputHeadStage,
-    PlanReview,
     QuantizationError,
     QuantizedLinear,
     RunContext,
@@ -103,8 +100,10 @@ from msquant.plugin import (
     SaverConfig,
     SaverState,
     adapter_for,
-    write_hf_config,
 )
+from msquant.plugin.export import write_hf_config
+from msquant.plugin.model import OutputHeadStage
+from msquant.plugin.planning import ModelPlan, PlanReview
 from msquant.processors.formats.gptq.config import (
     QUANTIZE_CONFIG_FILE,
     RuleUnit,

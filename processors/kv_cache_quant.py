@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from msquant.plugin import compute_qparams, qrange
+from msquant.plugin.numerics import compute_qparams, qrange
 
 __all__ = ["KV_BITS", "KVRange", "kv_channels", "kv_qparams", "fake_quantize_kv"]
 

@@ -49,11 +49,11 @@ Lifecycle:
   all experts of an MoE experts module (one FusedMoE layer in vLLM), that this entry selects
   resolve alike; with ``lm_head: true`` the model has a linear output head (and,
   for GPTQ, a final norm to calibrate it on). A head tied to the embeddings is refused by
-  :func:`msquant.plugin.check_plan`. Cross-entry checks (overlaps, fused layers split between
+  :func:`msquant.plugin.planning.check_plan`. Cross-entry checks (overlaps, fused layers split between
   entries) and warnings (include patterns or rules matching nothing, rules that vLLM would match
-  differently on fused names) come from :func:`msquant.plugin.check_plan` through :meth:`plan_modules`.
+  differently on fused names) come from :func:`msquant.plugin.planning.check_plan` through :meth:`plan_modules`.
 * ``before_pass`` (a calibrated method, e.g. ``gptq``): a forward hook on each selected
-  ``nn.Linear`` of the pass feeds its inputs to the method's quantizer (:class:`~msquant.plugin.GPTQQuantizer`)
+  ``nn.Linear`` of the pass feeds its inputs to the method's quantizer (:class:`~msquant.plugin.numerics.GPTQQuantizer`)
   Hessian while the runner pushes the calibration set through the layer. The layer's inputs are
   the outputs of the already quantized previous layers (``ext.calib_inputs: quantized``, the
   default: the processor sets ``calibrate_on_quantized``) or of the float model
@@ -78,18 +78,14 @@ from functools import cached_property
 from torch import nn
 
 from msquant.plugin import (
-    BASE_SOURCE,
     ActivationQuant,
     BaseScheme,
     CalibrationSize,
     ConfigIssue,
     DecoderLayer,
     DynamicRule,
-    FusedGroup,
     ModelAdapter,
-    ModuleDecision,
     ModuleReport,
-    OutputHeadStage,
     Processor,
     ProcessorConfig,
     QScope,
@@ -99,20 +95,30 @@ from msquant.plugin import (
     ResolvedScheme,
     RunContext,
     adapter_for,
+)
+from msquant.plugin.model import (
+    FusedGroup,
+    OutputHeadStage,
     engine_names,
     find_output_head,
     first_matching_pattern,
     moe_routers,
-    parse_dynamic,
     parse_expert_linear,
     replace_module,
-    resolve_module_scheme,
     unmatched_patterns,
 )
+from msquant.plugin.planning import (
+    BASE_SOURCE,
+    ModuleDecision,
+    parse_dynamic,
+    resolve_module_scheme,
+)
 from msquant.processors.linear_quant_act import (
+    FP8_DTYPES,
     STATIC_SCHEMES,
     StaticActCalibration,
     act_scheme,
+    fp8_activation,
     mx_activation,
 )
 from msquant.processors.linear_quant_calibration import HessianCollector, plan_passes
@@ -123,7 +129,7 @@ from msquant.processors.linear_quant_solve import Selected, solve_modules
 
 __all__ = ["LinearQuantConfig", "LinearQuantProcessor"]
 
-#: Why an MoE router stays float whatever the entry selects (see :func:`msquant.plugin.moe_routers`).
+#: Why an MoE router stays float whatever the entry selects (see :func:`msquant.plugin.model.moe_routers`).
 ROUTER_REASON = "MoE router: kept float (vLLM, vLLM-Ascend and SGLang load routers unquantized)"
 
 logger = logging.getLogger(__name__)
@@ -208,7 +214,7 @@ class LinearQuantProcessor(Processor):
         :param head: ``name`` is the output head, which only ``lm_head: true`` selects (globs
             never do); its ``dynamic`` rules apply as to any module.
         :param groups: the fused layers / experts modules serving engines load ``name`` as part
-            of (:func:`msquant.plugin.engine_names`); ``dynamic`` rules written for them apply to it.
+            of (:func:`msquant.plugin.model.engine_names`); ``dynamic`` rules written for them apply to it.
         """
         if head:
             if not self.config.lm_head:
@@ -245,7 +251,7 @@ class LinearQuantProcessor(Processor):
                 chosen.append((name, module, scheme))
         return chosen
 
-    # -- planning (msquant.plugin.ModulePlanner) -------------------------------------------------------
+    # -- planning (msquant.plugin.planning.ModulePlanner) ----------------------------------------------
 
     def plan_modules(
         self, model: nn.Module, layers: Sequence[DecoderLayer]
@@ -466,6 +472,8 @@ class LinearQuantProcessor(Processor):
         act = self.config.qconfig.act
         if act.scope is QScope.PER_BLOCK:  # MX: dynamic, of the act dtype's value type
             return mx_activation(act)
+        if act.dtype in FP8_DTYPES:  # W8A8 fp8: dynamic per token
+            return fp8_activation(act)
         return None
 
     def _module_report(self, name: str, scheme: ResolvedScheme) -> ModuleReport:

@@ -8,7 +8,7 @@ Implemented (msModelSlim's W8A8 family, the schemes vLLM-Ascend serves for dense
   are calibrated as msModelSlim 26.1.0 calibrates them (established on its exports, see
   docs/ascend-format.md): the samples go through each layer one at a time in the dataset's order;
   every selected linear first widens its running min/max with the sample's input
-  (:class:`msquant.plugin.OnlineMinMax`), then computes its output from that input fake-quantized with the
+  (:class:`msquant.plugin.numerics.OnlineMinMax`), then computes its output from that input fake-quantized with the
   range seen so far and from its fake-quantized weight; those outputs feed the rest of the layer
   and the next layer.
 * **W8A8_MIX** (msModelSlim's ``scope: pd_mix``): ``act: {dtype: int8, scope: pd_mix, symmetric:
@@ -35,6 +35,11 @@ Implemented (msModelSlim's W8A8 family, the schemes vLLM-Ascend serves for dense
   activations with GPTQ weights are not implemented (their online calibration runs on the
   round-to-nearest weights).
 
+* **W8A8 fp8** (msModelSlim's ``WFP8AFP8_DYNAMIC``): ``act: {dtype: fp8_e4m3, scope: per_token,
+  symmetric: true, method: minmax}`` with ``weight: {dtype: fp8_e4m3, scope: per_channel,
+  symmetric: true, method: minmax}``: ``float8_e4m3fn`` weights with one ``amax / 448`` scale per
+  output channel, activations scaled per token at run time; nothing calibrated
+  (:class:`msquant.plugin.FP8Values`).
 * **MX** (OCP microscaling, msModelSlim's ``per_block`` ``mxfp8`` / ``mxfp4``): ``act: {dtype:
   mxfp8 | mxfp4, scope: per_block, symmetric: true, method: minmax, ext: {axes: -1}}`` with
   ``weight: {dtype: mxfp8 | mxfp4, scope: per_block, symmetric: true, method: minmax}``:
@@ -59,21 +64,24 @@ from msquant.plugin import (
     ActivationQuant,
     ActQConfig,
     ConfigIssue,
-    OnlineMinMax,
     QDType,
     QScope,
     QuantizationError,
     WeightQConfig,
 )
+from msquant.plugin.numerics import OnlineMinMax
 
 __all__ = [
     "ACT_SCHEMES",
     "MX_DTYPES",
     "STATIC_SCHEMES",
+    "FP8_DTYPES",
     "ActScheme",
     "StaticActCalibration",
     "act_issues",
     "act_scheme",
+    "fp8_activation",
+    "fp8_issues",
     "mx_activation",
     "mx_issues",
 ]
@@ -94,11 +102,20 @@ ACT_SCHEMES = (
     "symmetric: true, method: minmax}; method: ssz wherever minmax is; with per_token act, "
     "method: gptq too; MX: act {dtype: mxfp8 or mxfp4, scope: per_block, symmetric: true, "
     "method: minmax} with weight {dtype: mxfp8 or mxfp4, scope: per_block, symmetric: true, "
-    "method: minmax} (W8A8_MXFP8, W4A4_MXFP4, and W4A8_MXFP = mxfp4 weight with mxfp8 act)"
+    "method: minmax} (W8A8_MXFP8, W4A4_MXFP4, and W4A8_MXFP = mxfp4 weight with mxfp8 act); "
+    "W8A8 fp8 (WFP8AFP8_DYNAMIC) = act {dtype: fp8_e4m3, scope: per_token, symmetric: true, "
+    "method: minmax} with weight {dtype: fp8_e4m3, scope: per_channel, symmetric: true, "
+    "method: minmax}"
 )
 #: The MX dtypes (value types computing their own block scales). Which (weight, act) pairs a
 #: format stores, its saver says (``activation_schemes``): the plan refuses the others.
-MX_DTYPES = tuple(dtype for dtype in QDType if dtype.self_scaled)
+MX_DTYPES = tuple(
+    dtype for dtype in QDType if dtype.self_scaled and dtype.value_type.block_size is not None
+)
+#: The per-channel float dtypes (``fp8_e4m3``): W8A8 fp8, msModelSlim's WFP8AFP8_DYNAMIC.
+FP8_DTYPES = tuple(
+    dtype for dtype in QDType if dtype.self_scaled and dtype.value_type.block_size is None
+)
 
 #: The prefill path of W8A8_MIX: each token on its own symmetric grid.
 PER_TOKEN = ActivationQuant("per_token")
@@ -114,6 +131,8 @@ def act_scheme(act: ActQConfig, weight: WeightQConfig) -> str | None:
         return None
     if act.dtype in MX_DTYPES:
         return mx_activation(act).scheme_name(weight.dtype.bits)
+    if act.dtype in FP8_DTYPES:
+        return fp8_activation(act).scheme_name(weight.dtype.bits)
     if act.scope is QScope.PER_TENSOR:
         return "W8A8"
     if act.scope is QScope.PD_MIX:
@@ -130,6 +149,18 @@ def act_issues(
         activations, and no Ascend scheme serves a quantized head with them).
     :param dynamic: the entry has ``dynamic`` rules (per-module weight overrides).
     """
+    if act.dtype in FP8_DTYPES or weight.dtype in FP8_DTYPES:
+        if act.dtype is QDType.FLOAT:
+            return [
+                ConfigIssue(
+                    "qconfig.act",
+                    f"{weight.dtype.value} weights with float activations are not implemented "
+                    "(msModelSlim's only FP8 linear is W8A8 fp8, WFP8AFP8_DYNAMIC); quantize the "
+                    f"activations: act {{dtype: {weight.dtype.value}, scope: per_token, "
+                    "symmetric: true, method: minmax}",
+                )
+            ]
+        return fp8_issues(act, weight) + _entry_issues(lm_head, dynamic)
     if act.dtype is QDType.FLOAT:
         if weight.dtype in MX_DTYPES:
             return [
@@ -215,6 +246,54 @@ def _describe(config: ActQConfig | WeightQConfig) -> str:
         f"{{dtype: {config.dtype.value}, scope: {config.scope.value}, "
         f"symmetric: {str(config.symmetric).lower()}, method: {config.method}}}"
     )
+
+
+def fp8_activation(act: ActQConfig) -> ActivationQuant:
+    """The dynamic per-token activation scheme of an ``fp8_e4m3`` ``qconfig.act``."""
+    return ActivationQuant("per_token", value_type=act.dtype.value_type.name)
+
+
+def fp8_issues(act: ActQConfig, weight: WeightQConfig) -> list[ConfigIssue]:
+    """Why an FP8 ``qconfig`` (either side ``fp8_e4m3``) is not implemented, if it is not: W8A8
+    fp8 is ``fp8_e4m3`` ``per_token`` symmetric ``minmax`` activations with ``fp8_e4m3``
+    ``per_channel`` symmetric ``minmax`` weights (msModelSlim's only FP8 linear,
+    ``WFP8AFP8DynamicPerChannelFakeQuantLinear``; its static per-tensor FP8 activations have no
+    linear layer)."""
+    issues = []
+    if not (
+        act.dtype in FP8_DTYPES
+        and act.scope is QScope.PER_TOKEN
+        and act.symmetric
+        and act.method == "minmax"
+    ):
+        issues.append(
+            ConfigIssue(
+                "qconfig.act",
+                f"act {_describe(act)} is not implemented with weight {_describe(weight)}; "
+                f"implemented: {ACT_SCHEMES}",
+            )
+        )
+    if not (
+        weight.dtype in FP8_DTYPES
+        and weight.scope is QScope.PER_CHANNEL
+        and weight.symmetric
+        and weight.method == "minmax"
+    ):
+        issues.append(
+            ConfigIssue(
+                "qconfig.weight",
+                f"weight {_describe(weight)} with act {_describe(act)} is not implemented; "
+                f"implemented: {ACT_SCHEMES}",
+            )
+        )
+    if act.ext:
+        issues.append(
+            ConfigIssue(
+                "qconfig.act.ext",
+                f"no ext option is implemented for FP8 activations, got {sorted(act.ext)}",
+            )
+        )
+    return issues
 
 
 def mx_activation(act: ActQConfig) -> ActivationQuant:

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from msquant.plugin import CalibratedQuantizer, DecoderLayer, parse_expert_linear
+from msquant.plugin import CalibratedQuantizer, DecoderLayer
+from msquant.plugin.model import parse_expert_linear
 
 __all__ = ["HessianCollector", "plan_passes"]
 

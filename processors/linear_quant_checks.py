@@ -7,13 +7,8 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from msquant.plugin import (
-    DecoderLayer,
-    DynamicRule,
-    ModuleDecision,
-    QuantMethod,
-    ResolvedScheme,
-    divisors,
+from msquant.plugin import DecoderLayer, DynamicRule, QuantMethod, ResolvedScheme
+from msquant.plugin.model import (
     expert_group_problems,
     expert_groups,
     find_final_norm,
@@ -21,6 +16,8 @@ from msquant.plugin import (
     fused_group_problems,
     fused_groups,
 )
+from msquant.plugin.numerics import divisors
+from msquant.plugin.planning import ModuleDecision
 
 __all__ = ["divisor_problem", "head_problems", "fused_problems"]
 
@@ -82,7 +79,7 @@ def head_problems(
 def fused_problems(decisions: Mapping[str, ModuleDecision]) -> list[str]:
     """Fused layers (q/k/v, gate/up) and MoE experts modules whose members this entry all
     selects but resolves differently (splits involving other entries are checked by
-    msquant.plugin.check_plan)."""
+    msquant.plugin.planning.check_plan)."""
     schemes: dict[str, tuple[object, ...]] = {}
     describe: dict[str, str] = {}
     for group in [*fused_groups(decisions), *expert_groups(decisions)]:

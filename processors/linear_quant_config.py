@@ -13,15 +13,14 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field
 
 from msquant.plugin import (
-    DYNAMIC_KEYS,
     ConfigIssue,
     LinearQConfig,
     ProcessorConfig,
     QScope,
     default_method_registry,
-    parse_dynamic,
-    pattern_problem,
 )
+from msquant.plugin.model import pattern_problem
+from msquant.plugin.planning import DYNAMIC_KEYS, parse_dynamic
 from msquant.processors.linear_quant_act import act_issues
 
 __all__ = ["METHODS", "MethodQConfig", "LinearQuantConfig", "config_issues"]

@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from msquant.plugin import DecoderLayer, QuantMethod, fused_groups
+from msquant.plugin import DecoderLayer, QuantMethod
+from msquant.plugin.model import fused_groups
 from msquant.processors.linear_quant_calibration import plan_passes
 from msquant.processors.linear_quant_solve import OUTPUT_ERROR_COPIES, Selected
 

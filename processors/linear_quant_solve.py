@@ -18,9 +18,9 @@ from msquant.plugin import (
     QuantMethod,
     ResolvedScheme,
     RunContext,
-    balanced_owners,
-    relative_output_errors,
 )
+from msquant.plugin.model import balanced_owners
+from msquant.plugin.numerics import relative_output_errors
 from msquant.processors.linear_quant_calibration import HessianCollector
 
 __all__ = ["OUTPUT_ERROR_COPIES", "Selected", "solve_modules"]
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 Selected = tuple[str, nn.Linear, ResolvedScheme]
 #: Float32 copies of a module's weight the output-error check of its report entry holds at once:
 #: the weight, the solved and the rounded weights dequantized, their two differences, and the
-#: three stacked with their product with the Hessian (:func:`msquant.plugin.relative_output_errors`).
+#: three stacked with their product with the Hessian (:func:`msquant.plugin.numerics.relative_output_errors`).
 OUTPUT_ERROR_COPIES = 11
 #: The scheme part of a module's report entry.
 ReportOf = Callable[[str, ResolvedScheme], ModuleReport]

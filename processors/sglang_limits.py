@@ -34,7 +34,9 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from msquant.plugin import FusedGroup, ModelAdapter, ModelPlan, PlanRow, adapter_for
+from msquant.plugin import ModelAdapter, adapter_for
+from msquant.plugin.model import FusedGroup
+from msquant.plugin.planning import ModelPlan, PlanRow
 
 __all__ = ["sglang_plan_warnings"]
 

@@ -1,7 +1,8 @@
 """Move code written against the old flat ``msquant`` namespace to the API split by audience.
 
 Until issue 15's API split, ``msquant`` exported about 200 names; now ``msquant`` holds what
-users need and ``msquant.plugin`` what plugin authors need (docs/api.md), and 17 names left
+users need and ``msquant.plugin`` (with its sub-namespaces, issue 26) what plugin authors need
+(docs/api.md), and 17 names left
 the public API for the module they are defined in. This rewrites, in the given files or
 folders, every ``from msquant import ...`` and every ``msquant.NAME`` to where ``NAME`` lives
 now; run ``ruff check --fix`` and ``ruff format`` afterwards to sort and wrap the imports::
@@ -20,6 +21,13 @@ from pathlib import Path
 
 import msquant
 import msquant.plugin
+import msquant.plugin.checks
+import msquant.plugin.devices
+import msquant.plugin.export
+import msquant.plugin.model
+import msquant.plugin.numerics
+import msquant.plugin.planning
+import msquant.plugin.reading
 
 logger = logging.getLogger("retarget_imports")
 
@@ -43,6 +51,16 @@ MOVED_OUT = {
     "check_ppl_baseline": "msquant.report.regression",
     "parse_tolerance": "msquant.report.regression",
 }
+#: The plugin API's sub-namespaces (issue 26): the names ``msquant.plugin`` held before and moved.
+PLUGIN_NAMESPACES = (
+    msquant.plugin.numerics,
+    msquant.plugin.model,
+    msquant.plugin.planning,
+    msquant.plugin.export,
+    msquant.plugin.reading,
+    msquant.plugin.checks,
+    msquant.plugin.devices,
+)
 #: The names that changed (the old one is written as the new one, from its new home).
 RENAMED = {"expert_fallback": "enough_expert_tokens"}
 
@@ -54,6 +72,9 @@ def home(name: str) -> str | None:
         return "msquant"
     if name in msquant.plugin.__all__:
         return "msquant.plugin"
+    for namespace in PLUGIN_NAMESPACES:
+        if name in namespace.__all__:
+            return namespace.__name__
     return MOVED_OUT.get(name)
 
 
@@ -64,7 +85,11 @@ def rewrite(source: str) -> str:
     edits: list[tuple[int, int, int, int, str]] = []  # (line, col, end line, end col, text)
     added: dict[str, set[str]] = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == "msquant" and node.level == 0:
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module in ("msquant", "msquant.plugin")
+            and node.level == 0
+        ):
             last = lines[(node.end_lineno or node.lineno) - 1]
             comment = last[node.end_col_offset :].strip()  # a trailing comment (noqa) is kept
             text = _split_import(node, comment)
@@ -106,12 +131,12 @@ def _split_import(node: ast.ImportFrom, comment: str) -> str | None:
     followed by ``comment``), or None when it is already right."""
     groups: dict[str, list[str]] = {}
     for alias in node.names:
-        target = home(alias.name) or "msquant"  # an unknown name is left for the user to see
+        target = home(alias.name) or node.module or "msquant"  # an unknown name is left as is
         name = RENAMED.get(alias.name, alias.name)
         spelled = name if alias.asname in (None, name) else f"{name} as {alias.asname}"
         groups.setdefault(target, []).append(spelled)
     unchanged = [RENAMED.get(a.name, a.name) for a in node.names] == [a.name for a in node.names]
-    if list(groups) == ["msquant"] and unchanged:
+    if list(groups) == [node.module] and unchanged:
         return None
     indent = " " * node.col_offset
     suffix = f"  {comment}" if comment else ""

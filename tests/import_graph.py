@@ -8,9 +8,11 @@ The built-in processors (``processors/``) are part of the graph under their inst
 An edge goes to the module a statement names: ``from msquant.run import steps`` names the
 module ``msquant.run.steps`` when that is a module, ``from msquant.run import quantize`` names
 the package ``msquant.run``. Python also runs the ``__init__`` of every package above an imported
-module first; those implicit imports are not edges (every module would otherwise depend on the
-root package, which re-exports the public API), and :func:`package_graph` is the check at that
-scale.
+module first, and those are edges too (issue 26: a cycle through a package ``__init__`` is a
+cycle at run time), except the packages above the importing module itself, which were already
+running before it could: so the root package, which re-exports the public API and sits above
+every module, closes no cycle, and neither does a package importing its own modules.
+:func:`package_graph` is the same check at the scale of msquant's first-level parts.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = [
     "ROOT_PACKAGE",
     "cycles",
     "import_graph",
+    "is_facade",
     "module_files",
     "package_graph",
     "subpackage",
@@ -33,6 +36,11 @@ ROOT_PACKAGE = "msquant"
 #: The two public facades: the user API (the root package) and the plugin-author API. Each
 #: re-exports names from every part of the engine, and no engine module imports either.
 FACADES = (ROOT_PACKAGE, f"{ROOT_PACKAGE}.plugin")
+
+
+def is_facade(module: str) -> bool:
+    """``msquant``, ``msquant.plugin`` or one of the plugin API's sub-namespaces."""
+    return module in FACADES or module.startswith(f"{ROOT_PACKAGE}.plugin.")
 
 
 def module_files(repo: Path) -> dict[str, Path]:
@@ -105,13 +113,31 @@ def _targets(
     return found
 
 
+def _packages_run(target: str, module: str, modules: Mapping[str, Path]) -> set[str]:
+    """The packages whose ``__init__`` Python runs when ``module`` imports ``target``: every
+    package above ``target`` (and ``target`` itself), less those above ``module``, which were
+    already running before ``module`` could (so the root package, above everything, never is)."""
+    own = set(_ancestors(module))
+    return {p for p in (target, *_ancestors(target)) if p in modules and p not in own}
+
+
+def _ancestors(module: str) -> list[str]:
+    """``a.b.c`` -> ``["a.b", "a"]``."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+
+
 def import_graph(repo: Path) -> dict[str, set[str]]:
-    """``module -> the msquant modules it imports`` for every module (self-imports dropped)."""
+    """``module -> the msquant modules it imports`` for every module (self-imports dropped),
+    each import counting the ``__init__`` of every package Python runs on the way
+    (:func:`_packages_run`): ``from msquant.contracts.processor import X`` in ``msquant.run.steps``
+    is an edge to ``msquant.contracts.processor`` and one to ``msquant.plugin``."""
     modules = module_files(repo)
     graph: dict[str, set[str]] = {}
     for module, path in modules.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-        targets = {t for node in _import_nodes(tree) for t in _targets(node, module, path, modules)}
+        named = {t for node in _import_nodes(tree) for t in _targets(node, module, path, modules)}
+        targets = {p for t in named for p in _packages_run(t, module, modules)}
         graph[module] = targets - {module}
     return graph
 
@@ -126,14 +152,15 @@ def subpackage(module: str) -> str:
 def package_graph(graph: Mapping[str, set[str]]) -> dict[str, set[str]]:
     """The import graph folded to first-level parts (:func:`subpackage`), without self-edges.
 
-    The two facades (:data:`FACADES`: ``msquant`` for users, ``msquant.plugin`` for plugin
-    authors) are left out as sources: they re-export every part and sit above everything by
-    design (the modules of ``msquant.plugin`` below its ``__init__`` are not left out).
+    The facades (:func:`is_facade`: ``msquant`` for users, ``msquant.plugin`` and its
+    sub-namespaces for plugin authors) are left out as sources: they re-export every part and
+    sit above everything by design (the contracts they re-export live in ``msquant.contracts``,
+    which is counted).
     """
     folded: dict[str, set[str]] = {}
     for module, targets in graph.items():
         source = subpackage(module)
-        if module in FACADES:
+        if is_facade(module):
             continue
         folded.setdefault(source, set()).update(
             subpackage(t) for t in targets if subpackage(t) != source

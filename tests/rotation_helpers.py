@@ -13,7 +13,9 @@ from transformers import AutoModelForCausalLM
 
 import msquant
 from msquant.evaluate.models import load_model_for_eval
-from msquant.plugin import RunContext, adapter_for, get_backend, measure_norm_form
+from msquant.plugin import RunContext, adapter_for
+from msquant.plugin.devices import get_backend
+from msquant.plugin.model import measure_norm_form
 from msquant.processors.quarot.config import QuaRotConfig
 from msquant.processors.quarot.processor import QuaRot
 

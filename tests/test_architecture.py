@@ -21,8 +21,41 @@ def _write(root: Path, files: dict[str, str]) -> Path:
 
 def test_msquant_has_no_import_cycle() -> None:
     """No module of msquant (built-in processors included) imports itself back through others,
-    counting imports inside functions; ``if TYPE_CHECKING:`` imports never run and do not count."""
+    counting imports inside functions and the package ``__init__`` each import runs on the way;
+    ``if TYPE_CHECKING:`` imports never run and do not count."""
     assert cycles(import_graph(REPO)) == []
+
+
+def test_the_graph_counts_the_package_inits_an_import_runs(tmp_path: Path) -> None:
+    """The checker itself: ``from msquant.facade.low import X`` runs ``msquant/facade/__init__``
+    first, so a facade package whose ``__init__`` re-exports a module that imports one of the
+    facade's own submodules closes a cycle (the shape issue 26 found: ``msquant.plugin``
+    re-exporting planning, which imported ``msquant.plugin.processor``). The packages above the
+    importing module itself were already running and are no edge, so the root package, which
+    re-exports everything, closes no cycle; neither does a package importing its own modules."""
+    repo = _write(
+        tmp_path,
+        {
+            "msquant/__init__.py": "from msquant.planning import build\n",
+            "msquant/planning/__init__.py": "from msquant.planning.build import plan\n",
+            "msquant/planning/build.py": "from msquant.facade.low import X\ndef plan(): ...\n",
+            "msquant/facade/__init__.py": "from msquant.facade.low import X\nfrom msquant.planning import plan\n",
+            "msquant/facade/low.py": "X = 1\n",
+            "processors/__init__.py": "",
+        },
+    )
+    graph = import_graph(repo)
+    assert graph["msquant.planning.build"] == {"msquant.facade", "msquant.facade.low"}
+    assert graph["msquant.facade"] == {"msquant.facade.low", "msquant.planning"}
+    assert graph["msquant.planning"] == {"msquant.planning.build"}
+    assert graph["msquant"] == {"msquant.planning", "msquant.planning.build"}
+    assert cycles(graph) == [["msquant.facade", "msquant.planning", "msquant.planning.build"]]
+    # the fix: the low module moves out of the facade's package; nothing closes a cycle then
+    (repo / "msquant" / "facade" / "low.py").rename(repo / "msquant" / "low.py")
+    for name in ("msquant/facade/__init__.py", "msquant/planning/build.py"):
+        path = repo / name
+        path.write_text(path.read_text().replace("msquant.facade.low", "msquant.low"))
+    assert cycles(import_graph(repo)) == []
 
 
 def test_the_graph_counts_function_level_imports_and_skips_type_checking(tmp_path: Path) -> None:
@@ -46,7 +79,7 @@ def test_the_graph_counts_function_level_imports_and_skips_type_checking(tmp_pat
         },
     )
     graph = import_graph(repo)
-    assert graph["msquant.a"] == {"msquant.pkg.b"}
+    assert graph["msquant.a"] == {"msquant.pkg.b", "msquant.pkg"}  # pkg's __init__ runs first
     assert graph["msquant.pkg.b"] == {"msquant.a"}
     assert graph["msquant.c"] == {"msquant.version"}
     assert graph["msquant.d"] == {"msquant.c"}
@@ -64,8 +97,8 @@ def _in(module: str, packages: tuple[str, ...]) -> bool:
 
 
 #: What architecture knowledge and pure numerics must never depend on: the run mechanics, the
-#: run report and the processor-facing plugin layer.
-UPPER_LAYERS = ("msquant.run", "msquant.report", "msquant.plugin")
+#: run report, the plugin contracts and the plugin facade.
+UPPER_LAYERS = ("msquant.run", "msquant.report", "msquant.plugin", "msquant.contracts")
 
 
 def test_model_and_quant_import_nothing_from_run_report_or_plugin() -> None:
@@ -103,7 +136,7 @@ def test_the_layer_rule_catches_an_upward_import(tmp_path: Path) -> None:
     )
     graph = import_graph(repo)
     assert _in("msquant.run.runner", UPPER_LAYERS)
-    assert graph["msquant.model.layers"] == {"msquant.run.runner"}
+    assert graph["msquant.model.layers"] == {"msquant.run", "msquant.run.runner"}
     assert cycles(package_graph(graph)) == [["msquant.model", "msquant.run"]]
 
 

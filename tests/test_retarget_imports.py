@@ -32,11 +32,12 @@ def f(report):
 """
 
 NEW = """import msquant
+from msquant.plugin.model import enough_expert_tokens
 from msquant.report.document import strip_timings
 from msquant.plugin import Processor  # noqa: F401
 from msquant import quantize  # noqa: F401
 from msquant.report.run_report import REPORT_FILE  # noqa: F401
-from msquant.plugin import enough_expert_tokens as fallback
+from msquant.plugin.model import enough_expert_tokens as fallback
 from msquant import load_config
 
 
@@ -46,13 +47,22 @@ def f(report):
 
     registry = msquant.plugin.default_registry()
     msquant.quantize("m", "o", "c.yaml", registry=registry)
-    return strip_timings(report), msquant.plugin.enough_expert_tokens(1, 2)
+    return strip_timings(report), enough_expert_tokens(1, 2)
 """
 
 
 def test_old_imports_and_attributes_are_retargeted() -> None:
     assert retarget_imports.rewrite(OLD) == NEW
     assert retarget_imports.rewrite(NEW) == NEW  # already right: left alone
+
+
+def test_a_plugin_name_that_moved_to_a_namespace_is_retargeted() -> None:
+    """Issue 26 thinned ``msquant.plugin``: a moved name goes to its sub-namespace."""
+    old = "from msquant.plugin import Saver, qrange  # noqa: F401\n"
+    assert retarget_imports.rewrite(old) == (
+        "from msquant.plugin import Saver  # noqa: F401\n"
+        "from msquant.plugin.numerics import qrange  # noqa: F401\n"
+    )
 
 
 def test_the_rewritten_code_imports(tmp_path: Path) -> None:

@@ -304,7 +304,7 @@ def test_gptq_examples_run_on_smollm2(
     from ascend_reader import read_ascend_export
 
     import msquant
-    import msquant.plugin
+    import msquant.plugin.numerics
 
     code = msquant_main(
         [
@@ -325,7 +325,7 @@ def test_gptq_examples_run_on_smollm2(
         assert tuple(scale.shape) == (weight.shape[0], groups)
         assert export.tensors[f"{module}.weight"].dtype == torch.int8
         gptq[module] = export.dequantized(module)
-        rtn[module] = msquant.plugin.quantize_weight_minmax(
+        rtn[module] = msquant.plugin.numerics.quantize_weight_minmax(
             weight, 8, symmetric, group_size
         ).dequantize()
     gptq_error = _logits_error(float_model, prompt_batch, gptq)

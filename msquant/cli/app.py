@@ -29,8 +29,8 @@ from msquant.cli.report import run_report
 from msquant.cli.schema import run_schema
 from msquant.cli.validate import run_validate
 from msquant.cli.verify import run_verify
+from msquant.contracts.distributed import PeerLostError
 from msquant.errors import MsquantInputError
-from msquant.plugin.distributed import PeerLostError
 from msquant.verify import ExportVerificationError
 
 __all__ = ["COMMANDS", "Terminated", "disk_full", "main"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from msquant.plugin.distributed import PeerLostError
+from msquant.contracts.distributed import PeerLostError
 
 __all__ = ["EXIT_OK", "bool_flag", "positive_int", "Parser", "peer_lost_message"]
 

@@ -7,7 +7,7 @@ import json
 
 from msquant.cli.common import EXIT_OK, Parser
 from msquant.config.spec import config_json_schema
-from msquant.plugin.registry import default_registry
+from msquant.contracts.registry import default_registry
 
 __all__ = ["add_schema_parser", "run_schema"]
 

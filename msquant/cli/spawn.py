@@ -20,8 +20,8 @@ from msquant.cli.common import EXIT_INPUT, EXIT_INTERNAL, peer_lost_message
 from msquant.cli.gate import gate_exit_code
 from msquant.cli.log import configure_logging
 from msquant.cli.quant_options import quant_options
+from msquant.contracts.distributed import PeerLostError
 from msquant.errors import MsquantInputError
-from msquant.plugin.distributed import PeerLostError
 from msquant.report.run_report import REPORT_FILE
 from msquant.run.checkpoint.progress import interrupted_work
 from msquant.run.launch import spawn

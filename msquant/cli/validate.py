@@ -7,8 +7,8 @@ import sys
 
 from msquant.cli.common import EXIT_INPUT, EXIT_OK, Parser
 from msquant.config.spec import load_config
+from msquant.contracts.registry import default_registry
 from msquant.errors import MsquantInputError
-from msquant.plugin.registry import default_registry
 
 __all__ = ["add_validate_parser", "run_validate"]
 

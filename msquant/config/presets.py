@@ -28,7 +28,7 @@ import yaml
 
 from msquant.config.processors import default_saver
 from msquant.config.spec import validate_config
-from msquant.plugin.registry import ProcessorRegistry, default_registry
+from msquant.contracts.registry import ProcessorRegistry, default_registry
 
 __all__ = [
     "FAMILY_PRACTICES",

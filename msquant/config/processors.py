@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 
 from msquant.config.spec import QuantConfig
-from msquant.errors import RegistryError
-from msquant.plugin.processor import (
+from msquant.contracts.processor import (
     Processor,
     ProcessorConfig,
     ProcessorContainer,
     nested_fields,
 )
-from msquant.plugin.registry import ProcessorRegistry
+from msquant.contracts.registry import ProcessorRegistry
+from msquant.errors import RegistryError
 
 __all__ = ["default_saver", "build_processor", "build_prior_stages", "build_processors"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from msquant.config.spec import QuantConfig, validate_config
 from msquant.config.yaml_loader import load_yaml_file
-from msquant.plugin.registry import ProcessorRegistry
+from msquant.contracts.registry import ProcessorRegistry
 
 __all__ = ["ConfigLike", "ResolvedConfig", "resolve_config"]
 

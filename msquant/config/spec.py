@@ -2,7 +2,7 @@
 
 Shape (``apiversion``, ``metadata``, ``spec{runner, prior, process[], save[], dataset}``) and field
 names follow msModelSlim v1. Processor entries are discriminated by ``type`` against the classes of a
-:class:`~msquant.plugin.registry.ProcessorRegistry`, so plugins extend the schema without engine changes.
+:class:`~msquant.contracts.registry.ProcessorRegistry`, so plugins extend the schema without engine changes.
 
 Validation has two layers, both reported together with YAML paths such as
 ``spec.process[0].qconfig.weight.ext.group_size``: the pydantic schema (unknown keys, types, enum
@@ -33,9 +33,9 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from msquant.config.yaml_loader import load_yaml_file, load_yaml_text
+from msquant.contracts.processor import ProcessorConfig, Stage, nested_fields
+from msquant.contracts.registry import ProcessorRegistry
 from msquant.errors import ConfigError, ConfigIssue, validation_message
-from msquant.plugin.processor import ProcessorConfig, Stage, nested_fields
-from msquant.plugin.registry import ProcessorRegistry
 from msquant.registry_base import plugin_problems_named
 
 __all__ = [
@@ -177,7 +177,7 @@ MAX_NESTING = 3
 
 def entry_classes(registry: ProcessorRegistry, stage: Stage) -> dict[str, type[ProcessorConfig]]:
     """``{type: config class}`` of the registry's ``stage`` processors, each class whose config
-    holds processor entries (:data:`~msquant.plugin.processor.ProcessorConfigList`) rebuilt so
+    holds processor entries (:data:`~msquant.contracts.processor.ProcessorConfigList`) rebuilt so
     that those entries validate against the registered ``spec.process`` processors (containers
     nest up to :data:`MAX_NESTING` deep)."""
     plain = {name: registry.get(name).config_class for name in registry.names(stage)}

@@ -10,9 +10,9 @@ from typing import Any
 
 from torch import nn
 
+from msquant.contracts.format import FormatRegistry, default_formats
 from msquant.errors import ModelLoadError
 from msquant.load.model_folder import check_model_dir, load_causal_lm
-from msquant.plugin.format import FormatRegistry, default_formats
 from msquant.verify.detect import detect_format, export_folders
 from msquant.verify.errors import ExportReadError
 from msquant.verify.rebuild import load_export

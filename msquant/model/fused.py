@@ -106,7 +106,7 @@ def engine_names(
     MoE expert's linear layer, the whole experts module (``model.layers.3.mlp.experts``).
 
     vLLM and SGLang match ``dynamic`` rules against these names only, never against the shards'
-    (see :func:`msquant.plugin.resolve_module_scheme`). Modules loaded as themselves are absent.
+    (see :func:`msquant.plugin.planning.resolve_module_scheme`). Modules loaded as themselves are absent.
 
     :param shards: the fused table, as in :func:`fused_groups`.
     """

@@ -2,7 +2,7 @@
 
 A saver declares what it stores with ``writes_activations`` and ``activation_schemes``
 (:class:`msquant.Saver`); the savers named in the message are the installed ones
-(:func:`msquant.plugin.registry.default_registry`), so the engine names no format itself.
+(:func:`msquant.contracts.registry.default_registry`), so the engine names no format itself.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from msquant.planning.model import PlanRow
 
 if TYPE_CHECKING:
-    from msquant.plugin.processor import Processor
+    from msquant.contracts.processor import Processor
 
 __all__ = ["activation_errors", "savers_storing"]
 
@@ -28,7 +28,7 @@ def _stores(processor: object, scheme: str) -> bool:
 
 def savers_storing(scheme: str) -> list[str]:
     """The installed savers (``type`` names, sorted) that store activation scheme ``scheme``."""
-    from msquant.plugin.registry import default_registry
+    from msquant.contracts.registry import default_registry
 
     registry = default_registry()
     return sorted(name for name in registry.names("save") if _stores(registry.get(name), scheme))

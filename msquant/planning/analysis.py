@@ -36,7 +36,7 @@ from msquant.planning.problems import (
 from msquant.planning.vision_scopes import vision_scope_errors
 
 if TYPE_CHECKING:
-    from msquant.plugin.processor import Processor
+    from msquant.contracts.processor import Processor
 
 __all__ = ["analyse_plan", "check_plan"]
 

@@ -12,13 +12,13 @@ from torch import nn
 
 from msquant.config.processors import build_processors
 from msquant.config.resolve import ConfigLike, resolve_config
+from msquant.contracts.processor import Processor
+from msquant.contracts.registry import ProcessorRegistry, default_registry
 from msquant.errors import QuantizationError
 from msquant.load.model_folder import build_meta_model, check_model_dir, load_model_config
 from msquant.model.adapter_registry import adapter_for
 from msquant.planning.analysis import analyse_plan
 from msquant.planning.model import ModelPlan, PlanRow
-from msquant.plugin.processor import Processor
-from msquant.plugin.registry import ProcessorRegistry, default_registry
 
 __all__ = ["build_plan", "plan", "plan_of"]
 

@@ -67,7 +67,7 @@ def fused_errors(
     Groups of the generic table whose shards are all selected by one and the same entry are that
     entry's own ``check_model`` business (so a run reports them once); the groups only the model's
     adapter knows (e.g. Qwen3.5's ``in_proj_qkvz``) are checked here whoever selects them, since
-    the processors check the generic table (:func:`msquant.plugin.fused_groups`).
+    the processors check the generic table (:func:`msquant.plugin.model.fused_groups`).
 
     :param adapter: the model's adapter, which knows its fused matrices.
     """

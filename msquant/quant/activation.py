@@ -147,7 +147,9 @@ class ActivationQuant:
     (W8A8_MIX): the static ``scale`` / ``offset`` of the decode steps (asymmetric) and per-token
     dynamic quantization in prefill (what :meth:`fake_quantize` simulates). ``per_block`` (MX):
     dynamic, symmetric, each block of 32 values scaled at run time, of ``value_type``
-    (``mxfp8``, ``mxfp4``; ``bits`` is its width).
+    (``mxfp8``, ``mxfp4``; ``bits`` is its width). ``per_token`` with ``value_type`` ``fp8_e4m3``
+    (W8A8 fp8, msModelSlim's WFP8AFP8_DYNAMIC): each token scaled by ``amax / 448`` and rounded
+    to ``float8_e4m3fn`` at run time.
 
     :raises ValueError: for a per-tensor scheme without its parameters, or an asymmetric or
         parametrised per-token one, or a per-block one without a block value type.
@@ -158,7 +160,8 @@ class ActivationQuant:
     scale: float | None = None
     offset: float | None = None
     bits: int = ACT_BITS
-    #: ``per_block`` only: the value type's name (:mod:`msquant.quant.value_types`).
+    #: ``per_block`` (MX) and float ``per_token`` (fp8_e4m3) only: the value type's name
+    #: (:mod:`msquant.quant.value_types`); None for int activations.
     value_type: str | None = None
 
     def __post_init__(self) -> None:
@@ -171,7 +174,21 @@ class ActivationQuant:
             object.__setattr__(self, "bits", values.bits)
             return
         if self.value_type is not None:
-            raise ValueError(f"{self.scope} activations are int{self.bits}, not {self.value_type}")
+            values = value_type_named(self.value_type)
+            if values.block_size is not None:  # MX value types go with per_block only
+                raise ValueError(
+                    f"{self.scope} activations are int{self.bits}, not {self.value_type}"
+                )
+            per_token_float = (
+                self.scope == "per_token" and values.self_scaled and values.block_size is None
+            )
+            if not per_token_float or not self.symmetric or self.scale is not None:
+                raise ValueError(
+                    f"{self.scope} activations of {self.value_type}: a float value type goes with "
+                    "dynamic symmetric per_token activations (fp8_e4m3) or per_block (MX) only"
+                )
+            object.__setattr__(self, "bits", values.bits)
+            return
         if self.scope in ("per_tensor", "pd_mix"):
             if self.scope == "pd_mix" and self.symmetric:
                 raise ValueError(
@@ -211,6 +228,9 @@ class ActivationQuant:
         """msModelSlim's name of this activation scheme with ``weight_bits``-bit weights:
         ``W8A8`` (static), ``W8A8_DYNAMIC``, ``W4A8_DYNAMIC``, ``W8A8_MIX``; MX: ``W8A8_MXFP8``,
         ``W4A4_MXFP4``, ``W4A8_MXFP`` (msModelSlim's names; the names plans show)."""
+        if self.value_type is not None and self.scope == "per_token":
+            # msModelSlim's W8A8 fp8 type (fp8 per-channel weights, fp8 per-token activations)
+            return "WFP8AFP8_DYNAMIC"
         if self.value_type is not None:
             # msModelSlim names a mixed-width MX scheme by the family alone (W4A8_MXFP)
             same = weight_bits == self.bits
@@ -223,7 +243,7 @@ class ActivationQuant:
         """``a8 per_tensor asym`` and the like (plans, module reprs)."""
         kind = "sym" if self.symmetric else "asym"
         if self.value_type is not None:
-            return f"a {self.value_type} per_block"
+            return f"a {self.value_type} {self.scope}"
         if self.scope == "pd_mix":
             return f"a{self.bits} pd_mix (prefill per_token, decode per_tensor {kind})"
         return (

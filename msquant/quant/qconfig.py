@@ -68,7 +68,7 @@ class WeightQConfig(BaseModel):
 
     The common fields; ``qconfig.weight`` itself is a union of one subclass per registered method,
     discriminated on ``method``, each narrowing ``ext`` to that method's typed options (see
-    :meth:`msquant.plugin.method.MethodRegistry.weight_config_type`).
+    :meth:`msquant.contracts.method.MethodRegistry.weight_config_type`).
     """
 
     model_config = ConfigDict(extra="forbid", use_enum_values=False)

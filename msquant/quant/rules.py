@@ -418,7 +418,7 @@ def resolve_module_scheme(
     decides and no later rule is consulted.
 
     :param groups: the fused layers / MoE experts modules serving engines load ``name`` as part of
-        (:func:`msquant.plugin.engine_names`). A rule written for one of them
+        (:func:`msquant.plugin.model.engine_names`). A rule written for one of them
         (:func:`written_for_engine_name`) applies to ``name`` as vLLM and SGLang apply it when
         they read it back: ``.*qkv_proj`` reaches ``q_proj``, ``k_proj`` and ``v_proj``.
     """

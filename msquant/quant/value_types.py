@@ -13,6 +13,11 @@ float value is ``(decode(codes) - offset) * scale``. A :class:`ValueType` says w
   fixed block of 32. The value type quantizes by itself (:meth:`ValueType.quantize`, msModelSlim's
   numerics in :mod:`msquant.quant.mx_quant`) and fake-quantizes activations
   (:meth:`ValueType.fake_quantize`).
+* :class:`FP8Values` (``fp8_e4m3``): uint8 bit patterns of torch's ``float8_e4m3fn``; one float32
+  scale ``amax / 448`` per output channel (msModelSlim's ``fp8_e4m3`` ``per_channel`` ``minmax``),
+  offset 0; the elements are the weight divided by it, saturated to +-448 and cast with torch's
+  round-half-to-even ``float8_e4m3fn`` conversion. Activations: dynamic, one scale per token
+  (:meth:`ValueType.fake_quantize` along the last dimension).
 
 Schemes, plans, reports, savers, readers and verify name a value type by :attr:`ValueType.name`
 (``qconfig``'s ``dtype`` spelling) and get the object from :func:`value_type_named`; adding a
@@ -35,6 +40,7 @@ __all__ = [
     "VALUE_TYPES",
     "IntValues",
     "MXValues",
+    "FP8Values",
     "ValueType",
     "int_value_type",
     "value_type_named",
@@ -44,7 +50,7 @@ __all__ = [
 class ValueType(ABC):
     """What the codes of a quantized weight (or activation) are.
 
-    :cvar family: ``int`` or ``mx``: what a format checks it can store.
+    :cvar family: ``int``, ``mx`` or ``fp8``: what a format checks it can store.
     """
 
     family: ClassVar[str]
@@ -192,11 +198,78 @@ class MXValues(ValueType):
         return mx_fake_quantize(x, self.element, self.rule)
 
 
+class FP8Values(ValueType):
+    """OCP FP8 E4M3 (torch's ``float8_e4m3fn``) elements with one float32 scale per output channel,
+    no offset: msModelSlim's ``fp8_e4m3`` ``per_channel`` symmetric ``minmax`` weights (W8A8 fp8,
+    its ``WFP8AFP8_DYNAMIC``) and compressed-tensors' ``float-quantized`` FP8 channel weights.
+
+    Codes are the uint8 bit patterns of the float8 values (the storage formats view them as
+    ``float8_e4m3fn``)."""
+
+    family = "fp8"
+    self_scaled = True
+    #: The largest finite magnitude of ``float8_e4m3fn``.
+    max_value = 448.0
+    #: msModelSlim's floor on a channel's ``amax`` (an all-zero row gets a tiny, finite scale).
+    min_amax = 1e-12
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, 8, torch.uint8)
+        self._table = E4M3.decode(torch.arange(256)).float()
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return self._table.to(codes.device)[codes.to(torch.int64)]
+
+    def code_problems(self, codes: torch.Tensor) -> list[str]:
+        nan = int(torch.isnan(self.decode(codes)).sum())
+        return [f"{nan} NaN float8_e4m3fn code(s)"] if nan else []
+
+    def describe(self, group_size: int | None, symmetric: bool) -> str:
+        return f"{self.name} per-channel"
+
+    def error_bound(self) -> float:
+        """The relative step of e4m3's 3-bit mantissa, ``2^-3``: a normal element is within half
+        of it of its value (Gaussian weights measure about 0.02)."""
+        return 2.0**-3
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """msModelSlim's FP8 per-channel weights (:func:`fp8_quantize_rows`): codes, float32
+        ``scale`` ``[out, 1]``, offset 0.
+
+        :raises ValueError: for non-finite weights (no finite scale).
+        """
+        if not bool(torch.isfinite(weight).all()):
+            raise ValueError(f"{self.name}: the weight is not finite")
+        elements, scale = fp8_quantize_rows(weight.detach())
+        codes = elements.view(torch.uint8)
+        scale = scale.to(torch.float32)
+        return codes, scale, torch.zeros_like(scale)
+
+    def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """Dynamic per-token FP8: each row along the last dimension scaled by its ``amax / 448``,
+        rounded to ``float8_e4m3fn`` and scaled back (in ``x``'s dtype)."""
+        shape = x.shape
+        elements, scale = fp8_quantize_rows(x.reshape(-1, shape[-1]))
+        return (elements.to(x.dtype) * scale).reshape(shape)
+
+
+def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(elements, scale)`` of a 2-D tensor quantized to ``float8_e4m3fn`` one row at a time:
+    ``scale = max(amax_row, 1e-12) / 448`` and ``elements = clamp(x / scale, -448, 448)`` cast to
+    ``float8_e4m3fn`` (round half to even), computed in ``x``'s dtype as msModelSlim does
+    (``calculate_fp8_qparam`` / ``fp8_quantize``); ``scale`` is ``[rows, 1]`` in ``x``'s dtype."""
+    amax = x.abs().amax(dim=1, keepdim=True)
+    scale = amax.clamp(min=FP8Values.min_amax) / FP8Values.max_value
+    scaled = (x / scale).clamp(min=-FP8Values.max_value, max=FP8Values.max_value)
+    return scaled.to(torch.float8_e4m3fn), scale
+
+
 #: Every value type by name (``qconfig``'s dtype spelling).
 VALUE_TYPES: dict[str, ValueType] = {
     **{f"int{bits}": IntValues(bits) for bits in range(2, 9)},
     "mxfp8": MXValues("mxfp8", E4M3),
     "mxfp4": MXValues("mxfp4", E2M1, rule="mxfp4"),
+    "fp8_e4m3": FP8Values("fp8_e4m3"),
 }
 
 

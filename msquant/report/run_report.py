@@ -53,7 +53,7 @@ class ModuleReport:
     :param bits: weight bit width.
     :param group_size: group width over input columns; None per-channel.
     :param symmetric: symmetric (no zero point) or asymmetric scheme.
-    :param gptq_loss: GPTQ's own loss (see :class:`msquant.plugin.GPTQResult`); None for ``minmax``.
+    :param gptq_loss: GPTQ's own loss (see :class:`msquant.plugin.numerics.GPTQResult`); None for ``minmax``.
     :param percdamp: damping finally used, relative to ``mean(diag H)``; None for ``minmax``.
     :param damp_retries: times damping was raised after a failed Cholesky; None for ``minmax``.
     :param dead_columns: input columns never activated by the calibration set; None for ``minmax``.

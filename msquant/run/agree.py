@@ -4,8 +4,8 @@ all of them, so that none goes on alone into the next collective.
 
 from __future__ import annotations
 
+from msquant.contracts.distributed import Distributed
 from msquant.errors import MsquantInputError
-from msquant.plugin.distributed import Distributed
 from msquant.run.checkpoint.layout import ResumeError
 
 __all__ = ["agree"]

@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
+from msquant.contracts.context import RunContext
+from msquant.contracts.format import FormatRegistry, default_formats
+from msquant.contracts.processor import Processor, flatten_processors
+from msquant.contracts.transforms import TRANSFORMS_KEY
 from msquant.errors import ConfigError, ConfigIssue
 from msquant.evaluate.models import load_model_for_eval
 from msquant.export.marker import TRANSFORMED_KEY, write_export_marker
-from msquant.plugin.context import RunContext
-from msquant.plugin.format import FormatRegistry, default_formats
-from msquant.plugin.processor import Processor, flatten_processors
-from msquant.plugin.transforms import TRANSFORMS_KEY
 from msquant.quant.quantized_linear import QuantizedLinear
 from msquant.quant.quantized_weight import QuantizedWeight
 from msquant.quant.spill import MergedWeights
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 def verifiable_savers(formats: FormatRegistry | None = None) -> frozenset[str]:
     """The ``spec.save`` types whose output a registered format reads back (the savers each
-    verifiable :class:`~msquant.plugin.format.ExportFormat` lists)."""
+    verifiable :class:`~msquant.contracts.format.ExportFormat` lists)."""
     return (formats or default_formats()).verifiable_savers()
 
 

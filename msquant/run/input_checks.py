@@ -14,6 +14,8 @@ import torch
 from msquant.backends import Backend
 from msquant.config.resolve import ResolvedConfig
 from msquant.config.spec import QuantConfig, RunnerType
+from msquant.contracts.distributed import Distributed
+from msquant.contracts.processor import Processor
 from msquant.errors import QuantizationError
 from msquant.load.calibration import (
     default_dataset_path,
@@ -22,8 +24,6 @@ from msquant.load.calibration import (
 )
 from msquant.model.adapter_registry import adapter_for
 from msquant.planning.analysis import check_plan
-from msquant.plugin.distributed import Distributed
-from msquant.plugin.processor import Processor
 from msquant.report.hashes import calibration_sha256, config_sha256
 from msquant.run.checkpoint.fingerprint import run_fingerprint
 from msquant.run.memory_estimate import (

@@ -20,6 +20,9 @@ from torch import nn
 from msquant.backends import Backend, get_backend
 from msquant.config.processors import build_prior_stages, build_processors
 from msquant.config.resolve import ConfigLike, ResolvedConfig, resolve_config
+from msquant.contracts.distributed import Distributed
+from msquant.contracts.processor import Processor
+from msquant.contracts.registry import ProcessorRegistry, default_registry
 from msquant.evaluate.run_evaluation import EvaluationData, prepare_evaluation
 from msquant.evaluate.windows import DEFAULT_SEQLEN
 from msquant.export.files import copied_model_files
@@ -38,9 +41,6 @@ from msquant.load.model_folder import (
     load_model_config,
     load_tokenizer,
 )
-from msquant.plugin.distributed import Distributed
-from msquant.plugin.processor import Processor
-from msquant.plugin.registry import ProcessorRegistry, default_registry
 from msquant.run.exports import check_evaluable_export
 from msquant.run.input_checks import (
     calibration_texts,

@@ -4,7 +4,7 @@ NCCL on CUDA GPUs, HCCL on Ascend NPUs.
 Launch with ``torchrun --nproc_per_node N msquant quant ...`` (any rendezvous torchrun supports,
 several nodes included), or let :func:`spawn` start the processes for a multi-device ``--device``;
 :func:`from_environment` joins the group the environment describes. What the processes then
-exchange: :mod:`msquant.plugin.distributed`.
+exchange: :mod:`msquant.contracts.distributed`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from msquant.plugin.distributed import SINGLE, Distributed
+from msquant.contracts.distributed import SINGLE, Distributed
 
 __all__ = ["BACKEND_BY_DEVICE", "from_environment", "spawn"]
 

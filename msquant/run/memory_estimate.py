@@ -33,11 +33,11 @@ from typing import Any
 
 from torch import nn
 
+from msquant.contracts.memory import CalibrationSize
+from msquant.contracts.processor import Processor
 from msquant.errors import MsquantInputError
 from msquant.model.fused import parse_expert_linear
 from msquant.model.layers import DecoderLayer
-from msquant.plugin.memory import CalibrationSize
-from msquant.plugin.processor import Processor
 
 __all__ = [
     "MemoryEstimate",

@@ -2,7 +2,7 @@
 processor asks for it (:class:`~msquant.plugin.OutputHeadUser`).
 
 Every processor gets ``before_layer`` / ``after_layer`` (and ``before_pass`` / ``after_pass``
-around its single calibration pass) with an :class:`~msquant.plugin.OutputHeadStage`
+around its single calibration pass) with an :class:`~msquant.plugin.model.OutputHeadStage`
 (:mod:`msquant.model.head`).
 
 Calibration: the head's input is the model's final norm applied to the last decoder layer's
@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from msquant.backends.base import Backend
+from msquant.contracts.context import RunContext
+from msquant.contracts.processor import OutputHeadUser, Processor
 from msquant.model.adapter_registry import adapter_for
-from msquant.plugin.context import RunContext
-from msquant.plugin.processor import OutputHeadUser, Processor
 from msquant.report.run_report import LayerTiming
 
 __all__ = ["LOGITS_PER_CHUNK", "head_requested", "run_head_calibration", "run_output_head"]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from msquant.config.processors import build_processors
 from msquant.config.resolve import ConfigLike, resolve_config
+from msquant.contracts.registry import ProcessorRegistry, default_registry
 from msquant.load.calibration import tokenize_samples
 from msquant.load.model_folder import (
     build_meta_model,
@@ -22,7 +23,6 @@ from msquant.load.model_folder import (
 )
 from msquant.planning.build import plan_of
 from msquant.planning.model import ModelPlan
-from msquant.plugin.registry import ProcessorRegistry, default_registry
 from msquant.run.input_checks import calibration_texts, estimate_run_memory
 from msquant.run.memory_estimate import MemoryEstimate
 from msquant.run.placement import streams
@@ -43,7 +43,7 @@ def plan_with_memory(
     registry: ProcessorRegistry | None = None,
     allow_float_export: bool = False,
 ) -> tuple[ModelPlan, MemoryEstimate | None]:
-    """The plan (as :func:`msquant.plugin.build_plan`) and, when the config can be applied, the
+    """The plan (as :func:`msquant.plugin.planning.build_plan`) and, when the config can be applied, the
     run's peak memory estimate (None when it cannot).
 
     :raises msquant.MsquantInputError: for an invalid config, model folder or calibration file.

@@ -15,12 +15,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from msquant.config.resolve import ResolvedConfig
+from msquant.contracts.processor import Processor, flatten_processors
 from msquant.errors import QuantizationError
 from msquant.load.calibration import read_calibration_texts, resolve_dataset_path
 from msquant.model.adapter_registry import adapter_for
 from msquant.model.layers import DecoderLayer
 from msquant.planning.model import ModulePlanner
-from msquant.plugin.processor import Processor, flatten_processors
 
 __all__ = ["check_prior_datasets", "check_prior_stages"]
 

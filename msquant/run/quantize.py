@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from msquant.config.resolve import ConfigLike
+from msquant.contracts.context import RunContext
+from msquant.contracts.registry import ProcessorRegistry
 from msquant.evaluate.windows import DEFAULT_SEQLEN
-from msquant.plugin.context import RunContext
-from msquant.plugin.registry import ProcessorRegistry
 from msquant.quant.quantized_linear import QuantizedLinear
 from msquant.report.run_report import RunReport
 from msquant.run.inputs import QuantizeOptions, RunInputs, check_inputs

@@ -10,7 +10,7 @@ import torch
 
 from msquant.backends import Backend
 from msquant.config.spec import QuantConfig
-from msquant.plugin.context import RunContext
+from msquant.contracts.context import RunContext
 from msquant.report.hashes import calibration_sha256, config_sha256
 from msquant.report.run_report import REPORT_FILE, write_report
 from msquant.report.table import render_report

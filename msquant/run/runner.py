@@ -36,11 +36,11 @@ from contextlib import nullcontext
 import torch
 from tqdm.auto import tqdm
 
+from msquant.contracts.context import RunContext
+from msquant.contracts.processor import Processor, flatten_processors
 from msquant.errors import QuantizationError
 from msquant.load.streaming import collect_new_objects_only
 from msquant.model.layers import DecoderLayer
-from msquant.plugin.context import RunContext
-from msquant.plugin.processor import Processor, flatten_processors
 from msquant.report.run_report import LayerTiming
 from msquant.run.capture import (
     DEFAULT_MAX_BATCH_TOKENS,

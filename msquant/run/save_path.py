@@ -9,10 +9,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from msquant.contracts.distributed import Distributed
 from msquant.errors import OutputPathError
 from msquant.export.recovery import SavePathLock, recover_save_path
 from msquant.export.staging import StagedOutputDir, check_save_path
-from msquant.plugin.distributed import Distributed
 from msquant.run.agree import agree
 from msquant.run.checkpoint.folder import RunCheckpoints
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import yaml
 
+from msquant.contracts.context import RunContext
+from msquant.contracts.distributed import PeerLostError
 from msquant.export.recovery import SCRATCH_INFIX, sibling
 from msquant.model.layers import layer_list_name
-from msquant.plugin.context import RunContext
-from msquant.plugin.distributed import PeerLostError
 from msquant.run.checkpoint.folder import RunCheckpoints
 from msquant.run.checkpoint.opening import checkpoint_blocker, open_checkpoints
 from msquant.run.checkpoint.progress import interrupted_work

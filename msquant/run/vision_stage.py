@@ -33,13 +33,13 @@ from contextlib import contextmanager
 
 from torch import nn
 
+from msquant.contracts.context import RunContext
+from msquant.contracts.processor import Processor
 from msquant.model.adapter_registry import adapter_for
 from msquant.model.layers import DecoderLayer
 from msquant.model.vision import vision_parts
 from msquant.planning.model import ModulePlanner
 from msquant.planning.vision_scopes import vision_selections
-from msquant.plugin.context import RunContext
-from msquant.plugin.processor import Processor
 from msquant.report.run_report import LayerTiming
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 The engine keeps the reader contract (:class:`~msquant.verify.base.ExportReader`), the shared
 machinery (safetensors headers, unpacking, comparisons, checksums, reports) and the detection
-loop over the format registry (:mod:`msquant.plugin.format`); the readers themselves belong to the
+loop over the format registry (:mod:`msquant.contracts.format`); the readers themselves belong to the
 formats. Every format's reader is written from the format's specification, independently of its
 packer (readers never import packers), so an exporter bug cannot hide behind the same bug here.
 """

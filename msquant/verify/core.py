@@ -14,10 +14,10 @@ import logging
 from collections.abc import Mapping
 from pathlib import Path
 
+from msquant.contracts.format import FormatRegistry
+from msquant.contracts.registry import ProcessorRegistry
 from msquant.export.marker import TRANSFORMED_KEY, weights_transformed_by
 from msquant.model.vision import other_parts
-from msquant.plugin.format import FormatRegistry
-from msquant.plugin.registry import ProcessorRegistry
 from msquant.quant.quantized_weight import QuantizedWeight
 from msquant.verify.base import ExportReader, export_config, ties_word_embeddings
 from msquant.verify.checksums import check_checksums

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from msquant.contracts.format import ExportFormat, FormatRegistry, default_formats
 from msquant.export.links import links_leaving
-from msquant.plugin.format import ExportFormat, FormatRegistry, default_formats
 from msquant.verify.base import ExportReader
 from msquant.verify.errors import ExportReadError
 from msquant.verify.report import Findings

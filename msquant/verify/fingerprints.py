@@ -1,6 +1,6 @@
 """Check an export against what its weight-transforming processors recorded of their transforms
 (``msquant_export.json`` ``"transforms"``, written from ``ctx.transforms``:
-:mod:`msquant.plugin.transforms`).
+:mod:`msquant.contracts.transforms`).
 
 Two checks, both from the export alone:
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from msquant.contracts.registry import ProcessorRegistry, default_registry
+from msquant.contracts.transforms import TRANSFORMS_KEY, dtype_name, tensor_sha256
 from msquant.export.marker import EXPORT_MARKER
-from msquant.plugin.registry import ProcessorRegistry, default_registry
-from msquant.plugin.transforms import TRANSFORMS_KEY, dtype_name, tensor_sha256
 from msquant.verify.base import ExportReader
 from msquant.verify.checksums import find_marker
 from msquant.verify.report import Findings

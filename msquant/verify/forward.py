@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from msquant.contracts.format import FormatRegistry
 from msquant.errors import ModelLoadError
 from msquant.load.model_folder import check_model_dir, load_causal_lm, load_tokenizer
-from msquant.plugin.format import FormatRegistry
 from msquant.quant.int_quant import dequantize, minmax_qparams, quantize
 from msquant.quant.quantized_weight import QuantizedWeight
 from msquant.quant.value_types import ValueType, value_type_named

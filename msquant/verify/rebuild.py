@@ -1,5 +1,5 @@
 """An msquant export rebuilt as a float model, through the dequantizing reader its registered
-format provides (:mod:`msquant.plugin.format`; written from the format's specification,
+format provides (:mod:`msquant.contracts.format`; written from the format's specification,
 independently of its saver), so any verifiable format, a third party's included, is evaluable.
 
 The float model is built from the export's ``config.json``, its float tensors are loaded as
@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from msquant.contracts.format import FormatRegistry
 from msquant.errors import ModelLoadError
 from msquant.load.model_folder import load_model_config, model_class_for
 from msquant.model.adapter_registry import adapter_for
 from msquant.model.checkpoint_names import CheckpointNames, from_disk_form
 from msquant.model.vision import part_prefix
-from msquant.plugin.format import FormatRegistry
 from msquant.quant.activation import ActivationQuant
 from msquant.verify.base import ExportReader, export_config
 from msquant.verify.detect import open_reader

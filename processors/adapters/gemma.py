@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from msquant.plugin import ModelAdapter, NormLayout
+from msquant.plugin import ModelAdapter
+from msquant.plugin.model import NormLayout
 
 __all__ = ["GemmaSandwichAdapter"]
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import ClassVar
 
-from msquant.plugin import FUSED_SHARDS, ModelAdapter
+from msquant.plugin import ModelAdapter
+from msquant.plugin.model import FUSED_SHARDS
 
 __all__ = ["Qwen35Adapter"]
 

@@ -19,7 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from msquant.plugin import ConfigIssue, ProcessorConfig, QDType, QScope, pattern_problem
+from msquant.plugin import ConfigIssue, ProcessorConfig, QDType, QScope
+from msquant.plugin.model import pattern_problem
 
 __all__ = ["BRANCHES", "FA3QConfig", "FA3Details", "FA3QuantConfig", "config_issues"]
 

@@ -45,8 +45,8 @@ from msquant.plugin import (
     QScope,
     QuantizationError,
     RunContext,
-    is_selected,
 )
+from msquant.plugin.model import is_selected
 from msquant.processors.fa3.attention import MLA, find_attention, observe_mla
 from msquant.processors.fa3.config import FA3QConfig, FA3QuantConfig, config_issues
 from msquant.processors.fa3.numerics import (

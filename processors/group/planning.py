@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from msquant.plugin import BASE_SOURCE, DecoderLayer, DynamicRule, ModuleDecision, ModulePlanner
+from msquant.plugin import DecoderLayer, DynamicRule
+from msquant.plugin.planning import BASE_SOURCE, ModuleDecision, ModulePlanner
 
 
 def child_source(index: int, decided_by: str) -> str:

@@ -25,20 +25,22 @@ from typing import Any
 
 from torch import nn
 
-from msquant import ResumeError
 from msquant.plugin import (
     CalibrationSize,
     DecoderLayer,
     DynamicRule,
+    OutputHeadUser,
+    Processor,
+    ProcessorConfig,
+    ResumeError,
+    RunContext,
+)
+from msquant.plugin.planning import (
     ModelPlan,
     ModuleDecision,
     ModulePlanner,
-    OutputHeadUser,
     PlanReview,
     PlanReviewer,
-    Processor,
-    ProcessorConfig,
-    RunContext,
 )
 from msquant.processors.group.config import GroupConfig
 from msquant.processors.group.planning import merged_decisions, merged_notes, merged_rules

@@ -3,7 +3,7 @@ numerics switch (``ext.numerics``), act-order, static groups, the grid, how laye
 the Cholesky retry policy and the MSE scale search.
 
 :class:`GPTQExt` is the typed ``ext``; :class:`GPTQMethod` resolves it, per module, into the one
-:class:`msquant.plugin.GPTQOptions` value the solver takes.
+:class:`msquant.plugin.numerics.GPTQOptions` value the solver takes.
 """
 
 from __future__ import annotations
@@ -19,23 +19,20 @@ from pydantic import Field, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
 from msquant.plugin import (
-    DYNAMIC_KEYS,
-    Backend,
     BaseScheme,
     CalibratedQuantizer,
     ConfigIssue,
     DynamicRule,
-    GPTQOptions,
-    GPTQQuantizer,
     MethodOptions,
-    MSEOptions,
     QDType,
     QScope,
     QuantizedWeight,
     QuantMethod,
     ResolvedScheme,
-    quantize_codes,
 )
+from msquant.plugin.devices import Backend
+from msquant.plugin.numerics import GPTQOptions, GPTQQuantizer, MSEOptions, quantize_codes
+from msquant.plugin.planning import DYNAMIC_KEYS
 from msquant.processors.methods.options import (
     EXPERT_MIN_TOKENS,
     ExpertMinTokens,

@@ -12,22 +12,23 @@ import torch
 from pydantic import Field, StrictInt
 
 from msquant.plugin import (
-    DYNAMIC_KEYS,
-    GPTQ_ONLY_KEYS,
-    Backend,
     BaseScheme,
     CalibratedQuantizer,
-    HessianAccumulator,
     MethodOptions,
-    MSEOptions,
     QDType,
     QScope,
     QuantizedWeight,
     QuantMethod,
     ResolvedScheme,
+)
+from msquant.plugin.devices import Backend
+from msquant.plugin.numerics import (
+    HessianAccumulator,
+    MSEOptions,
     quantize_weight_hessian_clip,
     quantize_weight_minmax,
 )
+from msquant.plugin.planning import DYNAMIC_KEYS, GPTQ_ONLY_KEYS
 from msquant.processors.methods.options import GroupSize
 
 __all__ = ["HessianClipExt", "HessianClipMethod", "HessianOnly"]

@@ -1,7 +1,8 @@
 """``method: minmax``: round-to-nearest with min/max scales (msModelSlim's numerics), optionally
 with the MSE scale search and GPTQModel's symmetric grid; for the MX value types (``mxfp8`` /
-``mxfp4``, ``scope: per_block``) the value type's own block quantization
-(:meth:`msquant.plugin.ValueType.quantize`), as msModelSlim's ``minmax`` does for them."""
+``mxfp4``, ``scope: per_block``) and FP8 (``fp8_e4m3``, ``scope: per_channel``) the value type's
+own quantization (:meth:`msquant.plugin.ValueType.quantize`), as msModelSlim's ``minmax`` does
+for them."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ import torch
 from pydantic import Field, StrictInt, field_validator
 
 from msquant.plugin import (
-    DYNAMIC_KEYS,
-    GPTQ_ONLY_KEYS,
     BaseScheme,
     ConfigIssue,
     DynamicRule,
@@ -23,6 +22,7 @@ from msquant.plugin import (
     QuantMethod,
     ResolvedScheme,
 )
+from msquant.plugin.planning import DYNAMIC_KEYS, GPTQ_ONLY_KEYS
 from msquant.processors.methods.options import (
     EXPERT_MIN_TOKENS,
     ExpertMinTokens,
@@ -37,7 +37,14 @@ from msquant.processors.methods.options import (
 
 #: The block value types ``minmax`` quantizes with ``scope: per_block`` (every dtype whose value
 #: type computes its own scales: mxfp8, mxfp4).
-MX_DTYPES = tuple(dtype for dtype in QDType if dtype.self_scaled)
+MX_DTYPES = tuple(
+    dtype for dtype in QDType if dtype.self_scaled and dtype.value_type.block_size is not None
+)
+#: The per-channel float dtypes whose value type computes its own scales (``fp8_e4m3``:
+#: ``amax / 448`` per output channel, msModelSlim's FP8 ``minmax``), symmetric only.
+FLOAT_CHANNEL_DTYPES = tuple(
+    dtype for dtype in QDType if dtype.self_scaled and dtype.value_type.block_size is None
+)
 #: The scopes of integer weights.
 INT_SCOPES = (QScope.PER_CHANNEL, QScope.PER_GROUP)
 
@@ -77,7 +84,7 @@ class MinMaxMethod(QuantMethod):
 
     name = "minmax"
     options_class = MinMaxExt
-    dtypes = frozenset({QDType.INT8, QDType.INT4, *MX_DTYPES})
+    dtypes = frozenset({QDType.INT8, QDType.INT4, *MX_DTYPES, *FLOAT_CHANNEL_DTYPES})
     scopes = frozenset({QScope.PER_CHANNEL, QScope.PER_GROUP, QScope.PER_BLOCK})
     summary = "round-to-nearest with min/max scales"
     rule_keys = tuple(key for key in DYNAMIC_KEYS if key not in GPTQ_ONLY_KEYS)
@@ -86,11 +93,23 @@ class MinMaxMethod(QuantMethod):
     def config_issues(self, rules: Sequence[DynamicRule]) -> list[ConfigIssue]:
         """``per_block`` goes with the MX dtypes and they with it (their block is fixed)."""
         weight = self.weight
+        if weight.dtype in FLOAT_CHANNEL_DTYPES:
+            if weight.scope is QScope.PER_CHANNEL and weight.symmetric:
+                return []
+            return [
+                ConfigIssue(
+                    "qconfig.weight",
+                    f"{weight.dtype.value} weights are per_channel symmetric for method minmax "
+                    f"(msModelSlim's FP8 weights: one amax / 448 scale per output channel), got "
+                    f"scope {weight.scope.value}, symmetric {str(weight.symmetric).lower()}",
+                )
+            ]
         if (weight.scope is QScope.PER_BLOCK) == (weight.dtype in MX_DTYPES):
             return []
         combos = sorted(
             [(d.value, s.value) for d in (QDType.INT8, QDType.INT4) for s in INT_SCOPES]
             + [(d.value, QScope.PER_BLOCK.value) for d in MX_DTYPES]
+            + [(d.value, QScope.PER_CHANNEL.value) for d in FLOAT_CHANNEL_DTYPES]
         )
         return [
             ConfigIssue(

@@ -8,13 +8,9 @@ from typing import Annotated
 import torch
 from pydantic import Field, StrictInt
 
-from msquant.plugin import (
-    DEFAULT_EXPERT_TOKEN_RATIO,
-    MSEOptions,
-    QuantizedWeight,
-    ResolvedScheme,
-    quantize_weight_minmax,
-)
+from msquant.plugin import QuantizedWeight, ResolvedScheme
+from msquant.plugin.model import DEFAULT_EXPERT_TOKEN_RATIO
+from msquant.plugin.numerics import MSEOptions, quantize_weight_minmax
 
 __all__ = [
     "MseFlag",

@@ -15,18 +15,19 @@ from typing import Annotated
 import torch
 from pydantic import Field, StrictInt
 
-from msquant import ConfigIssue, QuantizationError
 from msquant.plugin import (
     BaseScheme,
+    ConfigIssue,
     DynamicRule,
     MethodOptions,
     QDType,
     QScope,
+    QuantizationError,
     QuantizedWeight,
     QuantMethod,
     ResolvedScheme,
-    check_weight,
 )
+from msquant.plugin.numerics import check_weight
 from msquant.processors.methods.options import GroupSize
 from msquant.processors.methods.ssz_search import DEFAULT_STEPS, MAX_STEPS, ssz_codes, ssz_scales
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from msquant.plugin import qrange
+from msquant.plugin.numerics import qrange
 
 __all__ = ["DEFAULT_STEPS", "MAX_STEPS", "ssz_scales", "ssz_codes"]
 

@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from msquant import ConfigIssue
-from msquant.plugin import ProcessorConfig, is_power_of_two
+from msquant.plugin import ConfigIssue, ProcessorConfig
+from msquant.plugin.numerics import is_power_of_two
 
 __all__ = [
     "ONLINE_REFUSAL",

@@ -4,7 +4,7 @@ The record (``ctx.transforms.describe``): the width of the residual stream, ``bl
 seed of msModelSlim's random Hadamard construction, the dtype the matrices were applied in and the
 sha256 of each matrix applied (the residual stream's, and the per-head ones of the value/output
 projections). ``msquant verify`` rebuilds the matrices from width, block size and seed
-(:func:`msquant.plugin.rotation_for`), so it needs neither the float model nor the record's
+(:func:`msquant.plugin.numerics.rotation_for`), so it needs neither the float model nor the record's
 hashes to be trusted: a record whose hashes do not match its own parameters was edited, and an
 exported rotation (``optional/quarot.safetensors``, which vLLM-Ascend applies to activations)
 that differs from the rebuilt one is not the rotation folded into the weights. The norms quarot
@@ -18,12 +18,9 @@ from typing import Any
 
 import torch
 
-from msquant.plugin import (
-    DEFAULT_ROTATION_SEED,
-    TransformedExport,
-    rotation_for,
-    tensor_sha256,
-)
+from msquant.plugin import TransformedExport
+from msquant.plugin.checks import tensor_sha256
+from msquant.plugin.numerics import DEFAULT_ROTATION_SEED, rotation_for
 
 __all__ = ["GLOBAL_ROTATION", "OPTIONAL_SCOPE", "check_rotation_record", "rotation_record"]
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from msquant.plugin import DecoderLayer, RotationLayout, adapter_for
+from msquant.plugin import DecoderLayer, adapter_for
+from msquant.plugin.model import RotationLayout
 
 __all__ = ["quarot_memory"]
 

@@ -44,33 +44,41 @@ from typing import Any
 import torch
 from torch import nn
 
-from msquant import ConfigIssue, QuantizationError, TransformCheckError
 from msquant.plugin import (
     CalibrationSize,
+    ConfigIssue,
     DecoderLayer,
-    FlowPair,
-    FunctionCheck,
-    LayerRotationLayout,
-    OutputHeadStage,
     Processor,
     ProcessorConfig,
-    RotationLayout,
+    QuantizationError,
     RunContext,
+    TransformCheckError,
     TransformedExport,
-    TransformProbe,
     adapter_for,
+)
+from msquant.plugin.checks import (
+    FlowPair,
+    FunctionCheck,
+    TransformProbe,
     function_tolerance,
-    fuse_norm_into_linear,
-    hadamard_core_order,
     in_float32,
     max_relative_error,
+    prove_flow,
+    shared_weight_problems,
+)
+from msquant.plugin.model import (
+    LayerRotationLayout,
+    OutputHeadStage,
+    RotationLayout,
     measure_norm_form,
     norm_form_problem,
-    prove_flow,
+)
+from msquant.plugin.numerics import (
+    fuse_norm_into_linear,
+    hadamard_core_order,
     rotate_input,
     rotate_output,
     rotation_for,
-    shared_weight_problems,
 )
 from msquant.processors.quarot.config import (
     ONCE_PER_CONFIG,

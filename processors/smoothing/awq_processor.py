@@ -32,8 +32,13 @@ import logging
 import torch
 from torch import nn
 
-from msquant import ConfigIssue
-from msquant.plugin import CalibrationSize, DecoderLayer, ProcessorConfig, WeightQConfig
+from msquant.plugin import (
+    CalibrationSize,
+    ConfigIssue,
+    DecoderLayer,
+    ProcessorConfig,
+    WeightQConfig,
+)
 from msquant.processors.linear_quant_config import METHODS
 from msquant.processors.smoothing.awq_search import WeightFakeQuant
 from msquant.processors.smoothing.config import (

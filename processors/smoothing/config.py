@@ -15,16 +15,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from msquant import ConfigIssue
-from msquant.plugin import (
-    SUBGRAPH_TYPES,
-    ActQConfig,
-    ProcessorConfig,
-    QDType,
-    QScope,
-    SubgraphType,
-    pattern_problem,
-)
+from msquant.plugin import ActQConfig, ConfigIssue, ProcessorConfig, QDType, QScope
+from msquant.plugin.model import SUBGRAPH_TYPES, SubgraphType, pattern_problem
 from msquant.processors.linear_quant_config import MethodQConfig
 
 __all__ = [

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from msquant.plugin import (
-    SmoothingSubgraph,
+from msquant.plugin.model import SmoothingSubgraph
+from msquant.plugin.numerics import (
     abs_column_max,
     flex_scales,
     fold_into_linear_columns,

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from msquant.plugin import CalibrationSize, SmoothingSubgraph
+from msquant.plugin import CalibrationSize
+from msquant.plugin.model import SmoothingSubgraph
 from msquant.processors.smoothing.folding import MAX_SEARCH_TOKENS
 
 __all__ = ["smoothing_memory"]

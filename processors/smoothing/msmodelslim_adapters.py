@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from msquant.plugin import SubgraphType
+from msquant.plugin.model import SubgraphType
 from msquant.processors.smoothing.config import SmoothingConfig
 
 __all__ = [

@@ -42,26 +42,32 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from msquant import ConfigIssue, QuantizationError, TransformCheckError
 from msquant.plugin import (
     CalibrationSize,
+    ConfigIssue,
     DecoderLayer,
-    FlowPair,
-    FunctionCheck,
-    LayerSnapshot,
     ModelAdapter,
     Processor,
     ProcessorConfig,
+    QuantizationError,
     RunContext,
-    SmoothingSubgraph,
-    TransformProbe,
+    TransformCheckError,
     adapter_for,
-    first_matching_pattern,
+)
+from msquant.plugin.checks import (
+    FlowPair,
+    FunctionCheck,
+    LayerSnapshot,
+    TransformProbe,
     layer_fingerprint,
-    norm_form_problem,
     ov_channel_map,
     prove_flow,
     shared_weight_problems,
+)
+from msquant.plugin.model import (
+    SmoothingSubgraph,
+    first_matching_pattern,
+    norm_form_problem,
     unknown_expert_modules,
 )
 from msquant.processors.smoothing.config import (

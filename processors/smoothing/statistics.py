@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from msquant.plugin import update_channel_max
+from msquant.plugin.numerics import update_channel_max
 from msquant.processors.smoothing.awq_search import mean_abs
 
 __all__ = ["InputStatistics", "evenly_spaced"]

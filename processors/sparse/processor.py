@@ -41,9 +41,8 @@ from msquant.plugin import (
     ProcessorConfig,
     QuantizationError,
     RunContext,
-    is_selected,
-    unmatched_patterns,
 )
+from msquant.plugin.model import is_selected, unmatched_patterns
 from msquant.processors.sparse.admm import InputStats, sparsify
 
 __all__ = ["FloatSparseConfig", "FloatSparseProcessor", "W16A16S"]

@@ -12,7 +12,7 @@ from msquant import DeviceError
 from msquant.backends import BACKENDS
 from msquant.backends.cpu import CpuBackend
 from msquant.backends.device import DeviceSpec
-from msquant.plugin import get_backend, parse_device
+from msquant.plugin.devices import get_backend, parse_device
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -18,6 +18,7 @@ from conftest import CALIB_TXT
 
 import msquant
 import msquant.plugin
+import msquant.plugin.numerics
 from msquant import evaluate_perplexity
 from msquant.backends import get_backend
 
@@ -129,7 +130,7 @@ def test_gptq_classes_on_cuda_match_float64_cpu() -> None:
     x = torch.randn(2048, 256, generator=generator) @ torch.randn(256, 256, generator=generator)
     results = []
     for device in ("cpu", "cuda"):
-        gptq = msquant.plugin.WeightPerGroupGPTQ(
+        gptq = msquant.plugin.numerics.WeightPerGroupGPTQ(
             bits=4, symmetric=True, group_size=64, name="probe"
         )
         for rows in x.to(device).split(256):

@@ -9,7 +9,7 @@ from torch import nn
 from toy_layer import HEADS, KV_HEADS, Holder, ToyProbe, Wiring
 
 from msquant import TransformCheckError
-from msquant.plugin import FlowPair, FunctionCheck, ov_channel_map, prove_flow
+from msquant.plugin.checks import FlowPair, FunctionCheck, ov_channel_map, prove_flow
 
 P = "layers.0."
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from msquant.plugin import LayerSnapshot, in_float32, shared_weight_problems
+from msquant.plugin.checks import LayerSnapshot, in_float32, shared_weight_problems
 
 
 class _Two(nn.Module):

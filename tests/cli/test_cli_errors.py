@@ -549,7 +549,7 @@ def test_a_lost_peer_is_one_line_with_the_way_on(
     tmp_path: Path, tiny_llama: Path, run_cli: RunCli, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A dp_layer_wise process whose group lost a member says so and how to continue."""
-    from msquant.plugin.distributed import PeerLostError
+    from msquant.contracts.distributed import PeerLostError
 
     def peer_lost(*args: Any, **kwargs: Any) -> None:
         raise PeerLostError("dp_layer_wise: all_reduce failed, another process of the group ended")

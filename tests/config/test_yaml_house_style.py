@@ -14,11 +14,11 @@ from safetensors.torch import save_file
 
 import msquant
 import msquant.plugin
+import msquant.plugin.planning
 from msquant import ConfigError, load_config_text
 from msquant.model.matching import MAX_EXPANSIONS, expand_braces, glob_matches
-from msquant.plugin import (
-    ProcessorRegistry,
-    default_registry,
+from msquant.plugin import ProcessorRegistry, default_registry
+from msquant.plugin.model import (
     first_matching_pattern,
     is_selected,
     pattern_problem,
@@ -133,11 +133,11 @@ def test_huge_brace_expansion_is_refused_with_its_path(registry: ProcessorRegist
         expand_braces(pattern)
 
 
-def _plan(folder: Path, **fields: Any) -> msquant.plugin.ModelPlan:
+def _plan(folder: Path, **fields: Any) -> msquant.plugin.planning.ModelPlan:
     weight = {"dtype": "int8", "scope": "per_channel", "symmetric": True, "method": "minmax"}
     entry = {"type": "linear_quant", "qconfig": {"weight": weight}, **fields}
     config = {"apiversion": "modelslim_v1", "spec": {"process": [entry]}}
-    return msquant.plugin.build_plan(folder, config)
+    return msquant.plugin.planning.build_plan(folder, config)
 
 
 def test_brace_exclude_keeps_those_layers_float_in_the_plan(weightless_llama: Path) -> None:

@@ -33,7 +33,14 @@ from architectures import Engine, EngineModule, engine_modules
 from safetensors.torch import load_file
 
 #: safetensors dtype names of integer tensors, by torch dtype.
-INT_DTYPES = {torch.int32: "I32", torch.int64: "I64", torch.int8: "I8", torch.uint8: "U8"}
+INT_DTYPES = {
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    # an FP8 parameter takes FP8 only (copy_ would convert a wider float silently)
+    torch.float8_e4m3fn: "F8_E4M3",
+}
 FLOAT_NAMES = {"F16", "BF16", "F32", "F64"}
 
 
@@ -121,7 +128,7 @@ def param_infos(module: torch.nn.Module) -> dict[str, ParamInfo]:
 
 
 def _dtype_problem(where: str, param: ParamInfo, tensor: TensorInfo) -> str | None:
-    if param.dtype.is_floating_point:
+    if param.dtype.is_floating_point and param.dtype not in INT_DTYPES:
         # vLLM keeps the experts' compressed-tensors weight_shape in a float tensor (copy_ casts)
         if tensor.dtype not in FLOAT_NAMES and not where.endswith(".weight_shape"):
             return (

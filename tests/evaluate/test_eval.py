@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import msquant
 import msquant.plugin
+import msquant.plugin.numerics
 from msquant.evaluate.data import read_eval_tokens
 from msquant.evaluate.models import load_model_for_eval
 from msquant.evaluate.run_evaluation import prepare_evaluation
@@ -128,7 +129,7 @@ def _fake_quantized(model_dir: Path, fp16_scales: bool = False) -> torch.nn.Modu
         spec = INT8_ATTENTION if "self_attn" in name else INT4_MLP
         bits = 8 if spec["dtype"] == "int8" else 4
         group_size = spec.get("ext", {}).get("group_size")
-        qw = msquant.plugin.quantize_weight_minmax(
+        qw = msquant.plugin.numerics.quantize_weight_minmax(
             module.weight.detach(), bits, bool(spec["symmetric"]), group_size
         )
         if fp16_scales:  # GPTQ checkpoints store scales in float16 by definition of the format

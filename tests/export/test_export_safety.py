@@ -13,7 +13,7 @@ import pytest
 import msquant
 import msquant.export.shards as shards
 from msquant import OutputPathError
-from msquant.plugin import safe_file_stem
+from msquant.plugin.export import safe_file_stem
 from msquant.processors.ascendv1_saver import AscendV1Saver, AscendV1SaverConfig
 
 SAVERS = ["ascendv1_saver", "mindie_format_saver", "gptq_saver", "compressed_tensors"]

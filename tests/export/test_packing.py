@@ -10,7 +10,7 @@ import pytest
 import torch
 from gptq_reader import unpack_fields
 
-from msquant.plugin import pack_int4_pairs, pack_int32, packed_length
+from msquant.plugin.export import pack_int4_pairs, pack_int32, packed_length
 
 
 def words(*unsigned: int) -> list[int]:

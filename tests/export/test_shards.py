@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from msquant.export import safetensors_file, shards
-from msquant.plugin import ShardedSafetensorsWriter, hf_weights_writer, unique_state_items
+from msquant.plugin.export import ShardedSafetensorsWriter, hf_weights_writer, unique_state_items
 
 
 def raw(tensor: torch.Tensor) -> bytes:

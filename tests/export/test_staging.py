@@ -13,14 +13,8 @@ from safetensors.torch import load_file
 import msquant
 import msquant.plugin
 from msquant import OutputPathError
-from msquant.plugin import (
-    DecoderLayer,
-    Processor,
-    ProcessorConfig,
-    RunContext,
-    ShardedSafetensorsWriter,
-    StagedOutputDir,
-)
+from msquant.plugin import DecoderLayer, Processor, ProcessorConfig, RunContext
+from msquant.plugin.export import ShardedSafetensorsWriter, StagedOutputDir
 
 CONFIG = {
     "spec": {"process": [{"type": "linear_quant", "qconfig": {"weight": {"method": "minmax"}}}]}

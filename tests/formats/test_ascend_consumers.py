@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 import msquant
 import msquant.plugin
+import msquant.plugin.planning
 
 SAVERS = ("ascendv1_saver", "mindie_format_saver")
 
@@ -73,7 +74,7 @@ def weightless(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 def test_asymmetric_export_warns_about_the_offset_sign_in_the_plan(
     saver: str, weightless: Path
 ) -> None:
-    plan = msquant.plugin.build_plan(weightless, _config(_weight(8, sym=False), saver))
+    plan = msquant.plugin.planning.build_plan(weightless, _config(_weight(8, sym=False), saver))
     [warning] = _vllm_ascend(plan.warnings, saver)
     assert "npu_weight_quant_batchmatmul" in warning
     assert "(weight + offset) * scale" in warning and "(weight - offset) * scale" in warning
@@ -110,8 +111,10 @@ def test_the_offset_warning_comes_before_weights_load_and_in_msquant_plan(
 
 def test_symmetric_per_channel_w8a16_has_no_vllm_ascend_warning(weightless: Path) -> None:
     for config in (_config(_weight(8)), _config(_weight(8), "mindie_format_saver")):
-        assert _vllm_ascend(msquant.plugin.build_plan(weightless, config).warnings, "") == []
-    plan = msquant.plugin.build_plan(weightless, _config(_weight(8), lm_head=True))
+        assert (
+            _vllm_ascend(msquant.plugin.planning.build_plan(weightless, config).warnings, "") == []
+        )
+    plan = msquant.plugin.planning.build_plan(weightless, _config(_weight(8), lm_head=True))
     assert not [w for w in plan.warnings if "vLLM-Ascend" in w]
 
 
@@ -135,7 +138,7 @@ def test_asymmetric_examples_say_which_consumer_they_are_for(example: str) -> No
 
 def test_w4a16_linear_layers_warn_before_weights_load(weightless: Path) -> None:
     [warning] = _vllm_ascend(
-        msquant.plugin.build_plan(weightless, _config(_weight(4, 32))).warnings
+        msquant.plugin.planning.build_plan(weightless, _config(_weight(4, 32))).warnings
     )
     assert warning.startswith("ascendv1_saver: vLLM-Ascend has no W4A16 linear scheme")
     assert "dtype: int8" in warning
@@ -143,7 +146,7 @@ def test_w4a16_linear_layers_warn_before_weights_load(weightless: Path) -> None:
 
 def test_per_group_w8a16_warns_before_weights_load(weightless: Path) -> None:
     config = _config(_weight(8, 32), exclude=["*down_proj"])
-    [warning] = _vllm_ascend(msquant.plugin.build_plan(weightless, config).warnings)
+    [warning] = _vllm_ascend(msquant.plugin.planning.build_plan(weightless, config).warnings)
     assert "per-channel only" in warning and "scope: per_channel" in warning
     assert "model.layers.0.self_attn.q_proj" in warning and "and 8 more" in warning  # 12 layers
 
@@ -155,12 +158,12 @@ def test_quantized_moe_experts_warn_before_weights_load(
 ) -> None:
     model = _weightless(tiny_model_factory("qwen3_moe", num_layers=2), tmp_path / "moe")
     weight = _weight(8) if bits == 8 else _weight(4, 32)
-    warnings = _vllm_ascend(msquant.plugin.build_plan(model, _config(weight)).warnings)
+    warnings = _vllm_ascend(msquant.plugin.planning.build_plan(model, _config(weight)).warnings)
     [experts] = [w for w in warnings if "MoE experts" in w]
     assert "no W8A16 scheme for MoE layers" in experts and "mlp.experts.0.gate_proj" in experts
     assert "self_attn" not in experts
     kept_float = _config(weight, exclude=["*.experts.*"])
-    again = _vllm_ascend(msquant.plugin.build_plan(model, kept_float).warnings)
+    again = _vllm_ascend(msquant.plugin.planning.build_plan(model, kept_float).warnings)
     assert not [w for w in again if "MoE experts" in w]
 
 

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 import msquant
 import msquant.plugin
-from msquant.plugin import copy_model_files
+import msquant.plugin.numerics
+from msquant.plugin.export import copy_model_files
 
 MINMAX_EXAMPLES = sorted(p.name for p in EXAMPLES.glob("*minmax*.yaml"))
 
@@ -93,7 +94,7 @@ def test_minmax_example_export_matches_reference(
         if symmetric:
             assert torch.count_nonzero(offset) == 0
         # bit-for-bit equal to the in-memory fake-quantized weight
-        in_memory = msquant.plugin.quantize_weight_minmax(w, 8, symmetric, group_size)
+        in_memory = msquant.plugin.numerics.quantize_weight_minmax(w, 8, symmetric, group_size)
         assert torch.equal(q, in_memory.codes)
         assert torch.equal(export.dequantized(module), in_memory.dequantize())
     for name, tensor in original.items():
@@ -142,7 +143,7 @@ def test_bf16_model_quantizes_and_keeps_float_tensors_in_bf16(
     assert export.tensors[f"{q_proj}.weight_scale"].dtype == torch.float32
     assert export.tensors["model.layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16
     assert export.tensors["model.norm.weight"].dtype == torch.bfloat16
-    expected = msquant.plugin.quantize_weight_minmax(
+    expected = msquant.plugin.numerics.quantize_weight_minmax(
         original[f"{q_proj}.weight"].float(), 8, False, 32
     )
     assert torch.equal(export.dequantized(q_proj), expected.dequantize())

@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 
 import msquant
 import msquant.plugin
+import msquant.plugin.model
+import msquant.plugin.numerics
 from msquant import OutputPathError, QuantizationError
 
 
@@ -65,7 +67,7 @@ def test_w4a16_export_packs_int4_pairs_and_dequantizes_exactly(
         )
         groups = 1 if group_size is None else in_features // group_size
         assert tuple(export.tensors[f"{module}.weight_scale"].shape) == (out_features, groups)
-        expected = msquant.plugin.quantize_weight_minmax(weight, 4, symmetric, group_size)
+        expected = msquant.plugin.numerics.quantize_weight_minmax(weight, 4, symmetric, group_size)
         assert torch.equal(export.codes(module), expected.codes.to(torch.int16))
         assert torch.equal(export.dequantized(module), expected.dequantize())
         for suffix in ("weight", "weight_scale", "weight_offset"):
@@ -80,7 +82,9 @@ def test_w4a16_first_byte_is_packed_low_nibble_first(tiny_llama: Path, tmp_path:
     weights = load_file(str(tmp_path / "out" / "quant_model_weights-00001-of-00001.safetensors"))
     original = load_file(str(tiny_llama / "model.safetensors"))
     name = "model.layers.1.mlp.up_proj"
-    codes = msquant.plugin.quantize_weight_minmax(original[f"{name}.weight"], 4, True, None).codes
+    codes = msquant.plugin.numerics.quantize_weight_minmax(
+        original[f"{name}.weight"], 4, True, None
+    ).codes
     packed = weights[f"{name}.weight"]
     for row, col in ((0, 0), (3, 5), (17, 31)):
         low, high = int(codes[row, 2 * col]), int(codes[row, 2 * col + 1])
@@ -142,14 +146,15 @@ def test_ascend_saver_refuses_split_fused_layers_itself(tiny_llama: Path) -> Non
     """Defence in depth: the saver checks each layer even when the run's pre-check is bypassed."""
     from transformers import AutoModelForCausalLM
 
-    from msquant.plugin import DecoderLayer, QuantizedLinear, replace_module
+    from msquant.plugin import DecoderLayer, QuantizedLinear
+    from msquant.plugin.model import replace_module
     from msquant.processors.ascendv1_saver import AscendV1Saver, AscendV1SaverConfig
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
     layer = DecoderLayer(0, "model.layers.0", model.model.layers[0])
     for name, linear in layer.named_linears():
         if not name.endswith("q_proj"):
-            qweight = msquant.plugin.quantize_weight_minmax(linear.weight, 4, True, None)
+            qweight = msquant.plugin.numerics.quantize_weight_minmax(linear.weight, 4, True, None)
             replace_module(model, name, QuantizedLinear.from_linear(linear, qweight, "minmax"))
     saver = AscendV1Saver(AscendV1SaverConfig())
     with pytest.raises(QuantizationError) as info:
@@ -168,15 +173,15 @@ def test_fused_groups_resolve_shards_and_ignore_lone_layers() -> None:
         "m.layers.0.mlp.up_proj",
         "m.layers.1.mlp.gate_proj",  # its up_proj is missing: nothing to fuse
     ]
-    groups = msquant.plugin.fused_groups(names)
+    groups = msquant.plugin.model.fused_groups(names)
     assert [(g.fused_name, len(g.members)) for g in groups] == [
         ("m.layers.0.mlp.gate_up_proj", 2),
         ("m.layers.0.self_attn.qkv_proj", 3),
     ]
     schemes = dict.fromkeys(names, "W8A16")
-    assert msquant.plugin.fused_group_problems(schemes) == []
+    assert msquant.plugin.model.fused_group_problems(schemes) == []
     schemes["m.layers.0.self_attn.v_proj"] = "W4A16"
-    [problem] = msquant.plugin.fused_group_problems(schemes)
+    [problem] = msquant.plugin.model.fused_group_problems(schemes)
     assert "m.layers.0.self_attn.qkv_proj" in problem and "v_proj: W4A16" in problem
 
 

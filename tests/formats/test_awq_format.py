@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 import msquant
 import msquant.plugin
+import msquant.plugin.numerics
 from msquant import verify_export
 from msquant.evaluate.models import load_model_for_eval
 from msquant.plugin import QuantizedLinear, QuantizedWeight, default_formats
@@ -56,7 +57,7 @@ def test_a_known_word() -> None:
 def test_packing_dequantizes_to_the_weight_in_float64() -> None:
     torch.manual_seed(0)
     weight = torch.randn(16, 64, dtype=torch.float32)
-    qweight = msquant.plugin.quantize_weight_minmax(weight, 4, False, 32)
+    qweight = msquant.plugin.numerics.quantize_weight_minmax(weight, 4, False, 32)
     module = QuantizedLinear(qweight, torch.randn(16), "minmax")
     tensors = awq_module_tensors("p", module)
     codes = _unpack_by_hand(tensors["p.qweight"], 16).double()  # [in, out]

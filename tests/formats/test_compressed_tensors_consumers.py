@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 
 import msquant
 import msquant.plugin
+import msquant.plugin.numerics
 
 SAVER_LOGGER = "msquant.processors.compressed_tensors_saver"
 IDS = torch.tensor([[1, 5, 17, 42, 99, 200, 301, 7, 64, 128, 3, 250]])
@@ -124,7 +125,7 @@ def test_a_head_sharing_the_base_scheme_is_named_and_loads(
     with torch.no_grad():
         for module in reference.modules():
             if isinstance(module, nn.Linear):  # the head included
-                q = msquant.plugin.quantize_weight_minmax(module.weight, 8, True, None)
+                q = msquant.plugin.numerics.quantize_weight_minmax(module.weight, 8, True, None)
                 module.weight.copy_(q.dequantize())
         expected = reference(IDS).logits
     assert float((logits - expected).abs().max() / expected.abs().max()) <= 1e-3

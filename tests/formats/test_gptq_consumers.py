@@ -27,6 +27,7 @@ from gptq_reader import read_gptq_export, resolve_scheme
 
 import msquant
 import msquant.plugin
+import msquant.plugin.planning
 from msquant.processors.formats.gptq.config import RuleUnit
 from msquant.processors.formats.gptq.scheme import GPTQScheme
 
@@ -311,22 +312,27 @@ def test_head_vocabulary_not_a_multiple_of_64_is_checked_before_weights_load(
     tiny_model_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
     model = tiny_model_factory("llama", vocab_size=400)
-    plan = msquant.plugin.build_plan(model, _config(lm_head=True))
+    plan = msquant.plugin.planning.build_plan(model, _config(lm_head=True))
     [warning] = [w for w in plan.warnings if "multiple of 64" in w]
     assert warning.startswith("gptq_saver: lm_head is quantized, but its 400 output rows")
     assert "vLLM and SGLang" in warning and plan.ok
     strict = _config(save={"strict": True}, lm_head=True)
     assert any(
-        "gptq_saver (strict): lm_head" in e for e in msquant.plugin.build_plan(model, strict).errors
+        "gptq_saver (strict): lm_head" in e
+        for e in msquant.plugin.planning.build_plan(model, strict).errors
     )
     with pytest.raises(msquant.QuantizationError, match="multiple of 64"):
         msquant.quantize(model, tmp_path / "out", strict, progress=False)
     assert not (tmp_path / "out").exists()
-    assert not [w for w in msquant.plugin.build_plan(model, _config()).warnings if "64" in w]
+    assert not [
+        w for w in msquant.plugin.planning.build_plan(model, _config()).warnings if "64" in w
+    ]
 
 
 def test_head_vocabulary_of_384_passes(tiny_llama: Path) -> None:
-    plan = msquant.plugin.build_plan(tiny_llama, _config(save={"strict": True}, lm_head=True))
+    plan = msquant.plugin.planning.build_plan(
+        tiny_llama, _config(save={"strict": True}, lm_head=True)
+    )
     assert plan.ok and not [w for w in plan.warnings if "multiple of 64" in w]
 
 

@@ -26,8 +26,8 @@ from msquant.plugin import (
     QuantizedLinear,
     RunContext,
     default_registry,
-    quantize_weight_minmax,
 )
+from msquant.plugin.numerics import quantize_weight_minmax
 from msquant.quant.spill import MergedWeights
 from msquant.run.checkpoint.store import LayerStore
 

@@ -20,11 +20,14 @@ from transformers import AutoConfig
 
 import msquant
 import msquant.plugin
+import msquant.plugin.model
+import msquant.plugin.planning
 from msquant import RegistryError
 from msquant.config.processors import build_processors
 from msquant.config.resolve import resolve_config
 from msquant.load.model_folder import build_meta_model
-from msquant.plugin import FusedGroup, ModelAdapter, ModelAdapterRegistry
+from msquant.plugin import ModelAdapter
+from msquant.plugin.model import FusedGroup, ModelAdapterRegistry
 from msquant.processors.adapters.qwen3_5 import Qwen35Adapter
 
 QWEN3_5_TYPES = ["qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"]
@@ -80,7 +83,7 @@ def test_a_model_type_without_adapter_gets_the_default_one() -> None:
 
 
 def test_the_installed_entry_points_register_qwen3_5_and_nothing_the_suite_covers() -> None:
-    registry = msquant.plugin.default_adapter_registry()
+    registry = msquant.plugin.model.default_adapter_registry()
     for model_type in QWEN3_5_TYPES:
         assert type(registry.get(model_type)) is Qwen35Adapter
     for arch in COVERED:
@@ -143,8 +146,8 @@ def test_the_default_adapter_answers_with_the_generic_heuristics(arch: str, fuse
     assert adapter.final_norm(model, layers) is model.model.norm
     names = [name for layer in layers for name, _ in layer.named_linears()]
     assert fused in {group.fused_name for group in adapter.fused_groups(names)}
-    assert adapter.fused_groups(names) == msquant.plugin.fused_groups(names)
-    assert adapter.engine_names(names) == msquant.plugin.engine_names(names)
+    assert adapter.fused_groups(names) == msquant.plugin.model.fused_groups(names)
+    assert adapter.engine_names(names) == msquant.plugin.model.engine_names(names)
 
 
 # -- Qwen3.5 ----------------------------------------------------------------------------------------
@@ -182,7 +185,7 @@ def test_qwen3_5_plan_refuses_a_fused_projection_half_quantized(weightless_qwen3
     """Excluding ``in_proj_z`` and ``in_proj_a`` leaves vLLM's fused matrices half quantized (vLLM:
     "Detected some but not all shards ... are quantized"); the default heuristics let it pass."""
     cfg = config(exclude=["*in_proj_z", "*in_proj_a"])
-    result = msquant.plugin.build_plan(weightless_qwen3_5, cfg)
+    result = msquant.plugin.planning.build_plan(weightless_qwen3_5, cfg)
     assert len(result.errors) == 2
     qkvz, ba = result.errors
     assert qkvz.startswith(
@@ -200,7 +203,10 @@ def test_qwen3_5_plan_refuses_a_fused_projection_half_quantized(weightless_qwen3
     model = build_meta_model(AutoConfig.from_pretrained(weightless_qwen3_5))
     layers = ModelAdapter().decoder_layers(model)
     assert (
-        msquant.plugin.analyse_plan(processors, model, layers, adapter=ModelAdapter()).errors == []
+        msquant.plugin.planning.analyse_plan(
+            processors, model, layers, adapter=ModelAdapter()
+        ).errors
+        == []
     )
 
 
@@ -211,7 +217,7 @@ def test_qwen3_5_rules_splitting_a_fused_projection_inside_one_entry_are_refused
     match the fused ``in_proj_qkvz``): the split is refused and the rule warned about, although
     one entry selects both shards (the processors check only the generic table)."""
     cfg = config(dynamic={"-:.*in_proj_qkv": {}})
-    result = msquant.plugin.build_plan(weightless_qwen3_5, cfg)
+    result = msquant.plugin.planning.build_plan(weightless_qwen3_5, cfg)
     assert len(result.errors) == 1
     assert result.errors[0].startswith("model.layers.0.linear_attn.in_proj_qkvz is loaded as one")
     assert (
@@ -226,7 +232,7 @@ def test_qwen3_5_rules_splitting_a_fused_projection_inside_one_entry_are_refused
     processors = build_processors(resolved.config, msquant.plugin.default_registry())
     model = build_meta_model(AutoConfig.from_pretrained(weightless_qwen3_5))
     layers = ModelAdapter().decoder_layers(model)
-    before = msquant.plugin.analyse_plan(processors, model, layers, adapter=ModelAdapter())
+    before = msquant.plugin.planning.analyse_plan(processors, model, layers, adapter=ModelAdapter())
     assert before.errors == [] and not [w for w in before.warnings if "in_proj" in w]
 
 

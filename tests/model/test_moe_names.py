@@ -397,8 +397,8 @@ def test_killed_mixtral_run_resumes_to_the_same_export(
 
 
 def test_disk_name_maps_modules_and_their_tensors_and_keeps_the_rest() -> None:
+    from msquant.contracts.context import DiskNamed, disk_name
     from msquant.model.checkpoint_names import CheckpointNames
-    from msquant.plugin.context import DiskNamed, disk_name
 
     expert = "model.layers.0.mlp.experts.1.up_proj"
     names = CheckpointNames(
@@ -432,7 +432,7 @@ def test_disk_name_maps_modules_and_their_tensors_and_keeps_the_rest() -> None:
 
 
 def test_writer_stores_renamed_tensors_and_restores_them(tmp_path: Path) -> None:
-    from msquant.plugin import ShardedSafetensorsWriter
+    from msquant.plugin.export import ShardedSafetensorsWriter
 
     first = ShardedSafetensorsWriter(tmp_path, "model", 1 << 20, rename=mixtral_disk_name)
     first.add("model.layers.0.mlp.experts.2.down_proj.qweight", torch.zeros(2, dtype=torch.int32))

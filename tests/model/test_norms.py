@@ -9,7 +9,7 @@ from torch import nn
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from msquant.plugin import NormForm, measure_norm_form, norm_form_problem
+from msquant.plugin.model import NormForm, measure_norm_form, norm_form_problem
 
 
 class _NotANorm(nn.Module):

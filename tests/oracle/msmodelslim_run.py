@@ -338,6 +338,25 @@ MX_SCHEMES: dict[str, Scheme] = {
 }  # fmt: skip
 
 
+#: W8A8 fp8 (issue 26): msModelSlim's ``WFP8AFP8_DYNAMIC`` (fp8_e4m3 per-channel weights, fp8_e4m3
+#: per-token activations) on every linear, and on the MLP only (the others float).
+_FP8_QCONFIG = {
+    "act": {"scope": "per_token", "dtype": "fp8_e4m3", "symmetric": True, "method": "minmax"},
+    "weight": {"scope": "per_channel", "dtype": "fp8_e4m3", "symmetric": True, "method": "minmax"},
+}
+FP8_SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme("w8a8_fp8", {}, "WFP8AFP8_DYNAMIC", process=(
+            {"type": "linear_quant", "qconfig": _FP8_QCONFIG, "include": ["*"]},
+        )),
+        Scheme("w8a8_fp8_mlp", {}, "WFP8AFP8_DYNAMIC", process=(
+            {"type": "linear_quant", "qconfig": _FP8_QCONFIG, "include": ["*mlp*"]},
+        )),
+    )
+}  # fmt: skip
+
+
 #: W4A8_DYNAMIC ``ssz`` weights on the attention linears, and on every linear (issue 25): how
 #: ``scale_bias`` is written for linears whose names are not those of Llama's attention and MLP
 #: (DeepSeek's MLA ``q_a_proj`` / ``q_b_proj`` / ``kv_a_proj_with_mqa`` / ``kv_b_proj``).
@@ -360,7 +379,7 @@ def all_schemes() -> dict[str, Scheme]:
     """Every scheme the oracle can run."""
     return {
         **SCHEMES, **SSZ_SCHEMES, **C8_SCHEMES, **SPARSE_SCHEMES, **MOE_SCHEMES,
-        **W4A8_NAME_SCHEMES, **MX_SCHEMES,
+        **W4A8_NAME_SCHEMES, **MX_SCHEMES, **FP8_SCHEMES,
     }  # fmt: skip
 
 

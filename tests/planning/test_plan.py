@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 import msquant
 import msquant.plugin
+import msquant.plugin.planning
 from msquant.config.processors import build_processors
 from msquant.config.resolve import resolve_config
 from msquant.load.model_folder import build_meta_model, load_model_config
@@ -117,7 +118,7 @@ def test_a_module_selected_by_two_entries_is_refused(weightless_llama: Path) -> 
     negative = config(
         entry(INT4_G32, dynamic={"-:.*down_proj": {}}), entry(INT8_CH, include=["*down_proj"])
     )
-    result = msquant.plugin.build_plan(weightless_llama, negative)
+    result = msquant.plugin.planning.build_plan(weightless_llama, negative)
     assert not result.ok and "both select model.layers.0.mlp.down_proj" in result.errors[0]
 
 
@@ -125,7 +126,7 @@ def test_fused_shards_split_between_entries_are_refused(weightless_llama: Path) 
     split = config(
         entry(INT4_G32, include=["*q_proj", "*k_proj"]), entry(INT8_CH, include=["*v_proj"])
     )
-    result = msquant.plugin.build_plan(weightless_llama, split)
+    result = msquant.plugin.planning.build_plan(weightless_llama, split)
     assert len(result.errors) == 2  # one per layer
     first = result.errors[0]
     assert first.startswith("model.layers.0.self_attn.qkv_proj is loaded as one fused matrix")
@@ -135,11 +136,11 @@ def test_fused_shards_split_between_entries_are_refused(weightless_llama: Path) 
     same = config(
         entry(INT8_CH, include=["*q_proj", "*k_proj"]), entry(INT8_CH, include=["*v_proj"])
     )
-    assert msquant.plugin.build_plan(weightless_llama, same).errors == []
+    assert msquant.plugin.planning.build_plan(weightless_llama, same).errors == []
 
 
 def test_a_fused_shard_left_out_is_refused_with_the_reason(weightless_llama: Path) -> None:
-    result = msquant.plugin.build_plan(
+    result = msquant.plugin.planning.build_plan(
         weightless_llama, config(entry(INT4_G32, exclude=["*up_proj"]))
     )
     assert len(result.errors) == 2
@@ -152,7 +153,7 @@ def test_a_fused_shard_left_out_is_refused_with_the_reason(weightless_llama: Pat
 
 def test_rules_splitting_fused_shards_inside_one_entry_are_refused(weightless_llama: Path) -> None:
     cfg = config(entry(INT4_G32, dynamic={r".*\.1\..*k_proj": {"bits": 8}, "-:.*0.*up_proj": {}}))
-    result = msquant.plugin.build_plan(weightless_llama, cfg)
+    result = msquant.plugin.planning.build_plan(weightless_llama, cfg)
     assert len(result.errors) == 2
     assert result.errors[0].startswith("linear_quant: model.layers.0.mlp.gate_up_proj")
     assert (
@@ -168,7 +169,7 @@ def test_rules_splitting_fused_shards_inside_one_entry_are_refused(weightless_ll
 
 def test_group_size_from_a_rule_must_divide_and_the_rule_is_named(weightless_llama: Path) -> None:
     cfg = config(entry(INT8_CH, dynamic={".*down_proj": {"group_size": 48}}))
-    result = msquant.plugin.build_plan(weightless_llama, cfg)
+    result = msquant.plugin.planning.build_plan(weightless_llama, cfg)
     assert result.errors == [
         f"model.layers.{i}.mlp.down_proj: group_size 48 does not divide in_features 128 "
         '(weight [64, 128], group_size set by dynamic[".*down_proj"]); valid group sizes: '
@@ -177,7 +178,7 @@ def test_group_size_from_a_rule_must_divide_and_the_rule_is_named(weightless_lla
     ]
     # a rule that sets other keys is not blamed for the base group size
     g128 = {**INT4_G32, "ext": {"group_size": 128}}
-    errors = msquant.plugin.build_plan(
+    errors = msquant.plugin.planning.build_plan(
         weightless_llama, config(entry(g128, include=["*q_proj"], dynamic={".*": {"bits": 8}}))
     ).errors
     assert errors[0] == (
@@ -190,7 +191,7 @@ def test_group_size_from_a_rule_must_divide_and_the_rule_is_named(weightless_lla
             INT4_G32, dynamic={".*down_proj": {"group_size": 128}, ".*o_proj": {"group_size": -1}}
         )
     )
-    assert msquant.plugin.build_plan(weightless_llama, fine).ok
+    assert msquant.plugin.planning.build_plan(weightless_llama, fine).ok
 
 
 def test_warnings_name_the_entry(weightless_llama: Path) -> None:
@@ -202,7 +203,7 @@ def test_warnings_name_the_entry(weightless_llama: Path) -> None:
         ),
         entry(INT8_CH, include=["*mlp*", "*typo_proj"]),
     )
-    result = msquant.plugin.build_plan(weightless_llama, cfg)
+    result = msquant.plugin.planning.build_plan(weightless_llama, cfg)
     assert result.ok
     warnings = result.warnings
     assert (
@@ -256,7 +257,7 @@ def test_check_plan_is_the_run_check(
     meta = build_meta_model(load_model_config(weightless_llama))
     layers = find_decoder_layers(meta)
     with caplog.at_level(logging.WARNING, logger="msquant"):
-        errors = msquant.plugin.check_plan(processors, meta, layers)
+        errors = msquant.plugin.planning.check_plan(processors, meta, layers)
     assert len(errors) == 3  # the overlap on down_proj, then the qkv split in each layer
     assert errors[0].startswith(
         "spec.process[0] and spec.process[1] both select model.layers.0.mlp.down_proj"
@@ -389,7 +390,7 @@ def test_rules_on_vllm_fused_names_apply_to_every_shard(
 ) -> None:
     """vLLM reads a rule against ``qkv_proj`` / ``gate_up_proj``; msquant applies it to the shards
     (it used to match none of them, and the run quantized them with the base scheme)."""
-    result = msquant.plugin.build_plan(
+    result = msquant.plugin.planning.build_plan(
         weightless_llama, config(entry(INT4_G32, dynamic={rule: overrides}))
     )
     assert result.ok, result.errors
@@ -411,7 +412,7 @@ def test_rule_matching_a_fused_name_and_some_shards_is_still_a_split(
 ) -> None:
     """``.*v_proj`` matches ``qkv_proj`` for vLLM and only ``v_proj`` for GPTQModel: ambiguous, so
     it applies to ``v_proj`` alone and the split is refused, as before."""
-    result = msquant.plugin.build_plan(
+    result = msquant.plugin.planning.build_plan(
         weightless_llama, config(entry(INT4_G32, dynamic={".*v_proj": {"bits": 8}}))
     )
     assert len(result.errors) == 2 and "qkv_proj is loaded as one fused matrix" in result.errors[0]
@@ -463,13 +464,15 @@ def test_config_quantizing_nothing_is_refused_before_weights_load(
 
 
 def test_config_without_a_quantizing_entry_is_refused(weightless_llama: Path) -> None:
-    result = msquant.plugin.build_plan(weightless_llama, config())
+    result = msquant.plugin.planning.build_plan(weightless_llama, config())
     assert result.errors == [
         "spec.process has no entry that quantizes linear layers, so the export would be the "
         "float model; add a linear_quant entry; to write the float model on purpose, pass "
         "--allow_float_export (Python: allow_float_export=True)"
     ]
-    assert msquant.plugin.build_plan(weightless_llama, config(), allow_float_export=True).ok
+    assert msquant.plugin.planning.build_plan(
+        weightless_llama, config(), allow_float_export=True
+    ).ok
 
 
 def test_cli_refuses_a_config_quantizing_nothing_before_loading(
@@ -501,10 +504,10 @@ class _Reviewer(msquant.plugin.Processor):
     stage = "save"
 
     def review_plan(
-        self, plan: msquant.plugin.ModelPlan, model: torch.nn.Module
-    ) -> msquant.plugin.PlanReview:
+        self, plan: msquant.plugin.planning.ModelPlan, model: torch.nn.Module
+    ) -> msquant.plugin.planning.PlanReview:
         quantized = [row.module for row in plan.rows if not row.skipped]
-        return msquant.plugin.PlanReview(
+        return msquant.plugin.planning.PlanReview(
             errors=[f"plan_reviewer: {m} refused" for m in quantized if m.endswith("down_proj")],
             warnings=[f"plan_reviewer: {len(quantized)} quantized, model {type(model).__name__}"],
         )
@@ -519,29 +522,29 @@ def test_savers_review_the_plan_before_weights_load(weightless_llama: Path, tmp_
         "apiversion": "modelslim_v1",
         "spec": {"process": [entry(INT8_CH)], "save": [{"type": "plan_reviewer"}]},
     }
-    plan = msquant.plugin.build_plan(weightless_llama, cfg, registry=registry)
+    plan = msquant.plugin.planning.build_plan(weightless_llama, cfg, registry=registry)
     assert plan.warnings == ["plan_reviewer: 14 quantized, model LlamaForCausalLM"]
     assert plan.errors == [f"plan_reviewer: model.layers.{i}.mlp.down_proj refused" for i in (0, 1)]
     with pytest.raises(msquant.QuantizationError, match="down_proj refused"):
         msquant.quantize(weightless_llama, tmp_path / "out", cfg, registry=registry, progress=False)
     assert not (tmp_path / "out").exists()
     cfg["spec"]["process"][0]["exclude"] = ["*down_proj"]
-    assert msquant.plugin.build_plan(weightless_llama, cfg, registry=registry).ok
+    assert msquant.plugin.planning.build_plan(weightless_llama, cfg, registry=registry).ok
 
 
 def test_kv_cache_lines_count_and_name_the_float_attentions() -> None:
     """The plan's text says, per KV-cache entry, the scheme, how many attentions get it and
     which stay in float."""
     caches = [
-        msquant.plugin.KVCachePlan("model.layers.0.self_attn", "C8", "spec.process[1]"),
-        msquant.plugin.KVCachePlan("model.layers.1.self_attn", None, "spec.process[1]"),
-        msquant.plugin.KVCachePlan("model.layers.2.self_attn", "C8", "spec.process[1]"),
+        msquant.plugin.planning.KVCachePlan("model.layers.0.self_attn", "C8", "spec.process[1]"),
+        msquant.plugin.planning.KVCachePlan("model.layers.1.self_attn", None, "spec.process[1]"),
+        msquant.plugin.planning.KVCachePlan("model.layers.2.self_attn", "C8", "spec.process[1]"),
     ]
-    lines = render_plan(msquant.plugin.ModelPlan([], model_type="qwen3", kv_caches=caches))
+    lines = render_plan(msquant.plugin.planning.ModelPlan([], model_type="qwen3", kv_caches=caches))
     assert lines.splitlines()[2:] == [
         "KV cache (spec.process[1]): C8 on 2 of 3 attention(s); left in float: "
         "model.layers.1.self_attn",
         "OK",
     ]
-    plain = render_plan(msquant.plugin.ModelPlan([], model_type="qwen3"))
+    plain = render_plan(msquant.plugin.planning.ModelPlan([], model_type="qwen3"))
     assert "KV cache" not in plain

@@ -18,7 +18,9 @@ from conftest import CALIB_TXT, CliResult
 
 from msquant import MsquantInputError
 from msquant.cli.quant_options import process_devices
-from msquant.plugin import SINGLE, HessianAccumulator, balanced_owners
+from msquant.plugin import SINGLE
+from msquant.plugin.model import balanced_owners
+from msquant.plugin.numerics import HessianAccumulator
 
 SAVE = [{"type": "ascendv1_saver"}, {"type": "gptq_saver"}]
 

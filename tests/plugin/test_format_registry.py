@@ -34,14 +34,11 @@ from msquant.plugin import (
     RunContext,
     Saver,
     SaverConfig,
-    copy_model_files,
     default_formats,
     default_registry,
-    detect_format,
-    open_weights,
-    read_json,
-    trivial_g_idx,
 )
+from msquant.plugin.export import copy_model_files
+from msquant.plugin.reading import detect_format, open_weights, read_json, trivial_g_idx
 
 BUILTIN_FORMATS = ["ascend", "mindie", "gptq", "compressed-tensors", "awq"]
 BUILTIN_SAVERS = {

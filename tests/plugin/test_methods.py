@@ -20,6 +20,7 @@ from conftest import CliResult
 
 import msquant
 import msquant.plugin
+import msquant.plugin.numerics
 from msquant import RegistryError
 from msquant.plugin import BaseScheme, MethodOptions, MethodRegistry, QDType, QScope, QuantMethod
 from msquant.processors.methods.gptq import GPTQMethod
@@ -46,7 +47,9 @@ class _Rounder(QuantMethod):
         return BaseScheme(bits=8, group_size=None, sym=True)
 
     def quantize_rtn(self, weight, scheme, name):  # type: ignore[no-untyped-def]
-        return msquant.plugin.quantize_weight_minmax(weight, scheme.bits, True, None, name=name)
+        return msquant.plugin.numerics.quantize_weight_minmax(
+            weight, scheme.bits, True, None, name=name
+        )
 
 
 # -- the registry ----------------------------------------------------------------------------------

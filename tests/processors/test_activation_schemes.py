@@ -26,18 +26,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import msquant
 import msquant.plugin
+import msquant.plugin.planning
 from msquant import ConfigError, QuantizationError, load_config_text, verify_export
 from msquant.evaluate.models import load_model_for_eval
 from msquant.load.calibration import read_calibration_texts
 from msquant.planning.render import render_plan
-from msquant.plugin import (
-    ActivationQuant,
-    OnlineMinMax,
-    QuantizedLinear,
-    QuantizedWeight,
-    decode_deq_scale,
-    default_registry,
-)
+from msquant.plugin import ActivationQuant, QuantizedLinear, QuantizedWeight, default_registry
+from msquant.plugin.numerics import OnlineMinMax, decode_deq_scale
 from msquant.run.checkpoint.store import LayerStore
 from msquant.run.runner import batch_token_limit
 
@@ -336,7 +331,9 @@ def test_w4a8_dynamic_export_layout_and_numerics(
 
 
 def test_w4a8_dynamic_dense_layers_warn_for_vllm_ascend(tiny_llama: Path) -> None:
-    plan = msquant.plugin.build_plan(tiny_llama, config(act("per_token", True), weight=WEIGHT_INT4))
+    plan = msquant.plugin.planning.build_plan(
+        tiny_llama, config(act("per_token", True), weight=WEIGHT_INT4)
+    )
     warnings = [w for w in plan.warnings if "vLLM-Ascend" in w]
     assert len(warnings) == 1 and "MoE experts only" in warnings[0]
     # true per release (tests/consumers/test_vllm_ascend_act.py): 0.30 has no such scheme,
@@ -366,7 +363,7 @@ def test_w4a8_experts_beside_per_group_layers_warn_for_vllm_ascend_per_release(
         if weight is WEIGHT:
             weight = {k: v for k, v in WEIGHT.items()}
         cfg["spec"]["process"].append({**attention, "qconfig": {"weight": weight}})
-        plan = msquant.plugin.build_plan(model, cfg)
+        plan = msquant.plugin.planning.build_plan(model, cfg)
         found = [w for w in plan.warnings if "global group_size" in w]
         assert len(found) == expected, plan.warnings
         if found:
@@ -399,7 +396,9 @@ def test_dynamic_schemes_on_moe_experts(
         assert tensors[f"{expert}.scale_bias"].shape == (hidden, 16)
     report = verify_export(save, model_path=model_dir)
     assert report.ok, report.errors
-    plan = msquant.plugin.build_plan(model_dir, config(act("per_token", True), weight=weight))
+    plan = msquant.plugin.planning.build_plan(
+        model_dir, config(act("per_token", True), weight=weight)
+    )
     assert not [w for w in plan.warnings if "MoE experts" in w and "cannot load" in w]
 
 
@@ -617,10 +616,10 @@ def test_w8a8_static_of_a_float32_model_warns_about_bfloat16_serving(
 ) -> None:
     """Its int64 deq_scale fits vLLM-Ascend's float16 serving only (tests/consumers)."""
     for model, expected in ((tiny_llama, 1), (tiny_llama_bf16, 0)):
-        plan = msquant.plugin.build_plan(model, config(act("per_tensor", True)))
+        plan = msquant.plugin.planning.build_plan(model, config(act("per_tensor", True)))
         found = [w for w in plan.warnings if "deq_scale" in w]
         assert len(found) == expected, plan.warnings
         if found:
             assert "--dtype float16" in found[0] and "model.layers.0.self_attn.q_proj" in found[0]
-    dynamic = msquant.plugin.build_plan(tiny_llama, config(act("per_token", True)))
+    dynamic = msquant.plugin.planning.build_plan(tiny_llama, config(act("per_token", True)))
     assert not [w for w in dynamic.warnings if "deq_scale" in w]

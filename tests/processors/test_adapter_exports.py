@@ -23,6 +23,8 @@ from consumer_rules import vllm_linear_scheme
 
 import msquant
 import msquant.plugin
+import msquant.plugin.devices
+import msquant.plugin.numerics
 from msquant import QuantizationError
 from msquant.plugin import (
     ExportFormat,
@@ -266,10 +268,10 @@ def test_the_saver_base_refuses_a_half_quantized_qwen3_5_projection(
     model = AutoModelForCausalLM.from_pretrained(tiny_model_factory("qwen3_5_text"))
     layer = model.model.layers[0]
     linear = layer.linear_attn.in_proj_qkv
-    qweight = msquant.plugin.quantize_weight_minmax(linear.weight.detach(), 4, True, 32)
+    qweight = msquant.plugin.numerics.quantize_weight_minmax(linear.weight.detach(), 4, True, 32)
     layer.linear_attn.in_proj_qkv = QuantizedLinear.from_linear(linear, qweight, "minmax")
     ctx = msquant.plugin.RunContext(
-        model, tmp_path, tmp_path / "out", msquant.plugin.get_backend("cpu"), []
+        model, tmp_path, tmp_path / "out", msquant.plugin.devices.get_backend("cpu"), []
     )
     saver = AWQSaver(AWQSaverConfig())
     saver.setup(ctx)

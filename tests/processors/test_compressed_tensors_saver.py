@@ -30,6 +30,7 @@ from transformers.utils.quantization_config import CompressedTensorsConfig
 
 import msquant
 import msquant.plugin
+import msquant.plugin.numerics
 from msquant.processors.formats.compressed_tensors.config import (
     COMPRESSED_TENSORS_VERSION,
     WeightScheme,
@@ -135,7 +136,9 @@ def _reference_logits(
         for name, (bits, symmetric, group_size) in schemes.items():
             linear = model.get_submodule(name)
             assert isinstance(linear, nn.Linear)
-            q = msquant.plugin.quantize_weight_minmax(linear.weight, bits, symmetric, group_size)
+            q = msquant.plugin.numerics.quantize_weight_minmax(
+                linear.weight, bits, symmetric, group_size
+            )
             if scale_dtype is not None:
                 scale = q.scale.to(scale_dtype).float()
                 q = msquant.plugin.QuantizedWeight(
@@ -259,7 +262,7 @@ def test_export_layout_config_and_packed_codes(
         w = original[f"{module}.weight"]
         out_features, in_features = w.shape
         groups = 1 if group_size is None else in_features // group_size
-        expected = msquant.plugin.quantize_weight_minmax(w, bits, symmetric, group_size)
+        expected = msquant.plugin.numerics.quantize_weight_minmax(w, bits, symmetric, group_size)
         packed = tensors[f"{module}.weight_packed"]
         assert packed.dtype == torch.int32
         assert tuple(packed.shape) == (out_features, -(-in_features * bits // 32))

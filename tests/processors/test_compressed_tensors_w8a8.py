@@ -31,13 +31,8 @@ from transformers import AutoModelForCausalLM
 import msquant
 from msquant import QuantizationError, verify_export
 from msquant.evaluate.models import load_model_for_eval
-from msquant.plugin import (
-    ActivationQuant,
-    QuantizedLinear,
-    QuantizedWeight,
-    decode_deq_scale,
-    default_registry,
-)
+from msquant.plugin import ActivationQuant, QuantizedLinear, QuantizedWeight, default_registry
+from msquant.plugin.numerics import decode_deq_scale
 from msquant.processors.formats.compressed_tensors.config import WeightScheme
 from msquant.processors.formats.compressed_tensors.consumers import (
     activation_warnings,

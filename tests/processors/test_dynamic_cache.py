@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import msquant
 from msquant import ConfigError, QuantizationError, load_config_text, verify_export
 from msquant.load.calibration import read_calibration_texts
-from msquant.plugin import build_plan, default_registry
+from msquant.plugin import default_registry
+from msquant.plugin.planning import build_plan
 from msquant.processors.kv_cache_quant import kv_channels
 
 C8 = {

@@ -22,7 +22,8 @@ from msquant.backends import get_backend
 from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
 from msquant.model.layers import find_decoder_layers
-from msquant.plugin import RunContext, SmoothingSubgraph
+from msquant.plugin import RunContext
+from msquant.plugin.model import SmoothingSubgraph
 from msquant.processors.smoothing import folding
 from msquant.processors.smoothing.awq_processor import FlexAwqSszProcessor
 from msquant.processors.smoothing.config import FlexAwqSszConfig

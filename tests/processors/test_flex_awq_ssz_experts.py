@@ -19,7 +19,8 @@ import msquant
 from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
 from msquant.model.layers import find_decoder_layers
-from msquant.plugin import RunContext, adapter_for, get_backend
+from msquant.plugin import RunContext, adapter_for
+from msquant.plugin.devices import get_backend
 from msquant.processors.smoothing.awq_processor import FlexAwqSszProcessor
 from msquant.processors.smoothing.awq_search import ALPHA_GRID
 from msquant.processors.smoothing.config import FlexAwqSszConfig

@@ -25,6 +25,7 @@ from torch import nn
 
 import msquant
 import msquant.plugin
+import msquant.plugin.numerics
 from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
 from msquant.processors.methods.gptq import GPTQExt
@@ -131,9 +132,12 @@ def test_seed_yaml_runs_and_matches_direct_gptq(
     for module, xs in inputs.items():
         weight = original[f"{module}.weight"]
         symmetric = weight_cfg.get("symmetric", True)
-        gptq: msquant.plugin.WeightPerChannelGPTQ | msquant.plugin.WeightPerGroupGPTQ
+        gptq: (
+            msquant.plugin.numerics.WeightPerChannelGPTQ
+            | msquant.plugin.numerics.WeightPerGroupGPTQ
+        )
         if per_group:
-            gptq = msquant.plugin.WeightPerGroupGPTQ(
+            gptq = msquant.plugin.numerics.WeightPerGroupGPTQ(
                 symmetric=symmetric,
                 group_size=ext["group_size"],
                 static_groups=resolved.resolved_static_groups(),
@@ -141,7 +145,9 @@ def test_seed_yaml_runs_and_matches_direct_gptq(
                 **options,
             )
         else:
-            gptq = msquant.plugin.WeightPerChannelGPTQ(symmetric=symmetric, name=module, **options)
+            gptq = msquant.plugin.numerics.WeightPerChannelGPTQ(
+                symmetric=symmetric, name=module, **options
+            )
         for x in xs:
             gptq.add_batch(x)
         direct = gptq.quantize(weight).quantized
@@ -154,7 +160,7 @@ def test_seed_yaml_runs_and_matches_direct_gptq(
         )
         # GPTQ beats round-to-nearest on the calibration activations it was fitted to
         x = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs])
-        rtn = msquant.plugin.quantize_weight_minmax(
+        rtn = msquant.plugin.numerics.quantize_weight_minmax(
             weight, 8, True, ext["group_size"] if per_group else None
         )
         reference = x @ weight.T
@@ -202,7 +208,9 @@ def test_modules_reading_the_same_input_share_one_hessian() -> None:
     config = LinearQuantConfig.model_validate({"qconfig": {"weight": {"method": "gptq"}}})
     proc = LinearQuantProcessor(config)
     collector = proc._collector
-    collector.quantizers = {n: msquant.plugin.WeightPerChannelGPTQ(name=n) for n in ("q", "k", "o")}
+    collector.quantizers = {
+        n: msquant.plugin.numerics.WeightPerChannelGPTQ(name=n) for n in ("q", "k", "o")
+    }
     for _ in range(2):
         shared, other = torch.randn(5, 8), torch.randn(5, 8)
         collector.accumulate("q", shared)
@@ -282,7 +290,9 @@ def test_true_sequential_calibrates_the_mlp_on_the_quantized_attention(
     inputs = _true_sequential_inputs(tiny_llama_128, 48, export)
     assert sorted(inputs) == sorted(export.quantized_modules())
     for module, xs in inputs.items():
-        gptq = msquant.plugin.WeightPerChannelGPTQ(name=module, percdamp=0.01, block_size=128)
+        gptq = msquant.plugin.numerics.WeightPerChannelGPTQ(
+            name=module, percdamp=0.01, block_size=128
+        )
         for x in xs:
             gptq.add_batch(x)
         direct = gptq.quantize(original[f"{module}.weight"]).quantized

@@ -1,6 +1,6 @@
 """``gptq_saver``: exports of the tiny models read back with the independent ``gptq_reader``.
 
-Expected codes come from ``msquant.plugin.quantize_weight_minmax`` run on the original float weights (the
+Expected codes come from ``msquant.plugin.numerics.quantize_weight_minmax`` run on the original float weights (the
 ``minmax`` pipeline is deterministic), or, for ``method: gptq``, from the in-memory quantized layers
 captured by a test processor; the reader knows only the on-disk layout (formats.md 3.1).
 """
@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 
 import msquant
 import msquant.plugin
+import msquant.plugin.numerics
 from msquant import QuantizationError
 from msquant.plugin import (
     DecoderLayer,
@@ -164,7 +165,7 @@ def test_minmax_export_matches_reference(case: str, tiny_llama: Path, tmp_path: 
 
     for name in quantized:
         w = original[f"{name}.weight"]
-        expected = msquant.plugin.quantize_weight_minmax(
+        expected = msquant.plugin.numerics.quantize_weight_minmax(
             w, bits, scheme["sym"], None if group == -1 else group
         )
         module = export.modules[name]
@@ -286,7 +287,9 @@ def test_mixed_precision_rules(tiny_llama: Path, tmp_path: Path) -> None:
         assert want is not None
         weight = original[f"{name}.weight"]
         group = None if want["group_size"] == -1 else want["group_size"]
-        reference = msquant.plugin.quantize_weight_minmax(weight, want["bits"], True, group)
+        reference = msquant.plugin.numerics.quantize_weight_minmax(
+            weight, want["bits"], True, group
+        )
         assert_module_matches(module, reference, "gptq_v2", name)
     assert len(export.modules) == 11
 

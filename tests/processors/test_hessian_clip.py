@@ -15,8 +15,9 @@ from conftest import CliResult
 
 import msquant
 import msquant.plugin
+import msquant.plugin.numerics
 from msquant import QuantizationError
-from msquant.plugin import (
+from msquant.plugin.numerics import (
     compute_qparams,
     hessian_clip_qparams,
     qrange,
@@ -94,14 +95,14 @@ def test_a_rows_output_error_never_exceeds_min_max() -> None:
     output error drops well below min/max's."""
     weight, hessian = _layer(64, 128, seed=5)
     clipped = quantize_weight_hessian_clip(weight, hessian, 4, True).dequantize()
-    rtn = msquant.plugin.quantize_weight_minmax(weight, 4, True, None).dequantize()
+    rtn = msquant.plugin.numerics.quantize_weight_minmax(weight, 4, True, None).dequantize()
     for row in range(64):
         d_clip, d_rtn = clipped[row] - weight[row], rtn[row] - weight[row]
         assert float(d_clip @ hessian @ d_clip) <= float(d_rtn @ hessian @ d_rtn) * (1 + 1e-5)
     clip_error, rtn_error = relative_output_errors(weight, [clipped, rtn], hessian)
     assert clip_error < 0.9 * rtn_error, (clip_error, rtn_error)
-    mse = msquant.plugin.quantize_weight_minmax(
-        weight, 4, True, None, mse=msquant.plugin.MSEOptions()
+    mse = msquant.plugin.numerics.quantize_weight_minmax(
+        weight, 4, True, None, mse=msquant.plugin.numerics.MSEOptions()
     )
     (mse_error,) = relative_output_errors(weight, [mse.dequantize()], hessian)
     assert clip_error < mse_error  # weighing columns by their activations beats plain MSE here

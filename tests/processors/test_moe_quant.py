@@ -18,6 +18,8 @@ from safetensors import safe_open
 
 import msquant
 import msquant.plugin
+import msquant.plugin.model
+import msquant.plugin.planning
 from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
 from msquant.model.moe import ExpertTokenCounter, unfuse_experts
@@ -175,13 +177,15 @@ def test_expert_groups_gather_every_projection_of_every_expert() -> None:
         "model.layers.2.mlp.experts.0.up_proj",  # a single expert is no group
         "model.layers.0.self_attn.q_proj",
     ]
-    groups = {group.fused_name: group.members for group in msquant.plugin.expert_groups(names)}
+    groups = {
+        group.fused_name: group.members for group in msquant.plugin.model.expert_groups(names)
+    }
     assert set(groups) == {"model.layers.0.mlp.experts", "model.layers.1.block_sparse_moe.experts"}
     assert len(groups["model.layers.0.mlp.experts"]) == 6
     schemes = {name: "int4" for name in names}
-    assert msquant.plugin.expert_group_problems(schemes) == []
+    assert msquant.plugin.model.expert_group_problems(schemes) == []
     schemes["model.layers.0.mlp.experts.10.down_proj"] = "FLOAT"
-    [problem] = msquant.plugin.expert_group_problems(
+    [problem] = msquant.plugin.model.expert_group_problems(
         schemes, {"model.layers.0.mlp.experts.10.down_proj": "not quantized"}
     )
     assert problem.startswith(
@@ -200,7 +204,7 @@ def test_rules_splitting_the_experts_of_a_layer_are_refused_before_weights_load(
     """vLLM loads all experts of a layer as one FusedMoE layer with one scheme, looked up by the
     experts module's name: an expert-specific rule cannot reach it."""
     one_expert = _int4_experts(dynamic={r".*\.experts\.3\..*": {"bits": 8}})
-    result = msquant.plugin.build_plan(qwen3_moe, one_expert)
+    result = msquant.plugin.planning.build_plan(qwen3_moe, one_expert)
     assert len(result.errors) == 2  # one per layer
     assert result.errors[0].startswith(
         "linear_quant: model.layers.0.mlp.experts (24 expert linear layers) is loaded as one "
@@ -217,7 +221,7 @@ def test_rules_splitting_the_experts_of_a_layer_are_refused_before_weights_load(
     assert not (tmp_path / "out").exists()
     assert "cannot be applied to this model" in str(info.value)
     # skipping one expert (a negative rule, or an exclude) splits the module too
-    skipped = msquant.plugin.build_plan(qwen3_moe, _int4_experts(exclude=["*experts.5.*"]))
+    skipped = msquant.plugin.planning.build_plan(qwen3_moe, _int4_experts(exclude=["*experts.5.*"]))
     assert len(skipped.errors) == 2
     assert "model.layers.1.mlp.experts (24 expert linear layers)" in skipped.errors[1]
     assert "not quantized (spec.process[0] exclude *experts.5.*)" in skipped.errors[1]
@@ -225,7 +229,7 @@ def test_rules_splitting_the_experts_of_a_layer_are_refused_before_weights_load(
     whole = _int4_experts(
         dynamic={r".*\.1\.mlp\.experts\..*": {"bits": 8}, "-:.*0.mlp.experts.*": {}}
     )
-    assert msquant.plugin.build_plan(qwen3_moe, whole).errors == []
+    assert msquant.plugin.planning.build_plan(qwen3_moe, whole).errors == []
 
 
 def _export_files(root: Path) -> dict[str, bytes]:
@@ -325,7 +329,7 @@ class _ToyMoE(torch.nn.Module):
 def test_routers_and_already_split_experts_are_recognised() -> None:
     """Routers (Linears beside the experts) are found for every layout; experts held as a
     ModuleList (transformers 4) count as experts without being touched."""
-    from msquant.plugin import moe_routers
+    from msquant.plugin.model import moe_routers
 
     layer = torch.nn.Module()
     layer.block_sparse_moe = _ToyMoE()
@@ -358,7 +362,7 @@ def test_rules_on_the_experts_module_name_apply_to_every_expert(qwen3_moe: Path)
     """vLLM looks the FusedMoE layer's scheme up by the experts module's name: a rule written for
     that name (and none of the experts' own names) applies to all of the module's experts."""
     cfg = _int4_experts(dynamic={r"-:model\.layers\.0\.mlp\.experts$": {}})
-    result = msquant.plugin.build_plan(qwen3_moe, cfg)
+    result = msquant.plugin.planning.build_plan(qwen3_moe, cfg)
     assert result.errors == [] and result.warnings == []
     rows = {row.module: row for row in result.rows}
     layer0 = [row for name, row in rows.items() if name.startswith("model.layers.0.mlp.experts.")]

@@ -22,17 +22,12 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import msquant
+import msquant.plugin.planning
 from msquant import ConfigError, QuantizationError, load_config_text, verify_export
 from msquant.evaluate.models import load_model_for_eval
 from msquant.planning.render import render_plan
-from msquant.plugin import (
-    ActivationQuant,
-    QuantizedLinear,
-    QuantizedWeight,
-    default_registry,
-    unpack_nibbles,
-    value_type_named,
-)
+from msquant.plugin import ActivationQuant, QuantizedLinear, QuantizedWeight, default_registry
+from msquant.plugin.numerics import unpack_nibbles, value_type_named
 from msquant.run.checkpoint.store import LayerStore
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -250,7 +245,9 @@ def test_verify_catches_corrupted_mx_tensors(tiny_llama: Path, tmp_path: Path) -
 
 
 def test_plan_names_the_value_type(tiny_llama: Path) -> None:
-    plan = msquant.plugin.build_plan(tiny_llama, scheme_config("W4A4_MXFP4", include=["*mlp*"]))
+    plan = msquant.plugin.planning.build_plan(
+        tiny_llama, scheme_config("W4A4_MXFP4", include=["*mlp*"])
+    )
     assert not plan.errors and not plan.warnings, (plan.errors, plan.warnings)
     rows = {row.module: row for row in plan.rows}
     down = rows["model.layers.0.mlp.down_proj"]

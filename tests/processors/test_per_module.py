@@ -22,6 +22,8 @@ from transformers import AutoModelForCausalLM
 
 import msquant
 import msquant.plugin
+import msquant.plugin.numerics
+import msquant.plugin.planning
 from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
 
@@ -157,7 +159,7 @@ def test_plan_of_the_first_example(deep_llama: Path) -> None:
 
 
 def test_plan_of_the_second_example(deep_llama: Path) -> None:
-    result = msquant.plugin.build_plan(deep_llama, config(RULES_2))
+    result = msquant.plugin.planning.build_plan(deep_llama, config(RULES_2))
     # no rule warning (the widened rules match gate_up_proj too); only the default Ascend saver's
     # notes on what vLLM-Ascend does not load (W4A16, per-group W8A16)
     assert result.ok and result.warnings
@@ -202,7 +204,7 @@ def test_literal_gate_rules_are_refused_before_weights_load(
 
 
 def test_literal_gate_rules_are_reported_against_vllm_names(deep_llama: Path) -> None:
-    result = msquant.plugin.build_plan(deep_llama, config(RULES_2_LITERAL))
+    result = msquant.plugin.planning.build_plan(deep_llama, config(RULES_2_LITERAL))
     layer_18 = [w for w in result.warnings if r"\.18\." in w]
     assert len(layer_18) == 1
     assert (
@@ -288,7 +290,9 @@ def test_transformers_loads_the_mixed_export_with_the_expected_logits(
                     continue
                 linear = model.get_submodule(name)
                 assert isinstance(linear, nn.Linear)
-                q = msquant.plugin.quantize_weight_minmax(linear.weight, scheme[0], True, scheme[1])
+                q = msquant.plugin.numerics.quantize_weight_minmax(
+                    linear.weight, scheme[0], True, scheme[1]
+                )
                 linear.weight.copy_(q.dequantize())
             return model(IDS).logits
 
@@ -362,7 +366,7 @@ def test_gptq_method_takes_per_module_overrides(tiny_llama: Path, tmp_path: Path
         codes = export.tensors[f"{name}.weight"]
         mismatched = {}
         for label, options in (("rule", {"desc_act": True, "percdamp": 0.05}), ("base", {})):
-            gptq = msquant.plugin.WeightPerChannelGPTQ(
+            gptq = msquant.plugin.numerics.WeightPerChannelGPTQ(
                 bits=8, symmetric=False, name=name, **options
             )
             for x in xs:

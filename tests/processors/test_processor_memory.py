@@ -14,11 +14,11 @@ from conftest import CALIB_TXT, NEEDS_MOE_TRANSFORMERS
 import msquant
 from msquant.config.processors import build_processors
 from msquant.config.resolve import resolve_config
+from msquant.contracts.registry import default_registry
 from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import build_meta_model, load_model_config, load_tokenizer
 from msquant.model.adapter_registry import adapter_for
 from msquant.plugin import CalibrationSize, Processor
-from msquant.plugin.registry import default_registry
 
 MAX_TOKENS = 48
 OVERRIDES: dict[str, dict[str, object]] = {"mixtral": {"intermediate_size": 32}}

@@ -24,6 +24,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import msquant
+import msquant.plugin.export
 from msquant import ConfigError, QuantizationError
 from msquant.processors.quarot.config import QuaRotConfig
 from msquant.processors.quarot.processor import check_rms_norm
@@ -322,9 +323,9 @@ def test_config_updates_reach_nested_text_configs(tmp_path: Path) -> None:
     (model / "config.json").write_text(json.dumps(config), encoding="utf-8")
     out = tmp_path / "out"
     out.mkdir()
-    msquant.plugin.copy_model_files(model, out, {"tie_word_embeddings": False})
+    msquant.plugin.export.copy_model_files(model, out, {"tie_word_embeddings": False})
     written = json.loads((out / "config.json").read_text(encoding="utf-8"))
     assert written["tie_word_embeddings"] is False
     assert written["text_config"] == {"tie_word_embeddings": False, "hidden_size": 8}
-    msquant.plugin.copy_model_files(model, out)  # no updates: the config is copied as it is
+    msquant.plugin.export.copy_model_files(model, out)  # no updates: the config is copied as it is
     assert json.loads((out / "config.json").read_text(encoding="utf-8")) == config

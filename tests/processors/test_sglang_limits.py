@@ -12,6 +12,7 @@ from conftest import NEEDS_MOE_TRANSFORMERS
 
 import msquant
 import msquant.plugin
+import msquant.plugin.planning
 
 
 def _config(saver: str, group_size: int = 32, **entry: Any) -> dict[str, Any]:
@@ -22,7 +23,7 @@ def _config(saver: str, group_size: int = 32, **entry: Any) -> dict[str, Any]:
 
 
 def _sglang_warnings(model: Path, saver: str, group_size: int = 32, **entry: Any) -> list[str]:
-    result = msquant.plugin.build_plan(model, _config(saver, group_size, **entry))
+    result = msquant.plugin.planning.build_plan(model, _config(saver, group_size, **entry))
     assert result.ok, result.errors
     return [w for w in result.warnings if "SGLang 0.5.23" in w]
 
@@ -89,7 +90,7 @@ def _act_config(scope: str, **entry: Any) -> dict[str, Any]:
 
 
 def _act_warnings(model: Path, scope: str, **entry: Any) -> list[str]:
-    result = msquant.plugin.build_plan(model, _act_config(scope, **entry))
+    result = msquant.plugin.planning.build_plan(model, _act_config(scope, **entry))
     assert result.ok, result.errors
     return [w for w in result.warnings if "SGLang 0.5.23" in w]
 

@@ -25,14 +25,8 @@ from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
 from msquant.model.layers import find_decoder_layers
 from msquant.model.subgraphs import default_subgraphs
-from msquant.plugin import (
-    DecoderLayer,
-    Processor,
-    ProcessorConfig,
-    RunContext,
-    TransformProbe,
-    adapter_for,
-)
+from msquant.plugin import DecoderLayer, Processor, ProcessorConfig, RunContext, adapter_for
+from msquant.plugin.checks import TransformProbe
 from msquant.processors.smoothing.config import (
     FlexSmoothQuantConfig,
     IterSmoothConfig,

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import msquant
+import msquant.plugin.numerics
 from msquant.processors.methods.ssz_search import DEFAULT_STEPS, ssz_codes, ssz_scales
 from msquant.quant.int_quant import dequantize
 
@@ -74,7 +75,7 @@ def test_scales_match_a_float64_search(bits: int) -> None:
 @pytest.mark.parametrize("bits", [8, 4])
 def test_ssz_never_loses_to_minmax_and_usually_wins(bits: int) -> None:
     w = weights(10 + bits)
-    minmax = msquant.plugin.quantize_weight_minmax(w, bits, True)
+    minmax = msquant.plugin.numerics.quantize_weight_minmax(w, bits, True)
     rtn = dequantize(minmax.codes, minmax.scale, minmax.offset, None)
     scale = ssz_scales(w, bits)
     ssz = ssz_codes(w.t(), scale, bits).t() * scale[:, None]

@@ -20,7 +20,8 @@ import msquant
 from msquant import TransformCheckError
 from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
-from msquant.plugin import Processor, RunContext, adapter_for, get_backend
+from msquant.plugin import Processor, RunContext, adapter_for
+from msquant.plugin.devices import get_backend
 from msquant.processors.quarot.config import QuaRotConfig
 from msquant.processors.quarot.processor import QuaRot
 from msquant.processors.smoothing import processor as smoothing_processor

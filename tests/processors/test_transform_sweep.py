@@ -23,7 +23,8 @@ from architecture_sweep import CAUSAL_LM_TYPES, VOCAB, tiny_causal_lm
 from torch import nn
 
 from msquant import MsquantInputError
-from msquant.plugin import Processor, RunContext, adapter_for, get_backend
+from msquant.plugin import Processor, RunContext, adapter_for
+from msquant.plugin.devices import get_backend
 from msquant.processors.quarot.config import QuaRotConfig
 from msquant.processors.quarot.processor import QuaRot
 from msquant.processors.smoothing.config import (

@@ -12,7 +12,7 @@ from quant.test_gptq import assert_matches_oracle, hessian_of, make_layer
 from safetensors.torch import load_file
 
 import msquant
-from msquant.plugin import compute_qparams, gptq_quantize, quantize_weight_minmax
+from msquant.plugin.numerics import compute_qparams, gptq_quantize, quantize_weight_minmax
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

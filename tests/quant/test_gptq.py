@@ -25,7 +25,7 @@ from gptq_reference import ReferenceResult, reference_gptq
 
 from msquant import QuantizationError
 from msquant.backends.cpu import CpuBackend
-from msquant.plugin import DeviceSpec
+from msquant.plugin.devices import DeviceSpec
 from msquant.quant.gptq import (
     GPTQ_EXT_DEFAULTS,
     GPTQResult,

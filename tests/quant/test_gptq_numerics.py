@@ -14,6 +14,8 @@ from conftest import CALIB_TXT, CliResult
 
 import msquant
 import msquant.plugin
+import msquant.plugin.numerics
+import msquant.plugin.planning
 from msquant.processors.linear_quant import LinearQuantConfig, LinearQuantProcessor
 from msquant.processors.methods.gptq import GPTQ_NUMERICS, GPTQExt
 
@@ -81,10 +83,10 @@ def test_processor_follows_the_resolved_options() -> None:
     assert proc.calibrate_on_quantized is (GPTQ_NUMERICS["msquant"].calib_inputs == "quantized")
     assert proc.base_scheme.desc_act is True
     assert bool(proc.base_scheme.mse) is (GPTQ_NUMERICS["msquant"].mse_max_bits >= 4)
-    int4 = msquant.plugin.resolve_module_scheme(
+    int4 = msquant.plugin.planning.resolve_module_scheme(
         "model.layers.0.mlp.up_proj", proc.base_scheme, proc.rules
     )
-    int8 = msquant.plugin.resolve_module_scheme(
+    int8 = msquant.plugin.planning.resolve_module_scheme(
         "model.layers.0.mlp.down_proj", proc.base_scheme, proc.rules
     )
     assert (int4.bits, int8.bits) == (4, 8)
@@ -258,7 +260,7 @@ def test_default_numerics_solve_matches_the_float64_reference(group: int | None,
         ref = reference_gptq(
             weight, hessian, bits, True, group, 0.01, 32, desc_act=desc_act, full_range=full_range
         )
-        exact = msquant.plugin.gptq_quantize(
+        exact = msquant.plugin.numerics.gptq_quantize(
             weight, hessian, bits=bits, symmetric=True, group_size=group, block_size=32,
             desc_act=desc_act, full_range=full_range, solve_dtype=torch.float64,
         )  # fmt: skip

@@ -1,4 +1,4 @@
-"""One frozen :class:`msquant.plugin.GPTQOptions` travels from the config to the solver: the method
+"""One frozen :class:`msquant.plugin.numerics.GPTQOptions` travels from the config to the solver: the method
 resolves a module's options from ``ext`` and its rule, the quantizer carries them, the solver
 takes them; msModelSlim's two class names build the same value from keywords."""
 
@@ -11,8 +11,10 @@ import torch
 
 import msquant
 import msquant.plugin
+import msquant.plugin.numerics
+import msquant.plugin.planning
 from msquant import QuantizationError
-from msquant.plugin import GPTQOptions, GPTQQuantizer, MSEOptions, gptq_quantize
+from msquant.plugin.numerics import GPTQOptions, GPTQQuantizer, MSEOptions, gptq_quantize
 from msquant.processors.linear_quant import LinearQuantConfig, LinearQuantProcessor
 
 
@@ -46,15 +48,17 @@ def test_the_solver_takes_the_options_or_their_fields_never_both() -> None:
 
 
 def test_the_class_names_build_the_same_quantizer() -> None:
-    per_group = msquant.plugin.WeightPerGroupGPTQ(4, True, group_size=32, percdamp=0.05, mse=True)
+    per_group = msquant.plugin.numerics.WeightPerGroupGPTQ(
+        4, True, group_size=32, percdamp=0.05, mse=True
+    )
     assert isinstance(per_group, GPTQQuantizer)
     assert per_group.options == GPTQOptions(
         bits=4, symmetric=True, group_size=32, percdamp=0.05, mse=MSEOptions()
     )
-    per_channel = msquant.plugin.WeightPerChannelGPTQ(8, False, desc_act=True)
+    per_channel = msquant.plugin.numerics.WeightPerChannelGPTQ(8, False, desc_act=True)
     assert per_channel.options == GPTQOptions(bits=8, symmetric=False, desc_act=True)
     with pytest.raises(TypeError):
-        msquant.plugin.WeightPerChannelGPTQ(group_size=32)  # type: ignore[call-arg]
+        msquant.plugin.numerics.WeightPerChannelGPTQ(group_size=32)  # type: ignore[call-arg]
     with pytest.raises(QuantizationError, match=r"x: invalid GPTQ options: bits must be"):
         GPTQOptions.from_flat("x", bits=1)
 
@@ -77,8 +81,10 @@ def test_a_module_gets_ext_with_its_rule_applied() -> None:
         }
     )
     proc = LinearQuantProcessor(config)
-    base = msquant.plugin.resolve_module_scheme("m.up_proj", proc.base_scheme, proc.rules)
-    rule = msquant.plugin.resolve_module_scheme("m.down_proj", proc.base_scheme, proc.rules)
+    base = msquant.plugin.planning.resolve_module_scheme("m.up_proj", proc.base_scheme, proc.rules)
+    rule = msquant.plugin.planning.resolve_module_scheme(
+        "m.down_proj", proc.base_scheme, proc.rules
+    )
     assert proc.method.solve_options(base) == GPTQOptions(
         bits=4, symmetric=True, group_size=32, percdamp=0.01, block_size=64, desc_act=True,
         mse=MSEOptions(grid=50), full_range=True,

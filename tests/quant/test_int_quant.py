@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from msquant import QuantizationError
-from msquant.plugin import QuantizedWeight, compute_qparams, qrange, quantize_weight_minmax
+from msquant.plugin import QuantizedWeight
+from msquant.plugin.numerics import compute_qparams, qrange, quantize_weight_minmax
 
 
 def reference_minmax(

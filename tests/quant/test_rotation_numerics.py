@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from msquant.plugin import (
+from msquant.plugin.numerics import (
     fuse_norm_into_linear,
     hadamard_core_order,
     rotate_input,

@@ -16,7 +16,10 @@ import pytest
 
 import msquant
 import msquant.plugin
-from msquant.plugin import BaseScheme, DynamicRule, FusedGroup, parse_dynamic, resolve_module_scheme
+import msquant.plugin.planning
+from msquant.plugin import BaseScheme, DynamicRule
+from msquant.plugin.model import FusedGroup
+from msquant.plugin.planning import parse_dynamic, resolve_module_scheme
 
 BASE = BaseScheme(bits=4, group_size=128, sym=True, desc_act=False, percdamp=0.01, mse=0.0)
 Q = "model.layers.0.self_attn.q_proj"
@@ -154,7 +157,11 @@ def test_invalid_rules_are_reported_with_their_path(
 
 
 def test_gptq_only_keys_are_refused_where_not_allowed() -> None:
-    allowed = [k for k in msquant.plugin.DYNAMIC_KEYS if k not in msquant.plugin.GPTQ_ONLY_KEYS]
+    allowed = [
+        k
+        for k in msquant.plugin.planning.DYNAMIC_KEYS
+        if k not in msquant.plugin.planning.GPTQ_ONLY_KEYS
+    ]
     _, issues = parse_dynamic(
         {".*": {"desc_act": True, "bits": 8}}, allowed, {"desc_act": ["gptq"]}
     )
@@ -223,7 +230,7 @@ GATE_UP = FusedGroup(
 def test_rules_matching_fused_names_differently_are_found(
     pattern: str, group: FusedGroup, fused: bool, members: tuple[str, ...]
 ) -> None:
-    (found,) = msquant.plugin.fused_name_mismatches(
+    (found,) = msquant.plugin.planning.fused_name_mismatches(
         [DynamicRule.parse(pattern, {"bits": 8})], [group]
     )
     assert found.fused_matched is fused
@@ -244,7 +251,7 @@ def test_rules_matching_fused_names_differently_are_found(
 )
 def test_rules_treating_fused_layers_alike_are_not_reported(pattern: str) -> None:
     rule = DynamicRule.parse(pattern)
-    assert msquant.plugin.fused_name_mismatches([rule], [QKV, GATE_UP]) == []
+    assert msquant.plugin.planning.fused_name_mismatches([rule], [QKV, GATE_UP]) == []
 
 
 # -- an independent transcription of vLLM's get_dynamic_override --------------------------------

@@ -6,13 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from msquant.plugin import (
-    ActivationQuant,
-    QDType,
-    QuantizedWeight,
-    ResolvedScheme,
-    value_type_named,
-)
+from msquant.plugin import ActivationQuant, QDType, QuantizedWeight, ResolvedScheme
+from msquant.plugin.numerics import value_type_named
 from msquant.quant.int_quant import dequantize, minmax_qparams, quantize
 from msquant.quant.minifloat import E4M3
 from msquant.quant.mx_quant import mx_dequantize, mx_quantize
@@ -87,9 +82,9 @@ def test_qdtype_names_its_value_type() -> None:
         4,
     )
     assert QDType.MXFP4.value_type is VALUE_TYPES["mxfp4"]
-    for dtype in (QDType.FLOAT, QDType.FP8_E4M3):
-        with pytest.raises(ValueError, match="has no quantized value type"):
-            _ = dtype.bits
+    assert QDType.FP8_E4M3.value_type is VALUE_TYPES["fp8_e4m3"] and QDType.FP8_E4M3.bits == 8
+    with pytest.raises(ValueError, match="has no quantized value type"):
+        _ = QDType.FLOAT.bits
     with pytest.raises(ValueError, match="unknown quantized value type 'fp6'; known: int2"):
         value_type_named("fp6")
 
@@ -115,3 +110,61 @@ def test_per_block_activations() -> None:
         ActivationQuant("per_block", value_type="int8")
     with pytest.raises(ValueError, match="per_token activations are int8, not mxfp8"):
         ActivationQuant("per_token", value_type="mxfp8")
+
+
+# --- FP8 (fp8_e4m3) ------------------------------------------------------------------------------
+
+
+def _e4m3_nearest_even(v: torch.Tensor) -> torch.Tensor:
+    """float64 reference of torch's float8_e4m3fn cast of values within +-448: the nearest point
+    of the e4m3 grid, ties to the even code (even mantissa)."""
+    grid = E4M3.decode(torch.arange(256)).double()
+    finite = torch.isfinite(grid)
+    points, codes = grid[finite], torch.arange(256)[finite]
+    distance = (v.double().unsqueeze(-1) - points).abs()
+    ties = distance == distance.min(dim=-1, keepdim=True).values
+    even = ties & (codes % 2 == 0)
+    pick = torch.where(even.any(dim=-1, keepdim=True), even, ties)
+    return (points * pick).sum(-1) / pick.sum(-1)
+
+
+def test_fp8_weights_are_msmodelslims_rule_against_a_float64_reference() -> None:
+    values = VALUE_TYPES["fp8_e4m3"]
+    torch.manual_seed(0)
+    weight = torch.randn(16, 64) * torch.logspace(-3, 2, 16).unsqueeze(1)
+    weight[3] = 0.0  # an all-zero channel: amax floored at 1e-12, elements 0
+    weight[5, 7] = -weight[5].abs().max() * 1.0  # the channel's max is negative
+    codes, scale, offset = values.quantize(weight)
+    assert codes.dtype == torch.uint8 and scale.shape == (16, 1) and not offset.any()
+    want_scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448
+    assert torch.equal(scale, want_scale)
+    scaled = (weight / want_scale).clamp(-448, 448)
+    assert torch.equal(values.decode(codes).double(), _e4m3_nearest_even(scaled))
+    assert float(values.decode(codes).abs().amax(dim=1).max()) == 448.0  # amax maps to 448
+    assert not values.decode(codes)[3].any()
+    assert values.code_problems(codes) == []
+    assert values.code_problems(torch.tensor([0x7F, 0xFF, 1], dtype=torch.uint8)) == [
+        "2 NaN float8_e4m3fn code(s)"
+    ]
+
+
+def test_fp8_rounding_ties_go_to_even_and_saturate() -> None:
+    # 17 lies halfway between e4m3's 16 and 18: the even mantissa (16) wins; 19 -> 20 likewise
+    values = VALUE_TYPES["fp8_e4m3"]
+    codes, scale, _ = values.quantize(torch.tensor([[448.0, 17.0, 19.0, -17.0, 0.0]]))
+    assert float(scale) == 1.0
+    assert values.decode(codes).tolist() == [[448.0, 16.0, 20.0, -16.0, 0.0]]
+
+
+def test_fp8_dynamic_activations_scale_each_token() -> None:
+    values = VALUE_TYPES["fp8_e4m3"]
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 64, dtype=torch.float64).float()
+    x[0, 1] *= 1000  # one loud token does not coarsen the others
+    fake = values.fake_quantize(x)
+    rows = x.reshape(-1, 64)
+    scale = rows.abs().amax(dim=1, keepdim=True) / 448
+    want = _e4m3_nearest_even((rows / scale).clamp(-448, 448)) * scale.double()
+    assert torch.allclose(fake.reshape(-1, 64).double(), want, rtol=1e-6, atol=1e-12)
+    relative = ((fake - x).norm() / x.norm()).item()
+    assert 0 < relative < 2.0**-4

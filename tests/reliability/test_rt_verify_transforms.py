@@ -31,7 +31,8 @@ from tiny_models import build_tiny_model
 from transformers import AutoModelForCausalLM
 
 import msquant
-from msquant.plugin import rotation_for, tensor_sha256
+from msquant.plugin.checks import tensor_sha256
+from msquant.plugin.numerics import rotation_for
 
 W8A8_DYNAMIC = """\
     - type: linear_quant

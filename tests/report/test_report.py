@@ -17,6 +17,7 @@ from torch import nn
 
 import msquant
 import msquant.plugin
+import msquant.plugin.numerics
 from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
 from msquant.report.document import strip_timings
@@ -75,15 +76,15 @@ def test_output_error_equals_direct_computation(dtype: torch.dtype, rtol: float)
     x = torch.randn(300, 48, generator=gen, dtype=torch.float64) * torch.linspace(0.1, 3, 48)
     weight = torch.randn(24, 48, generator=gen, dtype=torch.float64)
     noisy = [weight + 0.05 * torch.randn(24, 48, generator=gen, dtype=torch.float64) for _ in "ab"]
-    rtn = msquant.plugin.quantize_weight_minmax(weight.float(), 4, False, 16).dequantize()
+    rtn = msquant.plugin.numerics.quantize_weight_minmax(weight.float(), 4, False, 16).dequantize()
     candidates = [*noisy, rtn]
     hessian = (x.T @ x).to(dtype)
-    got = msquant.plugin.relative_output_errors(weight, candidates, hessian, dtype=dtype)
+    got = msquant.plugin.numerics.relative_output_errors(weight, candidates, hessian, dtype=dtype)
     reference = x @ weight.T
     expected = [float((x @ w.double().T - reference).norm() / reference.norm()) for w in candidates]
     assert got == pytest.approx(expected, rel=rtol)
     # any positive multiple of X^T X (the Hessian (2/n) X^T X itself) gives the same ratios
-    scaled = msquant.plugin.relative_output_errors(
+    scaled = msquant.plugin.numerics.relative_output_errors(
         weight, candidates, hessian * (2 / 300), dtype=dtype
     )
     assert scaled == pytest.approx(expected, rel=rtol)
@@ -92,15 +93,17 @@ def test_output_error_equals_direct_computation(dtype: torch.dtype, rtol: float)
 def test_output_error_edge_cases() -> None:
     weight = torch.ones(2, 3)
     zero_input = torch.zeros(3, 3)
-    assert msquant.plugin.relative_output_errors(weight, [weight, weight * 2], zero_input) == [
+    assert msquant.plugin.numerics.relative_output_errors(
+        weight, [weight, weight * 2], zero_input
+    ) == [
         0.0,
         0.0,
     ]
-    assert msquant.plugin.relative_output_errors(weight, [weight], torch.eye(3)) == [0.0]
+    assert msquant.plugin.numerics.relative_output_errors(weight, [weight], torch.eye(3)) == [0.0]
     with pytest.raises(ValueError, match=r"hessian has shape \(2, 2\), expected \(3, 3\)"):
-        msquant.plugin.relative_output_errors(weight, [weight], torch.eye(2))
+        msquant.plugin.numerics.relative_output_errors(weight, [weight], torch.eye(2))
     with pytest.raises(ValueError, match=r"quantized weight has shape \(3, 2\), expected \(2, 3\)"):
-        msquant.plugin.relative_output_errors(weight, [weight.T], torch.eye(3))
+        msquant.plugin.numerics.relative_output_errors(weight, [weight.T], torch.eye(3))
 
 
 def test_calibration_hash_covers_ids_and_sample_boundaries() -> None:
@@ -201,7 +204,7 @@ def test_report_contents(
         weight = original[f"{name}.weight"].double()
         reference = x @ weight.T
         gptq = (x @ export.dequantized(name).double().T - reference).norm() / reference.norm()
-        rtn_weight = msquant.plugin.quantize_weight_minmax(
+        rtn_weight = msquant.plugin.numerics.quantize_weight_minmax(
             weight.float(), 4, False, 32
         ).dequantize()
         rtn = (x @ rtn_weight.double().T - reference).norm() / reference.norm()

@@ -15,7 +15,8 @@ from tiny_models import build_tiny_vlm_with_processor, write_calibration_images
 
 import msquant
 from msquant.load import image_calibration
-from msquant.plugin import adapter_for, get_backend
+from msquant.plugin import adapter_for
+from msquant.plugin.devices import get_backend
 from msquant.run.capture import capture_layer_inputs
 
 image_samples = image_calibration.image_samples

@@ -28,6 +28,9 @@ from transformers import AutoModelForCausalLM
 
 import msquant
 import msquant.plugin
+import msquant.plugin.devices
+import msquant.plugin.numerics
+import msquant.plugin.planning
 from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
 from msquant.model.head import OutputHeadStage, find_final_norm, find_output_head, output_head_stage
@@ -113,7 +116,9 @@ def test_gptq_head_equals_direct_gptq_on_the_float_head_inputs(
     x = _float_head_inputs(tiny_llama).double()
     hessian = (x.T @ x).float()  # GPTQ is invariant to the Hessian's scale
     weight = _original_head(tiny_llama)
-    direct = msquant.plugin.gptq_quantize(weight, hessian, bits=4, symmetric=True, group_size=32)
+    direct = msquant.plugin.numerics.gptq_quantize(
+        weight, hessian, bits=4, symmetric=True, group_size=32
+    )
     export = read_ascend_export(save)
     assert export.types["lm_head.weight"] == "W4A16"
     codes = export.codes("lm_head")  # int4 pairs unpacked by the test's own reader
@@ -125,7 +130,7 @@ def test_gptq_head_equals_direct_gptq_on_the_float_head_inputs(
     )
     # GPTQ beats round-to-nearest on the activations it was fitted to
     xf = x.float()
-    rtn = msquant.plugin.quantize_weight_minmax(weight, 4, True, 32)
+    rtn = msquant.plugin.numerics.quantize_weight_minmax(weight, 4, True, 32)
     reference = xf @ weight.T
     gptq_error = (xf @ export.dequantized("lm_head").T - reference).norm()
     rtn_error = (xf @ rtn.dequantize().T - reference).norm()
@@ -140,7 +145,7 @@ def test_head_calibration_feeds_the_final_norm_in_bounded_chunks(tiny_llama: Pat
     seen: list[torch.Tensor] = []
     handle = model.lm_head.register_forward_pre_hook(lambda _, args: seen.append(args[0].clone()))
     last_hidden = torch.randn(1, 12, HIDDEN)
-    backend = msquant.plugin.get_backend("cpu")
+    backend = msquant.plugin.devices.get_backend("cpu")
     tokens = run_head_calibration(norm, model.lm_head, [last_hidden], backend, 5 * VOCAB)
     handle.remove()
     assert tokens == 12
@@ -205,11 +210,11 @@ def test_tied_head_is_refused_before_weights_load(
 
 
 def _rows(model: Path, config: dict[str, Any]) -> dict[str, msquant.PlanRow]:
-    return {row.module: row for row in msquant.plugin.build_plan(model, config).rows}
+    return {row.module: row for row in msquant.plugin.planning.build_plan(model, config).rows}
 
 
 def test_plan_row_of_the_head(tiny_llama: Path) -> None:
-    plain = msquant.plugin.build_plan(tiny_llama, _config(_entry(_weight(4, 32))))
+    plain = msquant.plugin.planning.build_plan(tiny_llama, _config(_entry(_weight(4, 32))))
     assert "lm_head" not in {row.module for row in plain.rows}  # default plan unchanged
     rows = _rows(tiny_llama, _config(_entry(_weight(4, 32), lm_head=True)))
     head = rows["lm_head"]
@@ -230,7 +235,7 @@ def test_plan_row_of_the_head(tiny_llama: Path) -> None:
 def test_a_rule_matching_the_head_without_the_flag_warns_and_keeps_it_float(
     tiny_llama: Path,
 ) -> None:
-    result = msquant.plugin.build_plan(
+    result = msquant.plugin.planning.build_plan(
         tiny_llama, _config(_entry(_weight(4, 32), dynamic=HEAD_RULE))
     )
     head = {row.module: row for row in result.rows}["lm_head"]
@@ -246,7 +251,7 @@ def test_a_rule_matching_the_head_without_the_flag_warns_and_keeps_it_float(
 def test_globs_never_select_the_head(tiny_llama: Path) -> None:
     rows = _rows(tiny_llama, _config(_entry(_weight(4, 32), include=["*", "lm_head"])))
     assert "lm_head" not in rows
-    result = msquant.plugin.build_plan(
+    result = msquant.plugin.planning.build_plan(
         tiny_llama, _config(_entry(_weight(4, 32), lm_head=True, exclude=["*head"]))
     )
     assert not {row.module: row for row in result.rows}["lm_head"].skipped
@@ -260,7 +265,7 @@ def test_two_entries_asking_for_the_head_are_refused(tiny_llama: Path) -> None:
         _entry(_weight(4, 32), lm_head=True, include=["*_proj"], exclude=["*down_proj"]),
         _entry(_weight(8, None), lm_head=True, include=["*down_proj"]),
     )
-    result = msquant.plugin.build_plan(tiny_llama, config)
+    result = msquant.plugin.planning.build_plan(tiny_llama, config)
     assert result.errors == [
         "spec.process[0] and spec.process[1] both select lm_head: a module may be quantized by "
         "one linear_quant entry only; narrow their include / exclude patterns (or use one entry "
@@ -270,7 +275,7 @@ def test_two_entries_asking_for_the_head_are_refused(tiny_llama: Path) -> None:
 
 def test_head_group_size_must_divide_the_hidden_size(tiny_llama: Path) -> None:
     rule = {"lm_head": {"group_size": 48}}
-    result = msquant.plugin.build_plan(
+    result = msquant.plugin.planning.build_plan(
         tiny_llama, _config(_entry(_weight(4, 32), lm_head=True, dynamic=rule))
     )
     assert result.errors == [
@@ -308,7 +313,7 @@ def head_export(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
 
 def _head_reference(model_dir: Path) -> msquant.plugin.QuantizedWeight:
-    return msquant.plugin.quantize_weight_minmax(_original_head(model_dir), 8, True, None)
+    return msquant.plugin.numerics.quantize_weight_minmax(_original_head(model_dir), 8, True, None)
 
 
 ASCEND_FILES = {
@@ -364,7 +369,7 @@ def test_compressed_tensors_head_is_in_a_group_and_loads_in_transformers(
     with torch.no_grad():
         for name, module in reference.named_modules():
             if isinstance(module, nn.Linear) and name != "lm_head":
-                q = msquant.plugin.quantize_weight_minmax(module.weight, 4, True, 32)
+                q = msquant.plugin.numerics.quantize_weight_minmax(module.weight, 4, True, 32)
                 module.weight.copy_(q.dequantize())
                 body_only.get_submodule(name).weight.copy_(q.dequantize())
         reference.lm_head.weight.copy_(_head_reference(tiny_llama).dequantize())

@@ -17,11 +17,11 @@ from transformers import AutoConfig
 import msquant
 from msquant.config.processors import build_processors
 from msquant.config.resolve import resolve_config
+from msquant.contracts.registry import default_registry
 from msquant.errors import QuantizationError
 from msquant.load.model_folder import build_meta_model
 from msquant.model.adapter_registry import adapter_for
 from msquant.plugin import CalibrationSize, Processor
-from msquant.plugin.registry import default_registry
 from msquant.run.input_checks import check_applicable
 from msquant.run.memory_estimate import GIB, MemoryEstimate, check_memory, estimate_memory
 

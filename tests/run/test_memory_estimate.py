@@ -15,10 +15,10 @@ import msquant
 from msquant import MsquantInputError
 from msquant.config.processors import build_processors
 from msquant.config.resolve import resolve_config
+from msquant.contracts.registry import default_registry
 from msquant.load.model_folder import build_meta_model, load_model_config
 from msquant.model.layers import find_decoder_layers
 from msquant.plugin import CalibrationSize, Processor
-from msquant.plugin.registry import default_registry
 from msquant.run.memory_estimate import (
     GIB,
     MemoryEstimate,

@@ -26,13 +26,8 @@ from msquant import OutputPathError, ResumeError
 from msquant.cli import main
 from msquant.export.recovery import SavePathLock, make_owned_dir
 from msquant.export.shards import WriterStateError, remove_temporaries
-from msquant.plugin import (
-    DecoderLayer,
-    Processor,
-    ProcessorConfig,
-    RunContext,
-    ShardedSafetensorsWriter,
-)
+from msquant.plugin import DecoderLayer, Processor, ProcessorConfig, RunContext
+from msquant.plugin.export import ShardedSafetensorsWriter
 from msquant.report.document import strip_timings
 from msquant.report.run_report import LayerTiming, ModuleReport, RunReport
 from msquant.run.checkpoint.folder import RunCheckpoints

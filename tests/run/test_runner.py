@@ -15,7 +15,8 @@ import msquant
 from msquant.load.calibration import read_calibration_texts, tokenize_samples
 from msquant.load.model_folder import load_causal_lm, load_tokenizer
 from msquant.model.layers import find_decoder_layers
-from msquant.plugin import DecoderLayer, Processor, ProcessorConfig, RunContext, get_backend
+from msquant.plugin import DecoderLayer, Processor, ProcessorConfig, RunContext
+from msquant.plugin.devices import get_backend
 from msquant.run.capture import batch_samples, capture_layer_inputs
 from msquant.run.runner import run_layer_wise
 

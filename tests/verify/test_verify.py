@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 import msquant
 import msquant.plugin
+import msquant.plugin.numerics
 from msquant import ExportReadError, ExportVerificationError
 from msquant.plugin import QuantizedWeight
 from msquant.verify import relative_error_bound, verify_export
@@ -72,7 +73,9 @@ def reference_for(
 ) -> dict[str, QuantizedWeight]:
     """The in-memory result: msquant's round-to-nearest of each selected weight."""
     return {
-        module: msquant.plugin.quantize_weight_minmax(tensors[f"{module}.weight"], bits, sym, group)
+        module: msquant.plugin.numerics.quantize_weight_minmax(
+            tensors[f"{module}.weight"], bits, sym, group
+        )
         for module, (bits, sym, group) in schemes.items()
     }
 
@@ -244,7 +247,7 @@ def write_ct(
         pattern = targets[0].removeprefix("re:")
         for module in SHAPES:
             if re.match(pattern, module):
-                reference[module] = q = msquant.plugin.quantize_weight_minmax(
+                reference[module] = q = msquant.plugin.numerics.quantize_weight_minmax(
                     tensors[f"{module}.weight"], bits, sym, size
                 )
                 stored[f"{module}.weight_packed"] = pack_to_int32(q.codes, bits)
@@ -527,7 +530,7 @@ def test_reference_and_export_must_hold_the_same_modules(
 ) -> None:
     folder, reference = ascend
     extra = dict(reference)
-    extra[DOWN] = msquant.plugin.quantize_weight_minmax(torch.randn(64, 96), 8, True)
+    extra[DOWN] = msquant.plugin.numerics.quantize_weight_minmax(torch.randn(64, 96), 8, True)
     del extra[O_PROJ]
     report = verify_export(folder, reference=extra)
     assert_errors(report, DOWN, "quantized in memory but not stored quantized")
@@ -940,7 +943,9 @@ def test_real_ascend_export_matches_reference_and_model(
 ) -> None:
     weights = load_file(str(tiny_llama / "model.safetensors"))
     reference = {
-        name.removesuffix(".weight"): msquant.plugin.quantize_weight_minmax(tensor, 8, False, 32)
+        name.removesuffix(".weight"): msquant.plugin.numerics.quantize_weight_minmax(
+            tensor, 8, False, 32
+        )
         for name, tensor in weights.items()
         if name.endswith("_proj.weight") and "down_proj" not in name
     }

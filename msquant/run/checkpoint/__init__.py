@@ -37,7 +37,7 @@ The export is byte-identical to an uninterrupted run's, the report too apart fro
 ``*seconds`` fields. A checkpoint of stage ``finished`` (every saver has finalised) resumes
 straight at the read-back check, the evaluation and the report.
 
-``dp_layer_wise`` groups (:mod:`msquant.plugin.distributed`): process 0 owns the folder. It alone takes
+``dp_layer_wise`` groups (:mod:`msquant.contracts.distributed`): process 0 owns the folder. It alone takes
 the lock, decides how the run uses the folder (fresh, resumed, refused: every process gets its
 decision, or its error), writes the layer store and ``progress.json``; every process writes its
 own hidden-state file, and process 0 commits a layer's checkpoint only once all of them are on
@@ -50,7 +50,7 @@ Policy: every run whose processors are all resumable is checkpointed (opt out wi
 ``checkpoints=False``). A run that fails with an exception removes the folder, as a failed run
 always removed its staging folder (nothing is left behind, on a full disk least of all); a run
 that is stopped after a checkpoint (killed, ``KeyboardInterrupt`` from Ctrl-C, ``SystemExit``, or
-in a ``dp_layer_wise`` group the loss of another process: :class:`~msquant.plugin.distributed.PeerLostError`)
+in a ``dp_layer_wise`` group the loss of another process: :class:`~msquant.contracts.distributed.PeerLostError`)
 keeps it for ``--resume``, with a warning saying so. The save path itself is never touched
 before the export is complete. A later run of the same save path without ``--resume`` is refused
 while such a folder exists, unless ``overwrite`` discards it. The folder is removed once the

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from msquant.contracts.context import RunContext
+from msquant.contracts.distributed import SINGLE, Distributed, PeerLostError
 from msquant.errors import OutputPathError
 from msquant.export.marker import sha256_file
 from msquant.export.recovery import (
@@ -26,8 +28,6 @@ from msquant.export.recovery import (
 from msquant.export.shards import remove_temporaries
 from msquant.export.staging import CommitRefusedError
 from msquant.model.layers import DecoderLayer
-from msquant.plugin.context import RunContext
-from msquant.plugin.distributed import SINGLE, Distributed, PeerLostError
 from msquant.run.agree import agree
 from msquant.run.checkpoint.durable import save_tensors_atomically, write_json_atomically
 from msquant.run.checkpoint.layout import (
@@ -48,7 +48,7 @@ from msquant.run.checkpoint.restore import take_up_finished, take_up_layers
 from msquant.run.checkpoint.store import LayerStore
 
 if TYPE_CHECKING:
-    from msquant.plugin.processor import Processor
+    from msquant.contracts.processor import Processor
     from msquant.run.capture import CalibrationActivations
 
 __all__ = ["RunCheckpoints"]
@@ -113,7 +113,7 @@ class RunCheckpoints:
         The caller holds the save path's lock (:class:`~msquant.export.recovery.SavePathLock`).
         In a ``dp_layer_wise`` group process 0 does all of that; the others wait until the folder
         is ready (every process must enter), and leave it alone afterwards. Losing another
-        process (:class:`~msquant.plugin.distributed.PeerLostError`) counts as an interruption."""
+        process (:class:`~msquant.contracts.distributed.PeerLostError`) counts as an interruption."""
         main = self.dist.is_main
         error: Exception | None = None
         if main:

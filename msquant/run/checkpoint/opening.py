@@ -10,10 +10,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from msquant.contracts.distributed import SINGLE, Distributed
+from msquant.contracts.processor import flatten_processors
 from msquant.errors import OutputPathError
 from msquant.export.recovery import owned_dir_problem
-from msquant.plugin.distributed import SINGLE, Distributed
-from msquant.plugin.processor import flatten_processors
 from msquant.run.agree import agree
 from msquant.run.checkpoint.fingerprint import fingerprint_differences
 from msquant.run.checkpoint.folder import RunCheckpoints
@@ -21,7 +21,7 @@ from msquant.run.checkpoint.layout import PROGRESS_FILE, ResumeError, partial_pa
 from msquant.run.checkpoint.progress import describe_progress, read_progress
 
 if TYPE_CHECKING:
-    from msquant.plugin.processor import Processor
+    from msquant.contracts.processor import Processor
 
 __all__ = ["checkpoint_blocker", "open_checkpoints"]
 

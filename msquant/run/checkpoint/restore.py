@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors import safe_open
 
+from msquant.contracts.context import RunContext
 from msquant.export.marker import sha256_file
 from msquant.export.shards import WriterStateError, remove_temporaries
-from msquant.plugin.context import RunContext
 from msquant.run.checkpoint.layout import OUTSIDE_KEY, PROBE_KEY, WORLD_SIZE_HINT, ResumeError
 from msquant.run.checkpoint.progress import layer_key
 
 if TYPE_CHECKING:
-    from msquant.plugin.processor import Processor
+    from msquant.contracts.processor import Processor
     from msquant.run.capture import CalibrationActivations
     from msquant.run.checkpoint.folder import RunCheckpoints
 

@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from msquant.plugin import (
-    DecodedLayer,
+from msquant.plugin import DecodedLayer
+from msquant.plugin.numerics import (
     decode_deq_scale,
     deq_scale,
     quant_bias,
     scale_bias,
-    trivial_g_idx,
     unpack_int4_rows,
 )
+from msquant.plugin.reading import trivial_g_idx
 from msquant.processors.formats.ascend.layer_types import TYPE_PARTS, W8A8_PARTS
 
 if TYPE_CHECKING:

@@ -36,6 +36,7 @@ QUANT_TYPE_PRIORITY = (
     "W8A8_DYNAMIC",
     "W8A8_MIX",
     "W8A8",
+    "WFP8AFP8_DYNAMIC",
     "W8A8_MXFP8",
     "W4A8_MXFP",
     "W4A4_MXFP4",

@@ -4,7 +4,8 @@ section 7). Shared by the reader and the activation layers' decoding."""
 
 from __future__ import annotations
 
-from msquant.plugin import value_type_named
+from msquant.plugin.numerics import value_type_named
+from msquant.processors.formats.ascend.fp8 import FP8_PARTS, FP8_TYPE
 from msquant.processors.formats.ascend.mx import MX_PARTS, MX_TYPES
 
 __all__ = [
@@ -32,6 +33,7 @@ TYPE_BITS = {
     "W8A8_MIX": 8,
     "W4A8_DYNAMIC": 4,
     **{kind: value_type_named(weight).bits for kind, (weight, _) in MX_TYPES.items()},
+    FP8_TYPE: 8,
 }
 PARTS = ("weight", "weight_scale", "weight_offset")
 W8A8_PARTS = ("weight", "input_scale", "input_offset", "deq_scale", "quant_bias")
@@ -45,6 +47,8 @@ TYPE_PARTS = {
     "W4A8_DYNAMIC": (*PARTS, "scale_bias"),
     # MX (:mod:`.mx`): float8 / packed float4 elements and E8M0 block exponents, no offset
     **dict.fromkeys(MX_TYPES, MX_PARTS),
+    # W8A8 fp8 (:mod:`.fp8`): float8_e4m3fn weight, float32 per-channel scale, zero offset
+    FP8_TYPE: FP8_PARTS,
 }
 #: Every tensor name ending that belongs to a quantized linear's parameters.
 PARAMETER_LEAVES = tuple(dict.fromkeys(p for parts in TYPE_PARTS.values() for p in parts[1:]))

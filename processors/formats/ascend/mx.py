@@ -20,17 +20,9 @@ from typing import NamedTuple
 
 import torch
 
-from msquant.plugin import (
-    E8M0_BIAS,
-    DecodedLayer,
-    QuantizationError,
-    QuantizedLinear,
-    ValueType,
-    pack_nibbles,
-    trivial_g_idx,
-    unpack_nibbles,
-    value_type_named,
-)
+from msquant.plugin import DecodedLayer, QuantizationError, QuantizedLinear, ValueType
+from msquant.plugin.numerics import E8M0_BIAS, pack_nibbles, unpack_nibbles, value_type_named
+from msquant.plugin.reading import trivial_g_idx
 
 __all__ = [
     "MX_PARTS",

@@ -32,17 +32,16 @@ from __future__ import annotations
 
 import torch
 
-from msquant.plugin import (
-    ActivationQuant,
-    QuantizationError,
-    QuantizedLinear,
+from msquant.plugin import ActivationQuant, QuantizationError, QuantizedLinear
+from msquant.plugin.export import pack_int4_pairs
+from msquant.plugin.numerics import (
     deq_scale,
     encode_deq_scale,
-    pack_int4_pairs,
     pack_int4_rows,
     quant_bias,
     scale_bias,
 )
+from msquant.processors.formats.ascend.fp8 import FP8_TYPE, FP8_VALUES, fp8_module_tensors
 from msquant.processors.formats.ascend.mx import MX_TYPES, mx_module_tensors
 
 __all__ = [
@@ -78,7 +77,13 @@ def quant_type(module: QuantizedLinear, name: str) -> str:
     :raises QuantizationError: naming the module and the format that stores other widths.
     """
     if module.act is not None and module.act.value_type is not None:
+        if module.act.scope == "per_token":
+            return _fp8_type(module, module.act, name)
         return _mx_type(module, module.act, name)
+    if module.value_type.family != "int":
+        raise QuantizationError(
+            f"{name}: {module.value_type.name} weights with float activations have no Ascend type"
+        )
     if module.act is not None:
         int4_dynamic = module.bits == 4 and module.act.dynamic
         if (
@@ -104,6 +109,20 @@ def quant_type(module: QuantizedLinear, name: str) -> str:
             "(W8A16) and int4 (W4A16). Export other widths with type: compressed_tensors"
         )
     return found
+
+
+def _fp8_type(module: QuantizedLinear, act: ActivationQuant, name: str) -> str:
+    """``WFP8AFP8_DYNAMIC`` for fp8_e4m3 per-channel weights with fp8_e4m3 per-token activations.
+
+    :raises QuantizationError: for other weights with float per-token activations.
+    """
+    if (module.value_type.name, act.value_type) != FP8_VALUES or module.group_size is not None:
+        raise QuantizationError(
+            f"{name}: {module.value_type.describe(module.group_size, module.symmetric)} weights "
+            f"with {act.value_type} per-token activations have no Ascend type; valid: {FP8_TYPE} "
+            "(fp8_e4m3 per-channel weights, fp8_e4m3 per-token act)"
+        )
+    return FP8_TYPE
 
 
 def _mx_type(module: QuantizedLinear, act: ActivationQuant, name: str) -> str:
@@ -132,6 +151,8 @@ def ascend_module_tensors(
     kind = quant_type(module, name)
     if kind in MX_TYPES:
         return mx_module_tensors(name, module, kind)
+    if kind == FP8_TYPE:
+        return fp8_module_tensors(name, module)
     if module.act is not None:
         return activation_module_tensors(name, module, kind, model_dtype)
     weight = module.weight

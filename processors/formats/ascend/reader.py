@@ -44,14 +44,10 @@ from pathlib import Path
 
 import torch
 
-from msquant.plugin import (
-    ActivationQuant,
-    DecodedLayer,
-    ExportReader,
-    Findings,
-    LayerReport,
+from msquant.plugin import ActivationQuant, DecodedLayer, ExportReader, Findings, LayerReport
+from msquant.plugin.model import parse_expert_linear
+from msquant.plugin.reading import (
     open_weights,
-    parse_expert_linear,
     read_json,
     ties_word_embeddings,
     trivial_g_idx,
@@ -71,6 +67,7 @@ from msquant.processors.formats.ascend.detect import (
     description_files,
 )
 from msquant.processors.formats.ascend.fa_quant import FA_QUANT, fa_quant_problems
+from msquant.processors.formats.ascend.fp8 import FP8_PARTS, FP8_TYPE, FP8_VALUES, decode_fp8
 from msquant.processors.formats.ascend.layer_types import (
     FLOAT,
     GLOBAL_KEYS,
@@ -465,6 +462,8 @@ class AscendReader(ExportReader):
             return decode_w4a8(self, module)
         if kind in MX_TYPES:
             return self._decode_mx(module, kind)
+        if kind == FP8_TYPE:
+            return self._decode_fp8(module)
         names = {part: f"{module}.{part}" for part in PARTS}
         present = [
             self.expect(names[part], (dtype,), None)
@@ -473,6 +472,21 @@ class AscendReader(ExportReader):
         if not all(present) or self.store is None:
             return None
         return self._decode_checked(module, kind, bits, names)
+
+    def _decode_fp8(self, module: str) -> DecodedLayer | None:
+        present = [
+            self.expect(f"{module}.{part}", (dtype,), None)
+            for part, dtype in zip(
+                FP8_PARTS, (torch.float8_e4m3fn, torch.float32, torch.float32), strict=True
+            )
+        ]
+        if not all(present) or self.store is None:
+            return None
+        decoded = decode_fp8(module, *(self.store.get(f"{module}.{part}") for part in FP8_PARTS))
+        if isinstance(decoded, str):
+            self.findings.error(decoded)
+            return None
+        return decoded
 
     def _decode_mx(self, module: str, kind: str) -> DecodedLayer | None:
         present = [
@@ -555,6 +569,8 @@ class AscendReader(ExportReader):
             return ActivationQuant("per_token")
         if kind in MX_TYPES:
             return ActivationQuant("per_block", value_type=MX_TYPES[kind][1])
+        if kind == FP8_TYPE:
+            return ActivationQuant("per_token", value_type=FP8_VALUES[1])
         if kind not in ("W8A8", "W8A8_MIX") or self.store is None:
             return None
         scale = float(self.store.get(f"{module}.input_scale")[0])

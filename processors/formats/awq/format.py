@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from msquant.plugin import hf_export_format
+from msquant.plugin.reading import hf_export_format
 from msquant.processors.formats.awq.reader import AWQReader
 
 __all__ = ["AWQ"]

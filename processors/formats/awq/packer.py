@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from msquant.plugin import QuantizationError, QuantizedLinear, pack_int32
+from msquant.plugin import QuantizationError, QuantizedLinear
+from msquant.plugin.export import pack_int32
 
 __all__ = ["AWQ_BITS", "AWQ_ORDER", "PACK", "awq_module_tensors", "interleave"]
 

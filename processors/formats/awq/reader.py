@@ -17,16 +17,8 @@ from typing import Any
 
 import torch
 
-from msquant.plugin import (
-    DecodedLayer,
-    ExportReader,
-    Findings,
-    LayerReport,
-    module_of,
-    open_weights,
-    trivial_g_idx,
-    unpack_int32_stream,
-)
+from msquant.plugin import DecodedLayer, ExportReader, Findings, LayerReport
+from msquant.plugin.reading import module_of, open_weights, trivial_g_idx, unpack_int32_stream
 
 __all__ = ["AWQReader"]
 

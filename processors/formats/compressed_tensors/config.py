@@ -2,7 +2,9 @@
 the most common one targeting the class ``Linear``, the others their exact module names, and the
 modules left in float in ``ignore``.
 
-A scheme is weight-only (``pack-quantized``, ``input_activations: null``) or int8 W8A8
+A scheme is weight-only (``pack-quantized``, ``input_activations: null``), FP8 W8A8
+(``float-quantized``: ``type: float`` 8-bit channel weights, ``type: float`` dynamic per-token
+activations, compressed-tensors' ``FP8_DYNAMIC`` preset) or int8 W8A8
 (``int-quantized``, with ``input_activations`` as llm-compressor 0.14 writes them for the same
 scheme: ``{num_bits: 8, type: int, symmetric, strategy: token, dynamic: true}`` for per-token
 dynamic activations, ``strategy: tensor, dynamic: false`` for static per-tensor ones).
@@ -34,6 +36,9 @@ FORMAT = "pack-quantized"
 #: The format of int8 weights stored unpacked beside quantized activations (vLLM's
 #: ``CompressedTensorsW8A8Int8`` is chosen only for an activation-quantization format).
 INT_QUANTIZED = "int-quantized"
+#: The format of FP8 weights (``float8_e4m3fn`` beside a per-channel scale; vLLM's
+#: ``CompressedTensorsW8A8Fp8`` with FP8 input activations).
+FLOAT_QUANTIZED = "float-quantized"
 #: The top-level ``format`` when the config groups use different formats (compressed-tensors'
 #: name; vLLM reads each group's own ``format`` first).
 MIXED_PRECISION = "mixed-precision"
@@ -64,12 +69,17 @@ class WeightScheme:
     actorder: str | None = None
     input_strategy: str | None = None
     input_symmetric: bool = True
+    #: The float value type of weights and activations (``fp8_e4m3``: ``float-quantized``, W8A8
+    #: FP8 with dynamic per-token activations); None for integers.
+    value_type: str | None = None
 
     @classmethod
     def of(cls, module: QuantizedLinear) -> WeightScheme:
         """The scheme of a quantized linear."""
         actorder = ACTORDER_WEIGHT if getattr(module, "act_order", False) else None
         act = module.act
+        if module.value_type.family == "fp8":
+            return cls(8, True, None, None, "token", True, module.value_type.name)
         if act is None:
             return cls(module.bits, module.symmetric, module.group_size, actorder)
         strategy = "token" if act.dynamic else "tensor"
@@ -79,8 +89,10 @@ class WeightScheme:
 
     @property
     def format(self) -> str:
-        """The group's compression format: ``int-quantized`` with activations, else
-        ``pack-quantized``."""
+        """The group's compression format: ``float-quantized`` for FP8, ``int-quantized`` with
+        int8 activations, else ``pack-quantized``."""
+        if self.value_type is not None:
+            return FLOAT_QUANTIZED
         return FORMAT if self.input_strategy is None else INT_QUANTIZED
 
     def input_args(self) -> dict[str, Any] | None:
@@ -90,7 +102,7 @@ class WeightScheme:
         dynamic = self.input_strategy == "token"
         return {
             "num_bits": 8,
-            "type": "int",
+            "type": "int" if self.value_type is None else "float",
             "symmetric": self.input_symmetric,
             "strategy": self.input_strategy,
             "dynamic": dynamic,
@@ -105,7 +117,7 @@ class WeightScheme:
         """The ``weights`` entry of a config group (valid ``QuantizationArgs`` keys only)."""
         args: dict[str, Any] = {
             "num_bits": self.num_bits,
-            "type": "int",
+            "type": "int" if self.value_type is None else "float",
             "symmetric": self.symmetric,
             "strategy": self.strategy,
         }
@@ -117,6 +129,8 @@ class WeightScheme:
         return args
 
     def __str__(self) -> str:
+        if self.value_type is not None:
+            return f"{self.value_type} per_channel sym a {self.value_type} per_token"
         scope = "per_channel" if self.group_size is None else f"per_group({self.group_size})"
         order = f" actorder {self.actorder}" if self.actorder else ""
         act = ""

@@ -13,6 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from msquant.plugin import Findings
+from msquant.processors.formats.compressed_tensors.float_quantized import (
+    FLOAT_QUANTIZED,
+    FP8_VALUE_TYPE,
+    float_group_problems,
+)
 from msquant.processors.formats.compressed_tensors.int_quantized import INT_QUANTIZED, input_scheme
 
 __all__ = ["CTScheme", "ConfigGroup", "PACK_QUANTIZED", "parse_config_groups"]
@@ -48,6 +53,9 @@ class CTScheme:
     #: for weight-only ``pack-quantized``.
     input_strategy: str | None = None
     input_symmetric: bool = True
+    #: The float value type of weights and activations (``fp8_e4m3``: ``float-quantized``); None
+    #: for integers.
+    value_type: str | None = None
 
     def key(self) -> Hashable:
         """What two fused shards must share (the group name does not matter)."""
@@ -58,10 +66,14 @@ class CTScheme:
             self.group_size,
             self.input_strategy,
             self.input_symmetric,
+            self.value_type,
         )
 
     def describe(self) -> str:
-        """E.g. ``int4 group 32 asym (group_0)``, ``int8 per-channel sym a8 token (group_0)``."""
+        """E.g. ``int4 group 32 asym (group_0)``, ``int8 per-channel sym a8 token (group_0)``,
+        ``fp8_e4m3 per-channel a fp8_e4m3 token (group_0)``."""
+        if self.value_type is not None:
+            return f"{self.value_type} per-channel a {self.value_type} token ({self.group})"
         scope = "per-channel" if self.strategy == "channel" else f"group {self.group_size}"
         act = ""
         if self.input_strategy is not None:
@@ -115,11 +127,20 @@ def _group_scheme(
     group_format = group.get("format") or qconfig.get("format")
     if group_format == INT_QUANTIZED:
         return _int_group_scheme(name, group, where, findings)
+    if group_format == FLOAT_QUANTIZED:
+        problems = float_group_problems(group)
+        if problems:
+            findings.error(
+                f"{where}: {FLOAT_QUANTIZED} is verified for FP8 W8A8 (fp8 per-channel weights, "
+                f"dynamic per-token fp8 activations): " + "; ".join(problems)
+            )
+            return None
+        return CTScheme(name, 8, True, "channel", None, "token", True, FP8_VALUE_TYPE)
     if group_format != PACK_QUANTIZED:
         findings.error(
             f"{where}: format {group_format!r} is not verified by msquant verify "
-            f"(it reads {PACK_QUANTIZED} weight-only and {INT_QUANTIZED} int8 W8A8 "
-            "checkpoints)"
+            f"(it reads {PACK_QUANTIZED} weight-only, {INT_QUANTIZED} int8 W8A8 and "
+            f"{FLOAT_QUANTIZED} FP8 W8A8 checkpoints)"
         )
         return None
     for key in ("input_activations", "output_activations"):

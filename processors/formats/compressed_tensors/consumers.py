@@ -64,7 +64,11 @@ def activation_warnings(schemes: Mapping[str, WeightScheme]) -> list[str]:
     asym = [n for n, s in schemes.items() if s.input_strategy == "tensor" and not s.input_symmetric]
     if asym:
         warnings.append(VLLM_ASYM_ZERO_POINT.format(names=_listing(asym)))
-    experts = [n for n, s in schemes.items() if s.input_strategy is not None and ".experts." in n]
+    experts = [
+        n
+        for n, s in schemes.items()
+        if s.input_strategy is not None and s.value_type is None and ".experts." in n
+    ]
     if experts:
         warnings.append(
             TRANSFORMERS_W8A8_EXPERTS.format(
@@ -86,7 +90,7 @@ def transformers_loading_note(schemes: Iterable[WeightScheme]) -> str:
     """How transformers can load an export holding ``schemes`` (formats.md 4.1; vLLM loads all)."""
     distinct = set(schemes)
     symmetric = all(scheme.symmetric for scheme in distinct)
-    dynamic = any(scheme.input_strategy == "token" for scheme in distinct)
+    dynamic = any(s.input_strategy == "token" and s.value_type is None for s in distinct)
     if symmetric:
         note = "transformers loads it with AutoModelForCausalLM.from_pretrained(path)"
         return f"{note}; {TRANSFORMERS_DYNAMIC}" if dynamic else note

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from msquant.plugin import hf_export_format
+from msquant.plugin.reading import hf_export_format
 from msquant.processors.formats.compressed_tensors.reader import CompressedTensorsReader
 
 __all__ = ["COMPRESSED_TENSORS"]

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from msquant.plugin import ActivationQuant, DecodedLayer, Findings, trivial_g_idx
+from msquant.plugin import ActivationQuant, DecodedLayer, Findings
+from msquant.plugin.reading import trivial_g_idx
 
 __all__ = [
     "INT_PARTS",

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from msquant import QuantizationError
-from msquant.plugin import ActivationQuant, QuantizedWeight, pack_int32
+from msquant.plugin import ActivationQuant, QuantizationError, QuantizedWeight
+from msquant.plugin.export import pack_int32
 
 __all__ = [
+    "pack_float_quantized_tensors",
     "MIN_BITS",
     "MAX_BITS",
     "W8A8_REFUSAL",
@@ -80,6 +81,29 @@ def pack_quantized_tensors(
         except ValueError as exc:
             raise QuantizationError(f"{name}: {exc}") from exc
         tensors[f"{name}.weight_zero_point"] = pack_int32(zero_points, bits, dim=0)
+    if bias is not None:
+        tensors[f"{name}.bias"] = bias.detach().to(dtype)
+    return tensors
+
+
+def pack_float_quantized_tensors(
+    name: str, qweight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The ``float-quantized`` tensors of one FP8 W8A8 linear ``name`` (pure; inputs unchanged):
+    ``weight`` ``float8_e4m3fn`` ``[out, in]``, ``weight_scale`` float32 ``[out, 1]`` (the dtype
+    of vLLM's parameter), ``bias`` in the model dtype ``dtype``.
+
+    :raises QuantizationError: for weights other than fp8_e4m3 per-channel.
+    """
+    if qweight.value_type.family != "fp8" or qweight.group_size is not None:
+        raise QuantizationError(
+            f"{name}: compressed-tensors float-quantized stores fp8_e4m3 per-channel weights, got "
+            f"{qweight.value_type.describe(qweight.group_size, qweight.symmetric)}"
+        )
+    tensors = {
+        f"{name}.weight": qweight.codes.to(torch.uint8).view(torch.float8_e4m3fn),
+        f"{name}.weight_scale": qweight.scale.to(torch.float32).reshape(-1, 1),
+    }
     if bias is not None:
         tensors[f"{name}.bias"] = bias.detach().to(dtype)
     return tensors

@@ -34,17 +34,8 @@ from typing import Any
 
 import torch
 
-from msquant.plugin import (
-    ActivationQuant,
-    DecodedLayer,
-    ExportReader,
-    Findings,
-    LayerReport,
-    open_weights,
-    trivial_g_idx,
-    unpack_int32_stream,
-    words_needed,
-)
+from msquant.plugin import ActivationQuant, DecodedLayer, ExportReader, Findings, LayerReport
+from msquant.plugin.reading import open_weights, trivial_g_idx, unpack_int32_stream, words_needed
 from msquant.processors.formats.compressed_tensors import int_quantized
 from msquant.processors.formats.compressed_tensors.config_groups import (
     PACK_QUANTIZED,
@@ -52,6 +43,7 @@ from msquant.processors.formats.compressed_tensors.config_groups import (
     CTScheme,
     parse_config_groups,
 )
+from msquant.processors.formats.compressed_tensors.float_quantized import decode_fp8_layer
 from msquant.processors.formats.compressed_tensors.int_quantized import INT_PARTS, INT_QUANTIZED
 
 __all__ = ["CompressedTensorsReader", "CTScheme"]
@@ -159,7 +151,8 @@ class CompressedTensorsReader(ExportReader):
         return sorted({name.rpartition(".")[0] for name in packed})
 
     def _find_int_modules(self) -> list[str]:
-        """Modules storing an int8 ``weight`` (``int-quantized``); other tensors under them than
+        """Modules storing an int8 ``weight`` (``int-quantized``) or a ``float8_e4m3fn`` one
+        (``float-quantized``); other tensors under them than
         :data:`INT_PARTS` and ``bias`` are errors."""
         if self.store is None:
             return []
@@ -167,7 +160,8 @@ class CompressedTensorsReader(ExportReader):
         modules = sorted(
             name[: -len(".weight")]
             for name in names
-            if name.endswith(".weight") and self.store.infos[name].dtype == torch.int8
+            if name.endswith(".weight")
+            and self.store.infos[name].dtype in (torch.int8, torch.float8_e4m3fn)
         )
         for module in modules:
             for name in names:
@@ -233,12 +227,14 @@ class CompressedTensorsReader(ExportReader):
             return None  # the group's config error is already reported
         scheme = group.scheme
         if (module in self.int_modules) != (scheme.input_strategy is not None):
-            stored = "an int8 weight" if module in self.int_modules else "weight_packed"
+            stored = "an unpacked weight" if module in self.int_modules else "weight_packed"
             self.findings.error(
                 f"{module}: stores {stored} but its group {group.name} is {scheme.describe()} "
                 f"({INT_QUANTIZED} layers store int8 weight, {PACK_QUANTIZED} weight_packed)"
             )
             return None
+        if scheme.value_type is not None:
+            return decode_fp8_layer(module, group.name, self._int_tensors(module), self.findings)
         if scheme.input_strategy is not None:
             return int_quantized.decode_int_layer(
                 module,
@@ -336,6 +332,8 @@ class CompressedTensorsReader(ExportReader):
         scheme = self.scheme_of(module)
         if scheme is None or scheme.input_strategy is None or module not in self.int_modules:
             return None
+        if scheme.value_type is not None:  # FP8: dynamic per token
+            return ActivationQuant("per_token", value_type=scheme.value_type)
         return int_quantized.activation_of(
             scheme.input_strategy, scheme.input_symmetric, self._int_tensors(module)
         )

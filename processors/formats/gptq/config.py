@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import msquant
-from msquant.plugin import ModelAdapter, QuantizationError, QuantizedLinear, parse_expert_linear
+from msquant.plugin import ModelAdapter, QuantizationError, QuantizedLinear
+from msquant.plugin.export import __version__
+from msquant.plugin.model import parse_expert_linear
 from msquant.processors.formats.gptq.scheme import (
     CheckpointFormat,
     GPTQScheme,
@@ -367,7 +368,7 @@ def build_quantization_config(
         # quantized and fail at the first forward
         config["modules_in_block_to_quantize"] = modules_in_block_to_quantize(units, head)
     config["meta"] = {
-        "quantizer": [f"msquant:{msquant.__version__}"],
+        "quantizer": [f"msquant:{__version__}"],
         "msquant_methods": sorted(set(methods)),
     }
     return config

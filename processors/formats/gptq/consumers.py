@@ -3,7 +3,7 @@ functions over the saver's rule units; the saver logs them, or raises them under
 
 from __future__ import annotations
 
-from msquant.plugin import parse_expert_linear
+from msquant.plugin.model import parse_expert_linear
 from msquant.processors.formats.gptq.config import (
     RuleUnit,
     experts_module_units,

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from msquant.plugin import QuantizedLinear, pack_int32
+from msquant.plugin import QuantizedLinear
+from msquant.plugin.export import pack_int32
 from msquant.processors.formats.gptq.scheme import CheckpointFormat, gptq_error
 
 __all__ = [

@@ -31,11 +31,8 @@ from typing import Any, NamedTuple, TypeGuard
 
 import torch
 
-from msquant.plugin import (
-    DecodedLayer,
-    ExportReader,
-    Findings,
-    LayerReport,
+from msquant.plugin import DecodedLayer, ExportReader, Findings, LayerReport
+from msquant.plugin.reading import (
     open_weights,
     read_json,
     trivial_g_idx,

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch import nn
 
+from msquant.contracts.distributed import SINGLE, Distributed
+from msquant.contracts.transforms import TransformLog
 from msquant.model.checkpoint_names import CheckpointNames, disk_form
 from msquant.model.layers import DecoderLayer
 from msquant.model.moe import MoEInfo
-from msquant.plugin.distributed import SINGLE, Distributed
-from msquant.plugin.transforms import TransformLog
 from msquant.report.run_report import RunReport
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ class RunContext:
     :param probe: set by the layer runner when a processor transforms weights
         (``transforms_weights``): a few calibration tokens and their hidden states entering the
         current decoder layer, on which such a processor proves that its transform keeps the
-        model's function (:mod:`msquant.check`; :class:`msquant.plugin.TransformProbe`); None
+        model's function (:mod:`msquant.check`; :class:`msquant.plugin.checks.TransformProbe`); None
         otherwise.
     :param msmodelslim_model_type: the msModelSlim model adapter the run was told to follow
         (``--model_type``, ``quantize(model_type=...)``), None when none was named; processors
@@ -82,7 +82,7 @@ class RunContext:
     :param transforms: what processors that transform float weights record of their transforms
         (parameters, fingerprints of the float tensors they set); the run writes it into
         ``msquant_export.json`` and ``msquant verify`` checks the export against it
-        (:mod:`msquant.plugin.transforms`).
+        (:mod:`msquant.contracts.transforms`).
     """
 
     model: nn.Module

@@ -218,7 +218,7 @@ class QuantMethod(ABC):
     def quantizer_bytes(self, in_features: int) -> int:
         """Bytes one module's calibration state (:meth:`new_quantizer`) holds once fed, for a
         module reading ``in_features`` values: a Hessian and its staging buffer for calibrated
-        methods (:meth:`msquant.plugin.HessianAccumulator.footprint`), nothing otherwise."""
+        methods (:meth:`msquant.plugin.numerics.HessianAccumulator.footprint`), nothing otherwise."""
         return HessianAccumulator.footprint(in_features) if self.calibrated else 0
 
     def work_bytes(self, out_features: int, in_features: int) -> int:

@@ -85,10 +85,10 @@ from torch import nn
 from msquant.errors import ConfigIssue
 
 if TYPE_CHECKING:
+    from msquant.contracts.context import RunContext
+    from msquant.contracts.memory import CalibrationSize
+    from msquant.contracts.transforms import TransformedExport
     from msquant.model.layers import DecoderLayer
-    from msquant.plugin.context import RunContext
-    from msquant.plugin.memory import CalibrationSize
-    from msquant.plugin.transforms import TransformedExport
 
 __all__ = [
     "Stage",
@@ -250,7 +250,7 @@ class Processor(ABC):
         """What this processor carries from the finished layers to the next ones, as JSON-able
         data (a checkpoint; called after each layer's ``after_layer`` when ``resumable``).
 
-        Savers return their writer's :meth:`msquant.plugin.ShardedSafetensorsWriter.state` and what
+        Savers return their writer's :meth:`msquant.plugin.export.ShardedSafetensorsWriter.state` and what
         they recorded about the written tensors; a stateless processor keeps this default.
         """
         return {}

@@ -43,20 +43,20 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 from torch import nn
 
+from msquant.contracts.processor import Processor, ProcessorConfig
 from msquant.errors import QuantizationError
 from msquant.export.hf_checkpoint import unique_state_items
 from msquant.export.shards import ShardedSafetensorsWriter
 from msquant.model.adapter import ModelAdapter
 from msquant.model.adapter_registry import adapter_for
 from msquant.model.head import OutputHeadStage
-from msquant.plugin.processor import Processor, ProcessorConfig
 from msquant.quant.quantized_linear import QuantizedLinear
 
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from msquant.contracts.context import RunContext
     from msquant.model.layers import DecoderLayer
-    from msquant.plugin.context import RunContext
 
 __all__ = [
     "SAVER_STATE_FORMAT",

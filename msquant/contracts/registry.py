@@ -12,8 +12,8 @@ import logging
 from collections.abc import Iterable
 from typing import Literal, get_args, get_origin
 
+from msquant.contracts.processor import Processor, ProcessorConfig, Stage
 from msquant.errors import RegistryError
-from msquant.plugin.processor import Processor, ProcessorConfig, Stage
 from msquant.registry_base import (
     PluginError,
     PluginProblem,
