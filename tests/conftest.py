@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,25 @@ from msquant.cli import main  # noqa: E402
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
+
+#: The default selection of ``addopts`` (pyproject.toml): the tests that run on every commit.
+DEFAULT_MARK_EXPRESSION = (
+    "not slow and not consumers and not gptqmodel and not faults and not msmodelslim "
+    "and not practices"
+)
+#: Most worker processes the default suite spreads over (each builds its own tiny models).
+MAX_WORKERS = 8
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (addopts): one worker per CPU for the default suite, whose tests are
+    single-threaded (above) and independent; the opt-in suites (``-m slow``, ``consumers``,
+    ``msmodelslim``...) run in one process, since they share download caches and run external
+    tools that take the machine's cores themselves."""
+    if config.option.markexpr != DEFAULT_MARK_EXPRESSION:
+        return 0
+    return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+
 
 # The MoE tests are written for transformers 5.24's fused experts. msquant also runs MoE models
 # under 5.17 and 4.5x (checked by hand: those tests pass there but for transformers' own eager

@@ -4,6 +4,7 @@ and reported by name, a name two classes claim refused."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from importlib.metadata import EntryPoint
 from pathlib import Path
@@ -112,8 +113,13 @@ def test_a_real_interrupt_during_an_import_still_stops(
     (tmp_path / "rt_slow.py").write_text(
         "import os, signal\nos.kill(os.getpid(), signal.SIGINT)\nimport time\ntime.sleep(5)\n"
     )
-    with pytest.raises(KeyboardInterrupt):
-        load_plugin(EntryPoint("x", "rt_slow:Thing", GROUP), "thing")
+    # Python's own SIGINT handler, as in a user's process (pytest-xdist's workers ignore SIGINT).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            load_plugin(EntryPoint("x", "rt_slow:Thing", GROUP), "thing")
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_an_object_of_the_wrong_kind_is_named_with_the_public_spelling(

@@ -103,13 +103,19 @@ def per_head_int8_scale(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
     return torch.maximum(torch.maximum(-low, high) / float(INT8_MAX), eps)
 
 
+def _row_ranges(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` as rows of its last dimension, with each row's minimum and maximum (``[rows, 1]``):
+    what the per-token schemes scale by."""
+    rows = x.reshape(-1, x.shape[-1])
+    low, high = torch.aminmax(rows, dim=1, keepdim=True)
+    return rows, low, high
+
+
 def per_token_int8_fake_quant(x: torch.Tensor) -> torch.Tensor:
     """The dynamic (``per_token``) scheme's effect on ``x``: each row of the last dimension
     quantized to int8 with its own symmetric scale, then dequantized (what the consumer's
     attention computes with; msquant exports no tensor for it)."""
-    rows = x.reshape(-1, x.shape[-1])
-    low = torch.amin(rows, dim=1, keepdim=True)
-    high = torch.amax(rows, dim=1, keepdim=True)
+    rows, low, high = _row_ranges(x)
     scale = per_head_int8_scale(low, high)
     codes = torch.clamp(torch.round(rows / scale), -INT8_MAX - 1, INT8_MAX)
     return (codes * scale).reshape(x.shape).to(x.dtype)
@@ -135,7 +141,5 @@ def per_token_fp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
     """The dynamic (``per_token``) float8 scheme's effect on ``x``: each row of the last
     dimension quantized to e4m3 with its own scale, then dequantized (what the consumer's
     attention computes with; msquant exports no tensor for it)."""
-    rows = x.reshape(-1, x.shape[-1])
-    low = torch.amin(rows, dim=1, keepdim=True)
-    high = torch.amax(rows, dim=1, keepdim=True)
+    rows, low, high = _row_ranges(x)
     return fp8_e4m3_fake_quant(rows, per_head_fp8_scale(low, high)).reshape(x.shape)

@@ -39,6 +39,10 @@ from msquant.processors.smoothing.processor import (
 )
 from msquant.run.runner import run_layer_wise
 
+#: The last test reads what the sweep recorded in this process: under pytest-xdist the whole
+#: module runs on one worker.
+pytestmark = pytest.mark.xdist_group("transform_sweep")
+
 TRANSFORMS: dict[str, Any] = {
     "smooth_quant": lambda: SmoothQuantProcessor(SmoothQuantConfig(type="smooth_quant")),
     "iter_smooth": lambda: IterSmoothProcessor(IterSmoothConfig(type="iter_smooth")),
