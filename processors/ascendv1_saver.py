@@ -153,6 +153,13 @@ VLLM_ASCEND_W8A8_DEQ = (
     "float16 (--dtype float16); served in bfloat16 it creates a float32 deq_scale that the int64 "
     "tensor does not fit (export a bfloat16 copy of the model for bfloat16 serving): {names}"
 )
+VLLM_ASCEND_FP8 = (
+    "vLLM-Ascend 0.30 names the W8A8 fp8 layer W8A8FP8_DYNAMIC and has no scheme for this "
+    "format's (msModelSlim's) WFP8AFP8_DYNAMIC type, so it refuses these layers by name "
+    "(NotImplementedError); for vLLM-Ascend write the compressed_tensors export of the same "
+    "config (spec.save: [{{type: compressed_tensors}}]), which its compressed-tensors path loads: "
+    "{names}"
+)
 VLLM_ASCEND_PER_GROUP = (
     "vLLM-Ascend's W8A16 scheme is per-channel only (weight_scale [out, 1]), so these per-group "
     "W8A16 layers do not load there; for vLLM-Ascend use scope: per_channel (msModelSlim writes "
@@ -236,6 +243,7 @@ class AscendV1Saver(Saver):
                 [row for row in linears if row.bits == 8 and row.act is None and _grouped(row)],
             ),
             (VLLM_ASCEND_ASYM, [row for row in rows if row.sym is False]),
+            (VLLM_ASCEND_FP8, [row for row in rows if row.act == FP8_TYPE]),
         ]
         grouped = sorted({row.group_size for row in rows if _grouped(row) and row.group_size})
         w4a8_experts = [
