@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["OVERFLOW_MAGNITUDE", "non_finite_count", "overflowing_values"]
+__all__ = ["OVERFLOW_MAGNITUDE", "all_finite", "non_finite_count", "overflowing_values"]
 
 #: The largest magnitude a checkpoint value may have: 2^64, the square root of float32's range.
 #: The square of a larger value (in a Hessian, an MSE, a smoothing statistic) overflows float32,
@@ -12,10 +12,29 @@ __all__ = ["OVERFLOW_MAGNITUDE", "non_finite_count", "overflowing_values"]
 OVERFLOW_MAGNITUDE = 2.0**64
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether a floating-point tensor holds no NaN/Inf (True for empty tensors).
+
+    One ``aminmax`` pass, which propagates NaN and keeps Inf: both ends are finite exactly when
+    every value is. On the CPU that is 20-50x cheaper than ``torch.isfinite(t).all()``, which
+    materialises a boolean tensor through several temporaries (4.4 s of a 150 s SmolLM2 run went
+    to those checks). One-byte floats (float8) are widened first (no reductions for them).
+    """
+    if tensor.numel() == 0:
+        return True
+    if tensor.element_size() == 1:
+        tensor = tensor.to(torch.float16)
+    low, high = torch.aminmax(tensor.detach())
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
 def non_finite_count(tensor: torch.Tensor) -> int:
     """How many NaN/Inf values a floating-point tensor holds (0 for other dtypes). One-byte
-    floats (float8) are widened first: torch has no ``isfinite`` for them."""
+    floats (float8) are widened first: torch has no ``isfinite`` for them. The count is only
+    taken when :func:`all_finite` says there is something to count."""
     if not tensor.is_floating_point() or tensor.is_meta:
+        return 0
+    if all_finite(tensor):
         return 0
     if tensor.element_size() == 1:
         tensor = tensor.to(torch.float16)

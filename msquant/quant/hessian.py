@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from msquant.errors import QuantizationError
+from msquant.quant.finite import all_finite, non_finite_count
 
 __all__ = ["HessianAccumulator"]
 
@@ -107,9 +108,8 @@ class HessianAccumulator:
         if count == 0:
             return
         # 3. Refuse non-finite activations: they would silently poison the whole Hessian.
-        finite = torch.isfinite(rows)
-        if not bool(finite.all()):
-            bad = int((~finite).sum())
+        if not all_finite(rows):
+            bad = non_finite_count(rows)
             raise QuantizationError(
                 f"{self.name}: calibration activations (batch {self._batches}, shape {shape}) contain "
                 f"{bad} NaN/Inf value(s); the layer's inputs overflowed or the calibration data is broken"

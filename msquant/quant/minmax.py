@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from msquant.errors import QuantizationError
+from msquant.quant.finite import all_finite, non_finite_count
 from msquant.quant.int_quant import quantize
 from msquant.quant.mse_clip import MSEOptions, weight_qparams
 from msquant.quant.quantized_weight import QuantizedWeight
@@ -32,9 +33,8 @@ def check_weight(weight: torch.Tensor, name: str, group_size: int | None) -> Non
                 f"{name}: group_size {group_size} does not divide in_features {in_features} "
                 f"(weight shape {shape}); valid group sizes: {divisors(in_features)}"
             )
-    finite = torch.isfinite(weight)
-    if not bool(finite.all()):
-        bad = int((~finite).sum())
+    if not all_finite(weight):
+        bad = non_finite_count(weight)
         raise QuantizationError(
             f"{name}: weight {shape} contains {bad} NaN/Inf value(s); fix the checkpoint before quantizing"
         )
