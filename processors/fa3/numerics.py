@@ -107,8 +107,8 @@ def _row_ranges(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     """``x`` as rows of its last dimension, with each row's minimum and maximum (``[rows, 1]``):
     what the per-token schemes scale by."""
     rows = x.reshape(-1, x.shape[-1])
-    low, high = torch.aminmax(rows, dim=1, keepdim=True)
-    return rows, low, high
+    # amin and amax, not aminmax: over a dimension torch 2.13's CPU aminmax is ~25x slower
+    return rows, torch.amin(rows, dim=1, keepdim=True), torch.amax(rows, dim=1, keepdim=True)
 
 
 def per_token_int8_fake_quant(x: torch.Tensor) -> torch.Tensor:
