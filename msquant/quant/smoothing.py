@@ -284,6 +284,9 @@ class SmoothingSearch:
         self._progress: dict[tuple[float, float], _Progress] = {}
         self._blocked: list[torch.Tensor] = []
         self._references: list[torch.Tensor] = []
+        self._scaled: list[torch.Tensor] = []
+        self._diffs: list[torch.Tensor] = []
+        self._normal = math.nan
 
     @property
     def screens(self) -> bool:
@@ -327,6 +330,11 @@ class SmoothingSearch:
         count = min(SCREEN_BLOCKS, rows.shape[0])
         self._blocked = [rows[i::count].contiguous() for i in range(count)]
         self._references = [reference[i::count].contiguous() for i in range(count)]
+        scaled = (self._act if by_tokens else self._weight).view(-1)
+        product = self._product.view(-1)
+        self._scaled = [scaled[: b.numel()].view(b.shape) for b in self._blocked]
+        self._diffs = [product[: r.numel()].view(r.shape) for r in self._references]
+        self._normal = float(self.normal.item())
 
     def estimate(
         self, alpha: float, beta: float, limit: float = math.inf, blocks: int | None = None
@@ -378,29 +386,26 @@ class SmoothingSearch:
             )
             codes, steps = _int8_codes_(whole)
             progress.codes, progress.steps = codes.to(torch.int8).T, steps.T
+            if not bool(steps.all()):
+                progress.value, progress.blocks = math.nan, len(self._blocked)
+                return
         assert progress.steps is not None
         index = progress.blocks
-        rows = self._blocked[index]
-        buffer = (self._act if by_tokens else self._weight)[: rows.shape[0]]
-        scaled = (
-            torch.div(rows, progress.scale, out=buffer)
-            if by_tokens
-            else torch.mul(rows, progress.scale, out=buffer)
-        )
+        rows, scaled, diff = self._blocked[index], self._scaled[index], self._diffs[index]
+        if by_tokens:
+            torch.div(rows, progress.scale, out=scaled)
+        else:
+            torch.mul(rows, progress.scale, out=scaled)
         codes, steps = _int8_codes_(scaled)
         progress.blocks += 1
-        if not (bool(steps.all()) and bool(progress.steps.all())):
+        if not bool(steps.all()):
             progress.value, progress.blocks = math.nan, len(self._blocked)
             return
         product = torch._int_mm(codes.to(torch.int8), progress.codes)
-        reference = self._references[index]
-        diff = self._product.view(-1)[: reference.numel()].view(reference.shape)
-        torch.mul(product, steps, out=diff).mul_(progress.steps).sub_(reference)
+        diff.copy_(product).mul_(steps).mul_(progress.steps).sub_(self._references[index])
         flat = diff.view(-1)
         progress.squares += float(torch.dot(flat, flat).item())
-        progress.value = math.sqrt(progress.squares / self.reference.numel()) / float(
-            self.normal.item()
-        )
+        progress.value = math.sqrt(progress.squares / self.reference.numel()) / self._normal
 
 
 def _row_abs_max(x: torch.Tensor) -> torch.Tensor:
