@@ -6,6 +6,11 @@ answers are also checked against the plain definition (every candidate through
 :func:`msquant.quant.smoothing.smoothing_error`) (docs/performance.md, "flex_smooth_quant's
 search").
 
+With ``--baseline FILE`` (a ``msquant/quant/smoothing.py`` of another commit, e.g. ``git show
+main:msquant/quant/smoothing.py > /tmp/main_smoothing.py``) that file's ``search_alpha_beta`` is
+timed too, interleaved, and its answers checked equal. The screen's work is counted: int8 row
+blocks (in whole products) and float32 products (the objective, and the reference) per search.
+
 The rows come from a ``flex_smooth_quant`` + W8A8_DYNAMIC run of the model's first ``--layers``
 decoder layers (a copy of the model folder with fewer layers, written under ``--work``) on the
 bench's calibration texts (``python bench/activation_texts.py DIR``). The three are timed
@@ -15,12 +20,13 @@ the machine's load average: the machine may be shared.
 Usage::
 
     python bench/smoothing_search.py --model_dir models/SmolLM2-135M-Instruct --texts /tmp/texts \\
-        [--layers 3] [--rounds 5] [--work /tmp/smoothing_search]
+        [--layers 3] [--rounds 5] [--work /tmp/smoothing_search] [--baseline FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -34,6 +40,7 @@ from safetensors.torch import load_file, save_file
 
 import msquant
 import msquant.processors.smoothing.folding as folding
+from msquant.quant import smoothing
 from msquant.quant.smoothing import (
     SEARCH_STEP,
     SmoothingSearch,
@@ -146,6 +153,44 @@ def recorded_searches(model: Path, texts: Path, save: Path) -> list[tuple[torch.
     return seen
 
 
+def baseline_search(path: Path) -> Search:
+    """``search_alpha_beta`` of a copy of ``msquant/quant/smoothing.py`` (another commit's)."""
+    spec = importlib.util.spec_from_file_location("baseline_smoothing", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    search: Search = module.search_alpha_beta
+    return search
+
+
+def screen_work(cases: list[tuple[torch.Tensor, ...]]) -> tuple[float, float]:
+    """The screened search's work per search: int8 row blocks, in whole products (a block is
+    ``1 / SCREEN_BLOCKS`` of the larger operand's rows), and float32 products (the objective of
+    the candidates the screen keeps, plus the reference)."""
+    blocks, computed = 0.0, 0
+    next_block, compute = SmoothingSearch._next_block, SmoothingSearch._compute
+
+    def counting_block(self: SmoothingSearch, progress: object) -> None:
+        nonlocal blocks
+        blocks += 1 / len(self._blocked)
+        next_block(self, progress)  # type: ignore[arg-type]
+
+    def counting_compute(self: SmoothingSearch, alpha: float, beta: float) -> float:
+        nonlocal computed
+        computed += 1
+        return compute(self, alpha, beta)
+
+    SmoothingSearch._next_block = counting_block  # type: ignore[method-assign]
+    SmoothingSearch._compute = counting_compute  # type: ignore[method-assign]
+    try:
+        for act, weight in cases:
+            search_alpha_beta(act, weight)
+    finally:
+        SmoothingSearch._next_block = next_block  # type: ignore[method-assign]
+        SmoothingSearch._compute = compute  # type: ignore[method-assign]
+    return blocks / len(cases), computed / len(cases) + 1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model_dir", type=Path, default=REPO / "models/SmolLM2-135M-Instruct")
@@ -153,11 +198,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--work", type=Path, default=Path("/tmp/smoothing_search"))
+    parser.add_argument("--baseline", type=Path, help="a smoothing.py to time against")
     args = parser.parse_args()
+    baseline = baseline_search(args.baseline) if args.baseline else None
     model = truncated_model(args.model_dir, args.layers, args.work / "model")
     cases = recorded_searches(model, args.texts, args.work / "export")
     for act, weight in cases:
         answers = {search_alpha_beta(act, weight), every_candidate(act, weight)}
+        if baseline is not None:
+            answers.add(baseline(act, weight))
         if answers != {one_by_one(act, weight)}:
             raise SystemExit(f"the searches disagree on {tuple(weight.shape)}: {answers}")
     forward = bare_forward(model, args.texts)
@@ -174,27 +223,45 @@ def main() -> None:
         "every candidate": searching(every_candidate),
         "bare forward": forward,
     }
+    if baseline is not None:
+        timed["baseline"] = searching(baseline)
     times: dict[str, list[float]] = {name: [] for name in timed}
+    cpu: dict[str, list[float]] = {name: [] for name in timed}
     names = list(timed)
     for round_ in range(args.rounds):
         for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             timed[name]()
             times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
     rows = cases[0][0].shape[0]
     print(
         f"{len(cases)} searches ({args.layers} layers, {rows} rows each), same answers as every "
         f"candidate through smoothing_error; {args.rounds} rounds, torch threads "
         f"{torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} (end)"
     )
+    blocks, products = screen_work(cases)
+    print(
+        f"screened: {blocks:.1f} int8 products (in row blocks of 1/{smoothing.SCREEN_BLOCKS}) and "
+        f"{products:.2f} float32 products per search (every candidate: 0 and 42)"
+    )
     for name, values in times.items():
-        print(f"{name:<16} min {min(values):7.2f} s   median {statistics.median(values):7.2f} s")
-    pairs = (("screened", "every candidate"), ("screened", "bare forward"))
+        print(
+            f"{name:<16} min {min(values):7.2f} s   median {statistics.median(values):7.2f} s   "
+            f"process CPU min {min(cpu[name]):7.2f} s   median {statistics.median(cpu[name]):7.2f} s"
+        )
+    pairs: tuple[tuple[str, str], ...] = (
+        ("screened", "every candidate"),
+        ("screened", "bare forward"),
+    )
+    if baseline is not None:
+        pairs = (("screened", "baseline"), *pairs)
     for a, b in (*pairs, ("every candidate", "bare forward")):
         ratios = [x / y for x, y in zip(times[a], times[b], strict=True)]
         print(
             f"{a} / {b}: min {min(ratios):.3f}  median {statistics.median(ratios):.3f} "
-            f"(per round); {min(times[a]) / min(times[b]):.3f} (min / min)"
+            f"(per round); {min(times[a]) / min(times[b]):.3f} (min / min); process CPU "
+            f"{min(cpu[a]) / min(cpu[b]):.3f} (min / min)"
         )
 
 

@@ -7,8 +7,9 @@ search, every input row of it (:class:`~msquant.processors.smoothing.statistics.
 each calibration token's row, in the activations' dtype; the search later takes at most
 :data:`~msquant.processors.smoothing.folding.MAX_SEARCH_TOKENS` of them). Folding a subgraph then
 makes working copies: the search's buffers (the rows it searches on twice, the subgraph's weight
-twice, the float and the int8 product of the two) or one ``|W|`` of a weight for its column
-maxima.
+twice, the float and the int8 product of the two, the screen's copies of the larger operand and
+of the float product dealt into row blocks, and the int8 codes of the whole smaller operand for
+each candidate of a sweep) or one ``|W|`` of a weight for its column maxima.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from torch import nn
 from msquant.plugin import CalibrationSize
 from msquant.plugin.model import SmoothingSubgraph
 from msquant.processors.smoothing.folding import MAX_SEARCH_TOKENS
+
+#: The candidates of one sweep of the alpha / beta search (0, 0.05, ..., 1), whose int8 codes the
+#: screen may hold at once (``msquant.quant.smoothing.SmoothingSearch``).
+SCREEN_CANDIDATES = 21
 
 __all__ = ["smoothing_memory"]
 
@@ -59,7 +64,9 @@ def smoothing_memory(
             searched = (
                 2 * rows * width * value
                 + 2 * out_features * width * weight_bytes
-                + 2 * rows * out_features * weight_bytes
+                + 3 * rows * out_features * weight_bytes
+                + max(rows, out_features) * width * weight_bytes
+                + SCREEN_CANDIDATES * min(rows, out_features) * width
             )
             working = max(working, searched)
     label = "alpha/beta search (largest subgraph)" if search else "fold (largest subgraph)"

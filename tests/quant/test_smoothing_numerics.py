@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from msquant.quant.smoothing import (
+    SCREEN_BLOCKS,
     SCREEN_MARGIN,
     SmoothingSearch,
     _grid,
@@ -376,3 +377,98 @@ def test_shared_search_is_bit_identical_in_bfloat16() -> None:
     ]
     assert differing == []
     assert search_alpha_beta(act, weight) == _search_one_by_one(act, weight)
+
+
+def _near_ties(
+    tokens: int, channels: int, out: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adversarial for a pruned search: every column maximum of ``|act|`` and ``|weight|`` within
+    2e-4 of 1, so every scale is within about 2e-4 of 1 and the 41 candidates' errors differ by
+    a few 1e-4 (several within the screen's margin of the best)."""
+    generator = torch.Generator().manual_seed(seed)
+    act = torch.rand(tokens, channels, generator=generator) * 2 - 1
+    act[0] = 1 + torch.rand(channels, generator=generator) * 2e-4
+    weight = torch.rand(out, channels, generator=generator) * 2 - 1
+    weight[0] = -(1 + torch.rand(channels, generator=generator) * 2e-4)
+    return act, weight
+
+
+def _late_outlier(
+    tokens: int, channels: int, out: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adversarial for partial sums: one token 50x larger than the others, dealt to the last row
+    block, so that the first blocks' partial sums say little about the whole."""
+    generator = torch.Generator().manual_seed(seed)
+    act = torch.randn(tokens, channels, generator=generator)
+    count = min(SCREEN_BLOCKS, tokens)
+    act[(tokens - count) // count * count + count - 1] *= 50.0
+    weight = torch.randn(out, channels, generator=generator) * 0.05
+    return act, weight
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_pruned_search_equals_the_plain_sweep_on_random_shapes(seed: int) -> None:
+    """The best-first, block-by-block pruned search against every candidate through
+    smoothing_error, on shapes that block the tokens (more tokens than outputs), the weight's
+    rows (more outputs), fewer rows than blocks, and rows that are random, outlier-heavy or
+    adversarial (near-tied candidates; the error concentrated in the last block)."""
+    generator = torch.Generator().manual_seed(100 + seed)
+    tokens = int(torch.randint(3, 200, (1,), generator=generator))
+    out = int(torch.randint(2, 240, (1,), generator=generator))
+    channels = int(torch.randint(8, 72, (1,), generator=generator))
+    kind = ("random", "outliers", "ties", "late")[seed % 4]
+    if kind in ("ties", "late"):
+        act, weight = (_near_ties if kind == "ties" else _late_outlier)(tokens, channels, out, seed)
+    else:
+        act = (
+            torch.randn(tokens, channels, generator=generator)
+            if kind == "random"
+            else _heavy_outliers(tokens, channels, seed)
+        )
+        weight = torch.randn(out, channels, generator=generator) * 0.05
+        weight[:, seed % channels] *= 30.0
+    assert search_alpha_beta(act, weight) == _search_one_by_one(act, weight)
+
+
+@pytest.mark.parametrize(("tokens", "out"), [(300, 40), (40, 300)])
+def test_paused_estimates_resume_to_the_whole(tokens: int, out: int) -> None:
+    """Both block layouts (by tokens, by the weight's rows): an estimate stopped after one block
+    or at a limit is a lower bound of the whole and, resumed, equals the whole computed at once
+    (same blocks, same order), also after the kept codes were dropped."""
+    act = _heavy_outliers(tokens, 32, seed=tokens)
+    weight = torch.randn(out, 32, generator=torch.Generator().manual_seed(out)) * 0.05
+    whole = SmoothingSearch(act, weight).estimate(0.4, 0.6)
+    assert whole == pytest.approx(SmoothingSearch(act, weight).error(0.4, 0.6), rel=1e-5)
+    search = SmoothingSearch(act, weight)
+    first = search.estimate(0.4, 0.6, blocks=1)
+    assert 0 < first < whole and not search.complete(0.4, 0.6)
+    search.forget_codes()
+    assert whole * 0.3 < search.estimate(0.4, 0.6, limit=whole * 0.3) < whole
+    assert search.estimate(0.4, 0.6) == whole and search.complete(0.4, 0.6)
+
+
+def test_near_ties_keep_several_candidates_and_resolve_as_the_plain_sweep(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where candidates are within the screen's margin of each other, each of them is computed in
+    float32 (the argmin among near-ties is decided by the exact objective, as msModelSlim's)."""
+    act, weight = _near_ties(256, 48, 64, seed=3)
+    computed = _count_computed(monkeypatch)
+    answer = search_alpha_beta(act, weight)
+    assert answer == _search_one_by_one(act, weight)
+    assert len(computed) >= 2
+
+
+def test_alpha_pick_error_only_where_the_beta_sweep_needs_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rows where a beta beats the alpha sweep's pick by far more than the margin: the pick of
+    the alpha sweep is never computed in float32, and the answer is the plain sweep's."""
+    act = _outlier_activations(256, 32, seed=21)
+    weight = torch.randn(48, 32, generator=torch.Generator().manual_seed(22)) * 0.05
+    weight[:, 5] *= 0.2
+    computed = _count_computed(monkeypatch)
+    alpha, beta, error = search_alpha_beta(act, weight)
+    assert (alpha, beta, error) == _search_one_by_one(act, weight)
+    assert (alpha, 1.0 - alpha) not in computed
+    assert computed == [(alpha, beta)]
