@@ -17,7 +17,7 @@ from pydantic import Field, field_validator, model_validator
 
 from msquant.plugin import ActQConfig, ConfigIssue, ProcessorConfig, QDType, QScope
 from msquant.plugin.model import SUBGRAPH_TYPES, SubgraphType, pattern_problem
-from msquant.processors.linear_quant_config import MethodQConfig
+from msquant.processors.linear_quant.config import MethodQConfig
 
 __all__ = [
     "AWQ_METHODS",

@@ -35,8 +35,8 @@ from msquant.plugin import (
     QuantizedLinear,
 )
 from msquant.processors.adapters.qwen3_5 import Qwen35Adapter
-from msquant.processors.awq_saver import AWQSaver, AWQSaverConfig
 from msquant.processors.formats.awq.config import build_quantization_config as awq_config
+from msquant.processors.formats.awq.saver import AWQSaver, AWQSaverConfig
 from msquant.processors.formats.gptq.config import build_quantization_config, layer_units
 from msquant.processors.formats.gptq.scheme import GPTQScheme
 
