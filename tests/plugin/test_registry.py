@@ -248,7 +248,7 @@ def test_get_unknown_lists_registered_names() -> None:
     message = info.value.args[0]
     assert (
         "'nope'" in message
-        and "ascendv1_saver, awq_saver, compressed_tensors, dynamic_cache, fa3_quant, flex_awq_ssz, "
+        and "ascendv1_saver, autoawq_saver, awq_saver, compressed_tensors, dynamic_cache, fa3_quant, flex_awq_ssz, "
         "flex_smooth_quant, float_sparse, gptq_saver, group, iter_smooth, linear_quant, mindie_format_saver, "
         "online_quarot, quarot, smooth_quant"
         in message

@@ -16,7 +16,7 @@ from msquant.processors.formats.ascend.saver import (
     AscendV1Saver,
     AscendV1SaverConfig,
 )
-from msquant.processors.formats.awq.saver import AWQSaverConfig
+from msquant.processors.formats.autoawq.saver import AutoAWQSaverConfig
 from msquant.processors.formats.compressed_tensors.config import WeightScheme
 from msquant.processors.formats.compressed_tensors.saver import (
     CompressedTensorsSaverConfig,
@@ -104,8 +104,8 @@ def test_a_state_with_unknown_keys_is_refused() -> None:
 
 @pytest.mark.parametrize(
     "config_class",
-    [GPTQSaverConfig, CompressedTensorsSaverConfig, AWQSaverConfig],
-    ids=["gptq", "compressed_tensors", "awq"],
+    [GPTQSaverConfig, CompressedTensorsSaverConfig, AutoAWQSaverConfig],
+    ids=["gptq", "compressed_tensors", "autoawq"],
 )
 def test_savers_take_part_file_size_from_the_base(config_class: type[SaverConfig]) -> None:
     """One definition of the shard size (``msquant.plugin.SaverConfig``), not one copy per saver."""
