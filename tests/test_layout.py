@@ -83,7 +83,7 @@ def test_the_count_sees_an_import_of_another_part(tmp_path: Path) -> None:
     path.write_text(
         "import msquant\n"
         "from msquant.plugin import Saver\n"
-        "from msquant.processors.linear_quant import LinearQuantConfig\n"
+        "from msquant.processors.linear_quant.config import LinearQuantConfig\n"
         "from msquant.run.runner import LayerRunner\n"
         "from msquant.load.calibration import read_calibration_texts\n"
         "from msquant.contracts.distributed import SINGLE\n",

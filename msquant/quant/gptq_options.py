@@ -2,9 +2,15 @@
 
 The same object travels from the YAML (``linear_quant``'s typed ``ext`` resolves into it per
 module) through the quantizer (:class:`~msquant.quant.gptq.GPTQQuantizer`) to the solver
-(:func:`~msquant.quant.gptq_solver.gptq_quantize`). Values are validated once, where they enter:
-by the pydantic schema for YAML configs, by :meth:`GPTQOptions.from_flat` for Python callers
-passing loose keywords; the solver only checks what depends on the weight (shapes, block size).
+(:func:`~msquant.quant.gptq_solver.gptq_quantize`).
+
+One options path: the dataclass's fields are GPTQ's options and their defaults (with
+:class:`~msquant.quant.mse_clip.MSEOptions`' for the MSE search, and
+:attr:`GPTQOptions.ext_group_size`); :data:`GPTQ_EXT_DEFAULTS` and the ``gptq`` method's YAML
+schema take their defaults from here. :meth:`GPTQOptions.from_ext` is the one constructor from an
+``ext`` mapping (the ``gptq`` method builds each module's options with it, msModelSlim's class
+names too), checking values with :meth:`GPTQOptions.from_flat`; the solver only checks what
+depends on the weight (shapes, block size).
 
 Per-channel is ``group_size=None`` here and everywhere in :mod:`msquant.quant`; GPTQModel's ``-1``
 exists only in the ``dynamic`` rules' YAML and in what is written for the engines.
@@ -21,27 +27,6 @@ from msquant.errors import QuantizationError
 from msquant.quant.mse_clip import MSEOptions, mse_option_problems
 
 __all__ = ["GPTQOptions", "GPTQ_EXT_DEFAULTS"]
-
-#: The YAML-style ``ext`` keys :meth:`GPTQOptions.from_ext` understands, with their defaults
-#: (msModelSlim's numerics; ``linear_quant``'s defaults follow ``ext.numerics`` instead).
-GPTQ_EXT_DEFAULTS: Mapping[str, Any] = MappingProxyType(
-    {
-        "percdamp": 0.01,
-        "block_size": 128,
-        "group_size": 128,
-        "desc_act": False,
-        "static_groups": False,
-        "damp_auto_increment": 0.01,
-        "max_damp_retries": 10,
-        "mse": False,
-        "mse_grid": 100,
-        "mse_maxshrink": 0.2,
-        "mse_norm": 2.4,
-        "full_range": False,
-    }
-)
-#: The keys that mean something per-channel (no groups).
-PER_CHANNEL_KEYS = tuple(k for k in GPTQ_EXT_DEFAULTS if k not in ("group_size", "static_groups"))
 
 
 @dataclass(frozen=True)
@@ -77,6 +62,9 @@ class GPTQOptions:
     #: Hessian again; a Hessian that 100 increases (1 + 100 x 0.01 of its mean diagonal by
     #: default) cannot make positive definite is broken, not under-damped.
     max_retries: ClassVar[int] = 100
+    #: ``ext.group_size`` of a per-group entry that sets none (msModelSlim's 128); the dataclass's
+    #: own ``group_size`` default, None, is per-channel.
+    ext_group_size: ClassVar[int] = 128
 
     @classmethod
     def from_flat(cls, name: str = "layer", **values: Any) -> GPTQOptions:
@@ -86,10 +74,10 @@ class GPTQOptions:
         :raises QuantizationError: ``<name>: invalid GPTQ options: ...`` listing every problem.
         :raises TypeError: for a keyword that is no option.
         """
-        mse = values.pop("mse", False)
-        grid = values.pop("mse_grid", 100)
-        maxshrink = values.pop("mse_maxshrink", 0.2)
-        norm = values.pop("mse_norm", 2.4)
+        mse = values.pop("mse", GPTQ_EXT_DEFAULTS["mse"])
+        grid = values.pop("mse_grid", GPTQ_EXT_DEFAULTS["mse_grid"])
+        maxshrink = values.pop("mse_maxshrink", GPTQ_EXT_DEFAULTS["mse_maxshrink"])
+        norm = values.pop("mse_norm", GPTQ_EXT_DEFAULTS["mse_norm"])
         options = cls(**values)
         problems = options.problems()
         if not isinstance(mse, bool):
@@ -153,6 +141,44 @@ class GPTQOptions:
     def static(self) -> bool:
         """Whether group parameters are fixed before the sweep (static groups, or act-order)."""
         return self.group_size is not None and (self.static_groups or self.desc_act)
+
+
+def _ext_defaults() -> Mapping[str, Any]:
+    """The ``ext`` keys with their defaults, read from the dataclasses (no second table)."""
+    solver, search = GPTQOptions(), MSEOptions()
+    flat = {
+        "group_size": GPTQOptions.ext_group_size,
+        "mse": False,
+        "mse_grid": search.grid,
+        "mse_maxshrink": search.maxshrink,
+        "mse_norm": search.norm,
+    }
+    return MappingProxyType(
+        {key: flat[key] if key in flat else getattr(solver, key) for key in EXT_KEYS}
+    )
+
+
+#: The YAML-style ``ext`` keys :meth:`GPTQOptions.from_ext` understands, in the order messages
+#: list them.
+EXT_KEYS = (
+    "percdamp",
+    "block_size",
+    "group_size",
+    "desc_act",
+    "static_groups",
+    "damp_auto_increment",
+    "max_damp_retries",
+    "mse",
+    "mse_grid",
+    "mse_maxshrink",
+    "mse_norm",
+    "full_range",
+)
+#: :data:`EXT_KEYS` with their defaults, those of :class:`GPTQOptions` (msModelSlim's numerics;
+#: ``linear_quant``'s defaults follow ``ext.numerics`` instead).
+GPTQ_EXT_DEFAULTS: Mapping[str, Any] = _ext_defaults()
+#: The keys that mean something per-channel (no groups).
+PER_CHANNEL_KEYS = tuple(k for k in EXT_KEYS if k not in ("group_size", "static_groups"))
 
 
 def _is_int(value: object) -> bool:

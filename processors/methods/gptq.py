@@ -2,8 +2,9 @@
 numerics switch (``ext.numerics``), act-order, static groups, the grid, how layers are calibrated,
 the Cholesky retry policy and the MSE scale search.
 
-:class:`GPTQExt` is the typed ``ext``; :class:`GPTQMethod` resolves it, per module, into the one
-:class:`msquant.plugin.numerics.GPTQOptions` value the solver takes.
+:class:`GPTQExt` is the typed ``ext`` (its defaults are :class:`msquant.plugin.numerics.GPTQOptions`' and
+:class:`msquant.plugin.numerics.MSEOptions`'); :class:`GPTQMethod` resolves it, per module, with the
+module's rule, through :meth:`GPTQOptions.from_ext` into the one value the solver takes.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ from msquant.processors.methods.options import (
 __all__ = ["GPTQExt", "GPTQDefaults", "GPTQ_NUMERICS", "GPTQNumerics", "CalibInputs", "GPTQMethod"]
 
 logger = logging.getLogger(__name__)
+
+#: The defaults of the solve's options and of the MSE search: GPTQExt declares no value of its own.
+_SOLVE = GPTQOptions()
+_SEARCH = MSEOptions()
 
 GPTQNumerics = Literal["msquant", "msmodelslim"]
 CalibInputs = Literal["quantized", "float"]
@@ -115,17 +120,17 @@ class GPTQExt(MethodOptions):
         "on the float model's activations).",
     )
     percdamp: float = Field(
-        0.01,
+        _SOLVE.percdamp,
         gt=0,
         allow_inf_nan=False,
         description="Damping as a fraction of the mean Hessian diagonal.",
     )
     block_size: StrictInt = Field(
-        128,
+        _SOLVE.block_size,
         gt=0,
         description="Lazy-batch width over input columns (the last block may be shorter).",
     )
-    group_size: GroupSize = 128
+    group_size: GroupSize = GPTQOptions.ext_group_size
     desc_act: bool | None = Field(
         None,
         description="Act-order: process columns by descending Hessian diagonal, with static "
@@ -158,13 +163,13 @@ class GPTQExt(MethodOptions):
         "numerics (off for both).",
     )
     damp_auto_increment: float = Field(
-        0.01,
+        _SOLVE.damp_auto_increment,
         gt=0,
         allow_inf_nan=False,
         description="Added to percdamp after each failed Cholesky factorisation.",
     )
     max_damp_retries: StrictInt = Field(
-        10,
+        _SOLVE.max_damp_retries,
         ge=0,
         le=GPTQOptions.max_retries,
         description="How many damping increases are tried before giving up "
@@ -176,9 +181,9 @@ class GPTQExt(MethodOptions):
         "minimise sum |w - w_q|^mse_norm, instead of plain min/max. Default from numerics "
         "(msquant: on when qconfig's dtype has 4 bits or fewer; msmodelslim: off).",
     )
-    mse_grid: MseGrid = 100
-    mse_maxshrink: MseMaxShrink = 0.2
-    mse_norm: MseNorm = 2.4
+    mse_grid: MseGrid = _SEARCH.grid
+    mse_maxshrink: MseMaxShrink = _SEARCH.maxshrink
+    mse_norm: MseNorm = _SEARCH.norm
     expert_min_tokens: ExpertMinTokens = EXPERT_MIN_TOKENS
     experts_per_pass: StrictInt | None = Field(
         None,
@@ -319,7 +324,7 @@ class GPTQMethod(QuantMethod):
         shrink factors (equal to float rounding) may pick the other one than a separate
         search would have (only the report's ``rtn_output_error`` can move, in its last digits).
         """
-        options = self.solve_options(scheme)
+        options = self.solve_options(scheme, name)
         same_grid = options.group_size is None or (
             options.static and stats.get("dead_columns") == 0
         )
@@ -348,33 +353,32 @@ class GPTQMethod(QuantMethod):
         act-order included; docs/performance.md)."""
         return 3 * 4 * (out_features * in_features + in_features * in_features)
 
-    def solve_options(self, scheme: ResolvedScheme) -> GPTQOptions:
+    def solve_options(self, scheme: ResolvedScheme, name: str = "layer") -> GPTQOptions:
         """The solve's options for one module: the entry's ``ext`` with the module's resolved
-        overrides (bits, group, sym, act-order, damping, static groups, MSE norm)."""
+        scheme (bits, group, sym, act-order, damping, static groups, MSE norm) in place of the
+        entry's own values, built by the one constructor, :meth:`GPTQOptions.from_ext`."""
         options = self.options
-        mse = None
-        if scheme.mse:
-            mse = MSEOptions(
-                grid=options.mse_grid, maxshrink=options.mse_maxshrink, norm=scheme.mse
-            )
-        return GPTQOptions(
-            bits=scheme.bits,
-            symmetric=scheme.sym,
-            group_size=scheme.group_size,
-            percdamp=options.percdamp if scheme.percdamp is None else scheme.percdamp,
-            block_size=options.block_size,
-            desc_act=scheme.desc_act,
-            static_groups=scheme.static_groups and scheme.group_size is not None,
-            damp_auto_increment=options.damp_auto_increment,
-            max_damp_retries=options.max_damp_retries,
-            mse=mse,
-            full_range=options.resolved_full_range(scheme.bits),
-        )
+        per_group = scheme.group_size is not None
+        ext: dict[str, Any] = {
+            "percdamp": scheme.percdamp,
+            "block_size": options.block_size,
+            "desc_act": scheme.desc_act,
+            "damp_auto_increment": options.damp_auto_increment,
+            "max_damp_retries": options.max_damp_retries,
+            "mse": bool(scheme.mse),
+            "mse_grid": options.mse_grid,
+            "mse_maxshrink": options.mse_maxshrink,
+            "mse_norm": scheme.mse or options.mse_norm,
+            "full_range": options.resolved_full_range(scheme.bits),
+        }
+        if per_group:
+            ext.update(group_size=scheme.group_size, static_groups=scheme.static_groups)
+        return GPTQOptions.from_ext(scheme.bits, scheme.sym, ext, name, per_group=per_group)
 
     def new_quantizer(
         self, name: str, in_features: int, scheme: ResolvedScheme
     ) -> CalibratedQuantizer:
-        return GPTQQuantizer(self.solve_options(scheme), name, in_features)
+        return GPTQQuantizer(self.solve_options(scheme, name), name, in_features)
 
     def solve(
         self, quantizer: CalibratedQuantizer, weight: torch.Tensor, backend: Backend

@@ -39,7 +39,7 @@ from msquant.plugin import (
     ProcessorConfig,
     WeightQConfig,
 )
-from msquant.processors.linear_quant_config import METHODS
+from msquant.processors.linear_quant.config import METHODS
 from msquant.processors.smoothing.awq_search import WeightFakeQuant
 from msquant.processors.smoothing.config import (
     FlexAwqSszConfig,

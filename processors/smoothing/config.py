@@ -11,13 +11,13 @@ search measures), required as in msModelSlim.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from msquant.plugin import ActQConfig, ConfigIssue, ProcessorConfig, QDType, QScope
 from msquant.plugin.model import SUBGRAPH_TYPES, SubgraphType, pattern_problem
-from msquant.processors.linear_quant_config import MethodQConfig
+from msquant.processors.linear_quant.config import MethodQConfig
 
 __all__ = [
     "AWQ_METHODS",
@@ -39,6 +39,17 @@ SUBGRAPHS = (
 )
 
 
+#: ``enable_subgraph_type`` of the processors that take it (iter_smooth, flex_smooth_quant,
+#: flex_awq_ssz), declared once: its default is every type, in msModelSlim's order.
+EnableSubgraphType = Annotated[
+    list[str],
+    Field(
+        default_factory=lambda: ["norm-linear", "linear-linear", "ov", "up-down"],
+        description=SUBGRAPHS,
+    ),
+]
+
+
 def _open_unit(value: float | None, info: object) -> float | None:
     if value is not None and not 0 < value < 1:
         raise ValueError("must be strictly between 0 and 1 (msModelSlim's range)")
@@ -53,8 +64,12 @@ class SmoothingConfig(ProcessorConfig):
 
     @property
     def subgraph_types(self) -> tuple[SubgraphType, ...]:
-        """The subgraph types this entry smooths."""
-        return SUBGRAPH_TYPES
+        """The subgraph types this entry smooths: those of its ``enable_subgraph_type`` where it
+        has one, in :data:`SUBGRAPH_TYPES`' order, else every type."""
+        enabled = getattr(self, "enable_subgraph_type", None)
+        if enabled is None:
+            return SUBGRAPH_TYPES
+        return tuple(t for t in SUBGRAPH_TYPES if t in enabled)
 
 
 class SmoothQuantConfig(SmoothingConfig):
@@ -78,16 +93,9 @@ class IterSmoothConfig(SmoothingConfig):
     alpha: float = Field(default=0.9, description="migration strength, in (0, 1)")
     scale_min: float = Field(default=1e-5, description="lower bound of a scale, in (0, 1)")
     symmetric: bool = Field(default=True, description="true only (asymmetric shift refused)")
-    enable_subgraph_type: list[str] = Field(
-        default_factory=lambda: ["norm-linear", "linear-linear", "ov", "up-down"],
-        description=SUBGRAPHS,
-    )
+    enable_subgraph_type: EnableSubgraphType
 
     _unit = field_validator("alpha", "scale_min")(_open_unit)
-
-    @property
-    def subgraph_types(self) -> tuple[SubgraphType, ...]:
-        return tuple(t for t in SUBGRAPH_TYPES if t in self.enable_subgraph_type)
 
 
 class FlexSmoothQuantConfig(SmoothingConfig):
@@ -101,16 +109,9 @@ class FlexSmoothQuantConfig(SmoothingConfig):
     beta: float | None = Field(
         default=None, description="in (0, 1); searched (with alpha) when alpha or beta is unset"
     )
-    enable_subgraph_type: list[str] = Field(
-        default_factory=lambda: ["norm-linear", "linear-linear", "ov", "up-down"],
-        description=SUBGRAPHS,
-    )
+    enable_subgraph_type: EnableSubgraphType
 
     _unit = field_validator("alpha", "beta")(_open_unit)
-
-    @property
-    def subgraph_types(self) -> tuple[SubgraphType, ...]:
-        return tuple(t for t in SUBGRAPH_TYPES if t in self.enable_subgraph_type)
 
 
 #: The weight methods ``flex_awq_ssz``'s search can quantize with: msModelSlim's data-free ones.
@@ -133,10 +134,7 @@ class FlexAwqSszConfig(SmoothingConfig):
     beta: float | None = Field(
         default=None, description="in (0, 1); accepted and ignored (flex_awq_ssz's beta is 0)"
     )
-    enable_subgraph_type: list[str] = Field(
-        default_factory=lambda: ["norm-linear", "linear-linear", "ov", "up-down"],
-        description=SUBGRAPHS,
-    )
+    enable_subgraph_type: EnableSubgraphType
 
     _unit = field_validator("alpha", "beta")(_open_unit)
 
@@ -151,10 +149,6 @@ class FlexAwqSszConfig(SmoothingConfig):
                 "symmetric: true, method: ssz}}"
             )
         return data
-
-    @property
-    def subgraph_types(self) -> tuple[SubgraphType, ...]:
-        return tuple(t for t in SUBGRAPH_TYPES if t in self.enable_subgraph_type)
 
 
 def _act_text(act: ActQConfig) -> str:

@@ -14,7 +14,7 @@ import msquant
 import msquant.export.shards as shards
 from msquant import OutputPathError
 from msquant.plugin.export import safe_file_stem
-from msquant.processors.ascendv1_saver import AscendV1Saver, AscendV1SaverConfig
+from msquant.processors.formats.ascend.saver import AscendV1Saver, AscendV1SaverConfig
 
 SAVERS = ["ascendv1_saver", "mindie_format_saver", "gptq_saver", "compressed_tensors"]
 

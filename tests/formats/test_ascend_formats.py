@@ -148,7 +148,7 @@ def test_ascend_saver_refuses_split_fused_layers_itself(tiny_llama: Path) -> Non
 
     from msquant.plugin import DecoderLayer, QuantizedLinear
     from msquant.plugin.model import replace_module
-    from msquant.processors.ascendv1_saver import AscendV1Saver, AscendV1SaverConfig
+    from msquant.processors.formats.ascend.saver import AscendV1Saver, AscendV1SaverConfig
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
     layer = DecoderLayer(0, "model.layers.0", model.model.layers[0])

@@ -25,7 +25,7 @@ import msquant
 import msquant.plugin
 import msquant.plugin.numerics
 
-SAVER_LOGGER = "msquant.processors.compressed_tensors_saver"
+SAVER_LOGGER = "msquant.processors.formats.compressed_tensors.saver"
 IDS = torch.tensor([[1, 5, 17, 42, 99, 200, 301, 7, 64, 128, 3, 250]])
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

@@ -105,6 +105,12 @@ def _module_path(package_root: Path, module: str) -> Path | None:
     return None
 
 
+def _packs(leaf: str) -> bool:
+    """A module that packs or saves: ``packer``, a format's ``saver`` (``mindie_saver``), or an
+    old-style ``*_saver`` module."""
+    return leaf in ("packer", "saver") or leaf.endswith("_saver")
+
+
 def packer_imports(package_root: Path, start: Path) -> list[str]:
     """What ``start`` reaches, through the built-ins' own modules, that packs: a ``packer``
     module, a saver module, or one of the engine's packing helpers."""
@@ -119,10 +125,10 @@ def packer_imports(package_root: Path, start: Path) -> list[str]:
         where = path.relative_to(package_root.parent)
         for module, names in _imports(path):
             leaf = module.rpartition(".")[2]
-            if leaf == "packer" or leaf.endswith("_saver") or module == "msquant.export.packing":
+            if _packs(leaf) or module == "msquant.export.packing":
                 problems.append(f"{where} imports {module}")
             problems += [f"{where} imports {name}" for name in names if name in PACKING_NAMES]
-            problems += [f"{where} imports {module}.{name}" for name in names if name == "packer"]
+            problems += [f"{where} imports {module}.{name}" for name in names if _packs(name)]
             for candidate in [module] + [f"{module}.{name}" for name in names]:
                 target = _module_path(package_root, candidate)
                 if target is not None:
@@ -156,6 +162,7 @@ def test_the_packer_check_follows_imports(tmp_path: Path) -> None:
         "formats/toy/reader.py": "from msquant.processors.formats.toy import helpers\n",
         "formats/toy/helpers.py": "def f():\n    from msquant.processors.formats.toy.packer import p\n",
         "formats/toy/packer.py": "p = 1\n",
+        "formats/toy/format.py": "from msquant.processors.formats.toy import saver\n",
         "formats/other/reader.py": "from msquant import pack_int32, read_json\n",
         "formats/clean/reader.py": "from msquant import read_json\nimport torch\n",
     }.items():
@@ -164,6 +171,9 @@ def test_the_packer_check_follows_imports(tmp_path: Path) -> None:
         path.write_text(text)
     assert packer_imports(root, root / "formats/toy/reader.py") == [
         "processors/formats/toy/helpers.py imports msquant.processors.formats.toy.packer"
+    ]
+    assert packer_imports(root, root / "formats/toy/format.py") == [
+        "processors/formats/toy/format.py imports msquant.processors.formats.toy.saver"
     ]
     assert packer_imports(root, root / "formats/other/reader.py") == [
         "processors/formats/other/reader.py imports pack_int32"

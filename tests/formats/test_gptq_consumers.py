@@ -31,7 +31,7 @@ import msquant.plugin.planning
 from msquant.processors.formats.gptq.config import RuleUnit
 from msquant.processors.formats.gptq.scheme import GPTQScheme
 
-SAVER_LOGGER = "msquant.processors.gptq_saver"
+SAVER_LOGGER = "msquant.processors.formats.gptq.saver"
 W4_G32 = {
     "dtype": "int4",
     "scope": "per_group",

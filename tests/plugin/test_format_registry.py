@@ -40,13 +40,14 @@ from msquant.plugin import (
 from msquant.plugin.export import copy_model_files
 from msquant.plugin.reading import detect_format, open_weights, read_json, trivial_g_idx
 
-BUILTIN_FORMATS = ["ascend", "mindie", "gptq", "compressed-tensors", "awq"]
+BUILTIN_FORMATS = ["ascend", "mindie", "gptq", "compressed-tensors", "autoawq"]
 BUILTIN_SAVERS = {
     "ascendv1_saver",
     "mindie_format_saver",
     "gptq_saver",
     "compressed_tensors",
-    "awq_saver",
+    "autoawq_saver",
+    "awq_saver",  # the deprecated name of autoawq_saver
 }
 CALIB_TXT = Path(__file__).parents[1] / "data" / "calib.txt"
 
@@ -94,7 +95,7 @@ def test_unknown_format_lists_the_registered_ones() -> None:
     with pytest.raises(KeyError) as info:
         default_formats().get("bitsandbytes")
     assert "unknown export format 'bitsandbytes'" in str(info.value)
-    assert "ascend, mindie, gptq, compressed-tensors, awq" in str(info.value)
+    assert "ascend, mindie, gptq, compressed-tensors, autoawq" in str(info.value)
 
 
 def test_registration_rules() -> None:

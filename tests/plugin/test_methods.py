@@ -140,7 +140,7 @@ NOT_A_METHOD = (
 def test_the_method_decides_whether_an_moe_expert_is_solved() -> None:
     """``solves_expert`` (what linear_quant asks for each MoE expert): at least
     ``ext.expert_min_tokens`` x in_features tokens and one; a method may override it."""
-    from msquant.processors.linear_quant import LinearQuantConfig
+    from msquant.processors.linear_quant.config import LinearQuantConfig
 
     weight = {"dtype": "int4", "scope": "per_group", "method": "gptq"}
     config = LinearQuantConfig.model_validate(
@@ -187,7 +187,7 @@ def test_the_scan_sees_a_method_name(tmp_path: Path) -> None:
 
 
 def test_qconfig_weight_is_a_union_discriminated_on_method() -> None:
-    from msquant.processors.linear_quant import LinearQuantConfig
+    from msquant.processors.linear_quant.config import LinearQuantConfig
 
     schema = LinearQuantConfig.model_json_schema()
     qconfig = schema["properties"]["qconfig"]["$ref"].rsplit("/", 1)[-1]
@@ -216,7 +216,7 @@ def test_msquant_schema_documents_every_ext_key(run_cli: Callable[..., CliResult
 def test_a_dumped_config_keeps_ext_as_written() -> None:
     """The copy of the config a saver writes beside an export holds ``ext`` as the YAML gave it
     (keys and order), not the method's defaults; it validates back to the same options."""
-    from msquant.processors.linear_quant import LinearQuantConfig
+    from msquant.processors.linear_quant.config import LinearQuantConfig
 
     given = {"group_size": 64, "percdamp": 0.05, "mse": True}
     config = LinearQuantConfig.model_validate(

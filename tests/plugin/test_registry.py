@@ -159,23 +159,23 @@ def test_builtins_are_found_through_entry_points() -> None:
     assert "linear_quant" in reg.names("process") and "ascendv1_saver" in reg.names("save")
     assert "linear_quant" in reg and "ascendv1_saver" in reg and "nope" not in reg
     eps = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
-    assert eps["linear_quant"] == "msquant.processors.linear_quant:LinearQuantProcessor"
-    assert eps["ascendv1_saver"] == "msquant.processors.ascendv1_saver:AscendV1Saver"
+    assert eps["linear_quant"] == "msquant.processors.linear_quant.processor:LinearQuantProcessor"
+    assert eps["ascendv1_saver"] == "msquant.processors.formats.ascend.saver:AscendV1Saver"
 
 
 def test_builtins_live_in_msquant_processors() -> None:
     reg = default_registry()
     linear, saver = reg.get("linear_quant"), reg.get("ascendv1_saver")
-    assert linear.__module__ == "msquant.processors.linear_quant"
-    assert saver.__module__ == "msquant.processors.ascendv1_saver"
-    first = importlib.import_module("msquant.processors.linear_quant")
-    second = importlib.import_module("msquant.processors.linear_quant")
-    assert first is second is sys.modules["msquant.processors.linear_quant"]
+    assert linear.__module__ == "msquant.processors.linear_quant.processor"
+    assert saver.__module__ == "msquant.processors.formats.ascend.saver"
+    first = importlib.import_module("msquant.processors.linear_quant.processor")
+    second = importlib.import_module("msquant.processors.linear_quant.processor")
+    assert first is second is sys.modules["msquant.processors.linear_quant.processor"]
     assert first.LinearQuantProcessor is linear
-    assert importlib.import_module("msquant.processors.ascendv1_saver").AscendV1Saver is saver
+    assert importlib.import_module("msquant.processors.formats.ascend.saver").AscendV1Saver is saver
     # Never imported twice under the bare top-level name (two copies of every class).
-    assert "processors.linear_quant" not in sys.modules
-    assert "processors.ascendv1_saver" not in sys.modules
+    assert "processors.linear_quant.processor" not in sys.modules
+    assert "processors.formats.ascend.saver" not in sys.modules
 
 
 def test_default_registry_is_fresh_each_call() -> None:
@@ -204,7 +204,7 @@ def test_registering_another_class_under_a_taken_name_fails() -> None:
         reg.register(ImpostorLinearQuant)
     message = str(info.value)
     assert "'linear_quant'" in message
-    assert "msquant.processors.linear_quant.LinearQuantProcessor" in message
+    assert "msquant.processors.linear_quant.processor.LinearQuantProcessor" in message
     assert "ImpostorLinearQuant" in message
     assert reg.get("linear_quant") is original
 
@@ -248,7 +248,7 @@ def test_get_unknown_lists_registered_names() -> None:
     message = info.value.args[0]
     assert (
         "'nope'" in message
-        and "ascendv1_saver, awq_saver, compressed_tensors, dynamic_cache, fa3_quant, flex_awq_ssz, "
+        and "ascendv1_saver, autoawq_saver, awq_saver, compressed_tensors, dynamic_cache, fa3_quant, flex_awq_ssz, "
         "flex_smooth_quant, float_sparse, gptq_saver, group, iter_smooth, linear_quant, mindie_format_saver, "
         "online_quarot, quarot, smooth_quant"
         in message
@@ -650,8 +650,8 @@ def fake_entry_points(monkeypatch: pytest.MonkeyPatch, *specs: tuple[str, str]) 
 
 
 BUILTIN_EPS = (
-    ("linear_quant", "msquant.processors.linear_quant:LinearQuantProcessor"),
-    ("ascendv1_saver", "msquant.processors.ascendv1_saver:AscendV1Saver"),
+    ("linear_quant", "msquant.processors.linear_quant.processor:LinearQuantProcessor"),
+    ("ascendv1_saver", "msquant.processors.formats.ascend.saver:AscendV1Saver"),
 )
 
 
@@ -684,7 +684,7 @@ def test_load_entry_points_tolerates_the_same_entry_twice(monkeypatch: pytest.Mo
     ("name", "value", "needle"),
     [
         ("broken_plugin", "msquant_no_such_plugin_pkg.module:Processor", "No module named"),
-        ("missing_attr", "msquant.processors.linear_quant:NoSuchClass", "NoSuchClass"),
+        ("missing_attr", "msquant.processors.linear_quant.processor:NoSuchClass", "NoSuchClass"),
         ("not_a_processor", "json:dumps", "not a msquant.plugin.Processor subclass"),
         ("alias_name", f"{__name__}:ProbeProcessor", "declares type_name 'test_probe'"),
         ("linear_quant", f"{__name__}:ProbeProcessor", "claims the name 'linear_quant'"),

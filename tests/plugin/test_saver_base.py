@@ -11,16 +11,20 @@ import pytest
 from pydantic import ValidationError
 
 from msquant.plugin import SAVER_STATE_FORMAT, SaverConfig, SaverState
-from msquant.processors.ascendv1_saver import AscendSaverState, AscendV1Saver, AscendV1SaverConfig
-from msquant.processors.awq_saver import AWQSaverConfig
-from msquant.processors.compressed_tensors_saver import (
+from msquant.processors.formats.ascend.saver import (
+    AscendSaverState,
+    AscendV1Saver,
+    AscendV1SaverConfig,
+)
+from msquant.processors.formats.autoawq.saver import AutoAWQSaverConfig
+from msquant.processors.formats.compressed_tensors.config import WeightScheme
+from msquant.processors.formats.compressed_tensors.saver import (
     CompressedTensorsSaverConfig,
     CompressedTensorsSaverState,
 )
-from msquant.processors.formats.compressed_tensors.config import WeightScheme
 from msquant.processors.formats.gptq.config import RuleUnit
+from msquant.processors.formats.gptq.saver import GPTQSaverConfig, GPTQSaverState
 from msquant.processors.formats.gptq.scheme import GPTQScheme
-from msquant.processors.gptq_saver import GPTQSaverConfig, GPTQSaverState
 
 
 def _through_json(state: SaverState) -> dict[str, Any]:
@@ -100,8 +104,8 @@ def test_a_state_with_unknown_keys_is_refused() -> None:
 
 @pytest.mark.parametrize(
     "config_class",
-    [GPTQSaverConfig, CompressedTensorsSaverConfig, AWQSaverConfig],
-    ids=["gptq", "compressed_tensors", "awq"],
+    [GPTQSaverConfig, CompressedTensorsSaverConfig, AutoAWQSaverConfig],
+    ids=["gptq", "compressed_tensors", "autoawq"],
 )
 def test_savers_take_part_file_size_from_the_base(config_class: type[SaverConfig]) -> None:
     """One definition of the shard size (``msquant.plugin.SaverConfig``), not one copy per saver."""

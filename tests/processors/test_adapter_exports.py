@@ -35,8 +35,8 @@ from msquant.plugin import (
     QuantizedLinear,
 )
 from msquant.processors.adapters.qwen3_5 import Qwen35Adapter
-from msquant.processors.awq_saver import AWQSaver, AWQSaverConfig
-from msquant.processors.formats.awq.config import build_quantization_config as awq_config
+from msquant.processors.formats.autoawq.config import build_quantization_config as awq_config
+from msquant.processors.formats.autoawq.saver import AutoAWQSaver, AutoAWQSaverConfig
 from msquant.processors.formats.gptq.config import build_quantization_config, layer_units
 from msquant.processors.formats.gptq.scheme import GPTQScheme
 
@@ -273,13 +273,13 @@ def test_the_saver_base_refuses_a_half_quantized_qwen3_5_projection(
     ctx = msquant.plugin.RunContext(
         model, tmp_path, tmp_path / "out", msquant.plugin.devices.get_backend("cpu"), []
     )
-    saver = AWQSaver(AWQSaverConfig())
+    saver = AutoAWQSaver(AutoAWQSaverConfig())
     saver.setup(ctx)
     assert type(saver.adapter) is Qwen35Adapter
     with pytest.raises(QuantizationError) as info:
         saver.check_fused(layer, "model.layers.0")
     assert str(info.value) == (
-        f"awq_saver: {ATTN}in_proj_qkvz is loaded as one fused matrix by vLLM / vLLM-Ascend, but "
+        f"autoawq_saver: {ATTN}in_proj_qkvz is loaded as one fused matrix by vLLM / vLLM-Ascend, but "
         f"its shards differ ({ATTN}in_proj_qkv: int4 group 32 sym, {ATTN}in_proj_z: FLOAT); give "
         "them the same quantization (or skip all of them)"
     )

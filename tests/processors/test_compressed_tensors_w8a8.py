@@ -377,7 +377,7 @@ def test_w4a8_is_refused_before_weights_load_naming_the_ascend_export(
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
-@pytest.mark.parametrize("saver", ["gptq_saver", "awq_saver"])
+@pytest.mark.parametrize("saver", ["gptq_saver", "autoawq_saver"])
 @pytest.mark.parametrize(("scheme", "able"), [
     ("per_token", "ascendv1_saver, compressed_tensors, mindie_format_saver"),
     ("per_tensor", "ascendv1_saver, compressed_tensors, mindie_format_saver"),

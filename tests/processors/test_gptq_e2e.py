@@ -203,7 +203,8 @@ def test_per_group_seed_yaml_names_the_layer_when_group_size_does_not_divide(
 
 def test_modules_reading_the_same_input_share_one_hessian() -> None:
     """q/k/v (and gate/up) read one tensor: one Hessian is accumulated and shared, consistently."""
-    from msquant.processors.linear_quant import LinearQuantConfig, LinearQuantProcessor
+    from msquant.processors.linear_quant.config import LinearQuantConfig
+    from msquant.processors.linear_quant.processor import LinearQuantProcessor
 
     config = LinearQuantConfig.model_validate({"qconfig": {"weight": {"method": "gptq"}}})
     proc = LinearQuantProcessor(config)

@@ -14,7 +14,7 @@ import torch
 import msquant.quant.mse_clip as mse_clip
 from msquant.backends.cpu import CpuBackend
 from msquant.plugin.devices import DeviceSpec
-from msquant.processors.linear_quant import LinearQuantConfig
+from msquant.processors.linear_quant.config import LinearQuantConfig
 from msquant.processors.methods.gptq import GPTQMethod
 
 VARIANTS = {

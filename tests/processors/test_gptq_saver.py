@@ -39,7 +39,7 @@ from msquant.processors.formats.gptq.config import build_quantization_config, la
 from msquant.processors.formats.gptq.packer import gptq_module_tensors
 from msquant.processors.formats.gptq.scheme import GPTQScheme
 
-SAVER_LOGGER = "msquant.processors.gptq_saver"
+SAVER_LOGGER = "msquant.processors.formats.gptq.saver"
 FP16_RTOL = 2.0**-11  # relative rounding of a float32 scale to float16
 
 W8_CHANNEL_SYM = {"dtype": "int8", "scope": "per_channel", "symmetric": True, "method": "minmax"}

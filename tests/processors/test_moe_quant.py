@@ -255,7 +255,7 @@ def test_experts_per_pass_bounds_the_live_hessians_and_changes_nothing(
     """``ext.experts_per_pass: 3`` over 8 experts: three calibration passes per layer, each
     gathering and solving the Hessians of at most three experts; the export is the one-pass
     run's, byte for byte, and so are the report's module entries."""
-    from msquant.processors import linear_quant
+    from msquant.processors.linear_quant import processor as linear_quant
 
     solve = linear_quant.solve_modules
     live: list[set[str]] = []

@@ -88,9 +88,9 @@ def test_gptq_hessians_estimated_are_those_a_run_holds(
     estimates for the busiest pass of the layer, exactly that in the busiest pass once every
     module received tokens; and the modules that really share a Hessian (same input tensor)
     are the ones the estimate counts once."""
-    from msquant.processors import linear_quant
-    from msquant.processors.linear_quant_calibration import plan_passes
-    from msquant.processors.linear_quant_memory import hessian_owners
+    from msquant.processors.linear_quant import processor as linear_quant
+    from msquant.processors.linear_quant.calibration import plan_passes
+    from msquant.processors.linear_quant.memory import hessian_owners
 
     model_dir = tiny_model_factory(arch, num_layers=2, **OVERRIDES.get(arch, {}))
     solve = linear_quant.solve_modules

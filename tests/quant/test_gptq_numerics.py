@@ -16,7 +16,8 @@ import msquant
 import msquant.plugin
 import msquant.plugin.numerics
 import msquant.plugin.planning
-from msquant.processors.linear_quant import LinearQuantConfig, LinearQuantProcessor
+from msquant.processors.linear_quant.config import LinearQuantConfig
+from msquant.processors.linear_quant.processor import LinearQuantProcessor
 from msquant.processors.methods.gptq import GPTQ_NUMERICS, GPTQExt
 
 

@@ -15,7 +15,8 @@ import msquant.plugin.numerics
 import msquant.plugin.planning
 from msquant import QuantizationError
 from msquant.plugin.numerics import GPTQOptions, GPTQQuantizer, MSEOptions, gptq_quantize
-from msquant.processors.linear_quant import LinearQuantConfig, LinearQuantProcessor
+from msquant.processors.linear_quant.config import LinearQuantConfig
+from msquant.processors.linear_quant.processor import LinearQuantProcessor
 
 
 def _layer(out: int = 16, width: int = 64, rows: int = 256) -> tuple[torch.Tensor, torch.Tensor]:

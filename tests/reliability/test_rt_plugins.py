@@ -86,14 +86,14 @@ def test_a_plugin_re_registering_a_built_in_name_is_refused_naming_it(
     install(
         "rival",
         "[msquant.processors]\nlinear_quant = rt_rival:Rival\n",
-        "from msquant.processors.linear_quant import LinearQuantProcessor\n\n"
+        "from msquant.processors.linear_quant.processor import LinearQuantProcessor\n\n"
         "class Rival(LinearQuantProcessor):\n    pass\n",
     )
     replay(run_cli, case, *quant_args(case)).refused(
         r"spec.process\[0\].type: the processor plugin 'linear_quant' \(distribution rival, "
         r"entry point linear_quant = rt_rival:Rival in group msquant.processors\) claims the "
         r"name 'linear_quant', which msquant's built-in entry point linear_quant = "
-        r"msquant.processors.linear_quant:LinearQuantProcessor claims too; .*uninstall rival"
+        r"msquant.processors.linear_quant.processor:LinearQuantProcessor claims too; .*uninstall rival"
     )
     assert replay(run_cli, case, "validate", case / _uses(case, "iter_smooth")).code == 0
 

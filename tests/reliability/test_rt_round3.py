@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from msquant.errors import QuantizationError
 from msquant.load.streaming import StreamedWeights
-from msquant.processors.linear_quant_act import StaticActCalibration
+from msquant.processors.linear_quant.act import StaticActCalibration
 from msquant.run.checkpoint.folder import RunCheckpoints
 from msquant.run.checkpoint.layout import PROGRESS_FILE, partial_path
 

@@ -21,7 +21,7 @@ from msquant.plugin import (
 )
 from msquant.plugin.model import pattern_problem
 from msquant.plugin.planning import DYNAMIC_KEYS, parse_dynamic
-from msquant.processors.linear_quant_act import act_issues
+from msquant.processors.linear_quant.act import act_issues
 
 __all__ = ["METHODS", "MethodQConfig", "LinearQuantConfig", "config_issues"]
 
@@ -97,7 +97,7 @@ class LinearQuantConfig(ProcessorConfig):
 
 def config_issues(config: LinearQuantConfig) -> list[ConfigIssue]:
     """What the schema cannot say: include/exclude globs that cannot be matched (bad braces,
-    too many expansions), the activation scheme implemented (:mod:`.linear_quant_act`), the ``dynamic``
+    too many expansions), the activation scheme implemented (:mod:`.act`), the ``dynamic``
     rules valid for the method, the ``(dtype, scope)`` implemented by the method, and the
     method's own rule checks."""
     issues: list[ConfigIssue] = [

@@ -6,7 +6,7 @@ of ``--max_memory`` (:meth:`msquant.plugin.Processor.memory_bytes`), on the weig
 * calibrated methods (Hessian-based: ``gptq``, ``hessian_clip``): the calibration state of the
   busiest calibration pass (``ext.experts_per_pass`` and ``true_sequential`` spread the modules
   over passes), modules that read one tensor sharing theirs (q/k/v, gate/up: see
-  :class:`~msquant.processors.linear_quant_calibration.HessianCollector`); and the largest
+  :class:`~msquant.processors.linear_quant.calibration.HessianCollector`); and the largest
   module's solve or output-error check, whichever holds more;
 * static activation ranges (W8A8): a fake-quantized copy of every selected weight, in the
   weight's dtype, hooked in for the calibration forward;
@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 
 from msquant.plugin import DecoderLayer, QuantMethod
 from msquant.plugin.model import fused_groups
-from msquant.processors.linear_quant_calibration import plan_passes
-from msquant.processors.linear_quant_solve import OUTPUT_ERROR_COPIES, Selected
+from msquant.processors.linear_quant.calibration import plan_passes
+from msquant.processors.linear_quant.solve import OUTPUT_ERROR_COPIES, Selected
 
 __all__ = ["SHARED_INPUT_GROUPS", "hessian_owners", "linear_quant_memory", "quantized_bytes"]
 

@@ -1,7 +1,8 @@
-"""``awq_saver`` and the ``awq`` format, added through the format extension point: the packing
-against the layout's definition (a known word, a float64 dequantization written here bit by bit),
-the run's read-back check, ``msquant verify`` and ``eval`` reading it, and what one AWQ config
-cannot describe refused before weights load."""
+"""``autoawq_saver`` and the ``autoawq`` format, added through the format extension point: the
+packing against the layout's definition (a known word, a float64 dequantization written here bit
+by bit), the run's read-back check, ``msquant verify`` and ``eval`` reading it, what one AWQ
+config cannot describe refused before weights load, and the former type ``awq_saver`` still
+accepted with a deprecation warning, writing the same export."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import msquant.plugin.numerics
 from msquant import verify_export
 from msquant.evaluate.models import load_model_for_eval
 from msquant.plugin import QuantizedLinear, QuantizedWeight, default_formats
-from msquant.processors.formats.awq.packer import awq_module_tensors
+from msquant.processors.formats.autoawq.packer import awq_module_tensors
 
 #: Output ``8j + ORDER[k]`` sits in nibble ``k`` of word ``j`` (AutoAWQ's GEMM layout).
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -72,7 +73,7 @@ def test_packing_dequantizes_to_the_weight_in_float64() -> None:
     assert torch.equal(tensors["p.bias"], module.bias.to(torch.float16))
 
 
-def _config(**weight: Any) -> dict[str, Any]:
+def _config(saver: str = "autoawq_saver", **weight: Any) -> dict[str, Any]:
     spec = {"scope": "per_group", "dtype": "int4", "symmetric": False, "method": "minmax"}
     spec.update(weight)
     return {
@@ -80,7 +81,7 @@ def _config(**weight: Any) -> dict[str, Any]:
             "process": [
                 {"type": "linear_quant", "qconfig": {"weight": spec}, "exclude": ["*down_proj"]}
             ],
-            "save": [{"type": "awq_saver"}],
+            "save": [{"type": saver}],
         }
     }
 
@@ -92,13 +93,13 @@ GROUP32 = {"ext": {"group_size": 32}}
 def test_an_awq_export_is_read_back_verified_and_evaluated(
     tiny_llama: Path, tmp_path: Path, symmetric: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    assert "awq" in default_formats().names()
+    assert "autoawq" in default_formats().names()
     save = tmp_path / "awq"
     with caplog.at_level("INFO", logger="msquant"):
         result = msquant.quantize(
             tiny_llama, save, _config(symmetric=symmetric, **GROUP32), progress=False
         )
-    assert "verify: awq_saver export read back, 12 quantized layer(s) identical" in caplog.text
+    assert "verify: autoawq_saver export read back, 12 quantized layer(s) identical" in caplog.text
     config = json.loads((save / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "awq" and config["bits"] == 4 and config["group_size"] == 32
     assert config["zero_point"] is True and config["version"] == "gemm"
@@ -109,10 +110,10 @@ def test_an_awq_export_is_read_back_verified_and_evaluated(
     ]
     report = verify_export(save, model_path=tiny_llama)
     assert report.ok, report.errors
-    assert report.format == "awq" and len(report.layers) == len(result.quantized_modules) == 12
+    assert report.format == "autoawq" and len(report.layers) == len(result.quantized_modules) == 12
     assert all(layer.symmetric is symmetric for layer in report.layers)
     model, kind = load_model_for_eval(save)
-    assert kind == "awq"
+    assert kind == "autoawq"
     stored = {}
     for shard in sorted(save.glob("model*.safetensors")):
         stored.update(load_file(str(shard)))
@@ -143,5 +144,62 @@ def test_what_one_awq_config_cannot_describe_is_refused_before_weights_load(
         "quant", "--model_path", tiny_llama, "--save_path", tmp_path / "out", "--config_path", path
     )
     assert result.code == 2
-    assert "awq_saver: " + needle in result.err
+    assert "autoawq_saver: " + needle in result.err
     assert not (tmp_path / "out").exists()
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
+
+
+def _record(data: bytes) -> Any:
+    """msquant's JSON record with what changes from run to run (timings) and the config's hash
+    left out, and the saver's type written in its former name."""
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {
+                k: strip(v)
+                for k, v in value.items()
+                if not k.endswith("seconds") and k != "config_sha256"
+            }
+        return [strip(v) for v in value] if isinstance(value, list) else value
+
+    return strip(json.loads(data.decode().replace('"autoawq_saver"', '"awq_saver"')))
+
+
+def test_the_former_type_awq_saver_warns_and_writes_the_same_export(
+    tiny_llama: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A config written before the rename (``type: awq_saver``) still runs: one warning names the
+    new type, the export is byte for byte the one ``autoawq_saver`` writes, and it is detected
+    (by its ``quant_method: awq``) and verified as ``autoawq``."""
+    new, old = tmp_path / "new", tmp_path / "old"
+    msquant.quantize(tiny_llama, new, _config(**GROUP32), progress=False)
+    assert "deprecated" not in caplog.text
+    with caplog.at_level("WARNING", logger="msquant"):
+        msquant.quantize(tiny_llama, old, _config("awq_saver", **GROUP32), progress=False)
+    warnings = [
+        r.getMessage() for r in caplog.records if "awq_saver is deprecated" in r.getMessage()
+    ]
+    assert warnings == [
+        "spec.save type awq_saver is deprecated: the AutoAWQ checkpoint format is now "
+        "autoawq_saver (the name awq is kept for the AWQ algorithm); write type: autoawq_saver "
+        "(the export is the same)"
+    ]
+    written = _files(old)
+    assert written.keys() == _files(new).keys() and "config.json" in written
+    differing = [name for name, data in _files(new).items() if written[name] != data]
+    # the weights, config.json and every file a loader reads are equal; msquant's own records
+    # differ in the saver's type name, the config's hash and timings only
+    assert differing == ["msquant_export.json", "quant_report.json"]
+    for name in differing:
+        assert _record(written[name]) == _record(_files(new)[name])
+    report = verify_export(old, model_path=tiny_llama)
+    assert report.ok and report.format == "autoawq", report.errors
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="msquant"):
+        msquant.validate_config(_config("awq_saver", **GROUP32), msquant.plugin.default_registry())
+    assert [r.getMessage() for r in caplog.records] == warnings

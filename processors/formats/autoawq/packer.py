@@ -28,7 +28,7 @@ PACK = 32 // AWQ_BITS
 
 
 def _fail(name: str, message: str) -> QuantizationError:
-    return QuantizationError(f"awq_saver: {name}: {message}")
+    return QuantizationError(f"autoawq_saver: {name}: {message}")
 
 
 def interleave(values: torch.Tensor) -> torch.Tensor:

@@ -35,9 +35,9 @@ reported as a warning. Models whose head is tied to the input embeddings are ref
 The method (``qconfig.weight.method``) is an object from the ``msquant.methods`` registry
 (:class:`msquant.plugin.QuantMethod`): this processor selects modules, resolves their schemes and drives
 the calibration; what a module's quantized weight is, the method decides. The helpers live beside
-this file: the config and its checks (:mod:`.linear_quant_config`), the checks on the weightless
-model (:mod:`.linear_quant_checks`), the calibration passes and Hessians
-(:mod:`.linear_quant_calibration`), the solves of a pass (:mod:`.linear_quant_solve`).
+this file: the config and its checks (:mod:`.config`), the checks on the weightless
+model (:mod:`.checks`), the calibration passes and Hessians
+(:mod:`.calibration`), the solves of a pass (:mod:`.solve`).
 
 Lifecycle:
 
@@ -113,7 +113,7 @@ from msquant.plugin.planning import (
     parse_dynamic,
     resolve_module_scheme,
 )
-from msquant.processors.linear_quant_act import (
+from msquant.processors.linear_quant.act import (
     FP8_DTYPES,
     STATIC_SCHEMES,
     StaticActCalibration,
@@ -121,11 +121,11 @@ from msquant.processors.linear_quant_act import (
     fp8_activation,
     mx_activation,
 )
-from msquant.processors.linear_quant_calibration import HessianCollector, plan_passes
-from msquant.processors.linear_quant_checks import divisor_problem, fused_problems, head_problems
-from msquant.processors.linear_quant_config import METHODS, LinearQuantConfig, config_issues
-from msquant.processors.linear_quant_memory import linear_quant_memory
-from msquant.processors.linear_quant_solve import Selected, solve_modules
+from msquant.processors.linear_quant.calibration import HessianCollector, plan_passes
+from msquant.processors.linear_quant.checks import divisor_problem, fused_problems, head_problems
+from msquant.processors.linear_quant.config import METHODS, LinearQuantConfig, config_issues
+from msquant.processors.linear_quant.memory import linear_quant_memory
+from msquant.processors.linear_quant.solve import Selected, solve_modules
 
 __all__ = ["LinearQuantConfig", "LinearQuantProcessor"]
 
@@ -154,7 +154,7 @@ class LinearQuantProcessor(Processor):
         super().__init__(config)
         weight = self.config.qconfig.weight
         self.method = METHODS.get(weight.method)(weight)
-        #: W8A8 / W8A8_DYNAMIC / W4A8_DYNAMIC, or None for float activations (:mod:`.linear_quant_act`).
+        #: W8A8 / W8A8_DYNAMIC / W4A8_DYNAMIC, or None for float activations (:mod:`.act`).
         self.act_scheme = act_scheme(self.config.qconfig.act, weight)
         static = self.act_scheme in STATIC_SCHEMES
         self.requires_calibration = self.method.calibrated or static
@@ -371,7 +371,7 @@ class LinearQuantProcessor(Processor):
         self, model: nn.Module, layer: DecoderLayer, calibration: CalibrationSize
     ) -> dict[str, int]:
         """The quantized copy of the layer's selected linears, and the Hessians, solves, fake-
-        quantized weights or rounding copies of its method (:mod:`.linear_quant_memory`)."""
+        quantized weights or rounding copies of its method (:mod:`.memory`)."""
         if self._adapter is None:
             self._adapter = adapter_for(model)
         return linear_quant_memory(

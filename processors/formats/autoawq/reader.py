@@ -20,7 +20,7 @@ import torch
 from msquant.plugin import DecodedLayer, ExportReader, Findings, LayerReport
 from msquant.plugin.reading import module_of, open_weights, trivial_g_idx, unpack_int32_stream
 
-__all__ = ["AWQReader"]
+__all__ = ["AutoAWQReader"]
 
 PARTS = ("qweight", "qzeros", "scales")
 #: Where output ``j`` of a block of eight sits among the nibbles of a word (the inverse order).
@@ -40,10 +40,10 @@ class _Scheme:
         return f"int4 group {self.group_size} (AWQ)"
 
 
-class AWQReader(ExportReader):
-    """Checks the AWQ config and tensor inventory, and decodes each quantized layer."""
+class AutoAWQReader(ExportReader):
+    """Checks the AutoAWQ config and tensor inventory, and decodes each quantized layer."""
 
-    format_name = "awq"
+    format_name = "autoawq"
 
     def __init__(self, directory: Path, findings: Findings, config: dict[str, Any]) -> None:
         super().__init__(directory, findings)

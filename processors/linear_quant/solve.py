@@ -21,7 +21,7 @@ from msquant.plugin import (
 )
 from msquant.plugin.model import balanced_owners
 from msquant.plugin.numerics import relative_output_errors
-from msquant.processors.linear_quant_calibration import HessianCollector
+from msquant.processors.linear_quant.calibration import HessianCollector
 
 __all__ = ["OUTPUT_ERROR_COPIES", "Selected", "solve_modules"]
 

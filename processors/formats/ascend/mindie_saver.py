@@ -25,8 +25,8 @@ from typing import Any, Literal
 from pydantic import Field
 
 from msquant.plugin import ConfigIssue, ProcessorConfig, SaverConfig
-from msquant.processors.ascendv1_saver import AscendV1Saver
 from msquant.processors.formats.ascend.config import QUANT_TYPE_PRIORITY
+from msquant.processors.formats.ascend.saver import AscendV1Saver
 
 __all__ = ["MindIEFormatSaverConfig", "MindIEFormatSaver"]
 

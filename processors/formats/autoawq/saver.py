@@ -1,4 +1,7 @@
-"""``awq_saver``: an AWQ checkpoint (GEMM layout) for vLLM and transformers (AutoAWQ kernels).
+"""``autoawq_saver``: an AutoAWQ checkpoint (GEMM layout) for vLLM and transformers (AutoAWQ
+kernels). The format is named after AutoAWQ, its layout's origin, so that ``awq`` stays free for
+the AWQ *algorithm*; the former type ``awq_saver`` is still accepted, with a deprecation warning,
+and writes the same export (:class:`DeprecatedAWQSaver`).
 
 Sample yaml::
 
@@ -9,14 +12,14 @@ Sample yaml::
             weight: {scope: per_group, dtype: int4, symmetric: false, method: gptq,
                      ext: {group_size: 128}}
       save:
-        - type: awq_saver
+        - type: autoawq_saver
           part_file_size: 4   # GiB per shard; 0 = one model.safetensors
 
 Files written (a Hugging Face checkpoint folder): ``model.safetensors`` (or shards plus
 ``model.safetensors.index.json``), the model's config and tokenizer files, and ``config.json``
 carrying ``quantization_config`` ``{"quant_method": "awq", "bits": 4, "group_size": G,
 "zero_point": true, "version": "gemm", "modules_to_not_convert": [...]}``. The tensors of a
-quantized linear are described in :mod:`msquant.processors.formats.awq.packer`.
+quantized linear are described in :mod:`msquant.processors.formats.autoawq.packer`.
 
 The format holds one scheme for the whole model: every quantized linear must be 4-bit per-group
 with one group size (symmetric weights are stored with the zero point 8), and the output head
@@ -31,13 +34,16 @@ Built on :class:`msquant.plugin.Saver` (writer, checkpoints, fused check); resum
 
 from __future__ import annotations
 
-from typing import Literal
+import logging
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
 
 from msquant.plugin import (
+    ConfigIssue,
     DecoderLayer,
+    ProcessorConfig,
     QuantizationError,
     QuantizedLinear,
     RunContext,
@@ -49,34 +55,48 @@ from msquant.plugin import (
 from msquant.plugin.export import write_hf_config
 from msquant.plugin.model import OutputHeadStage
 from msquant.plugin.planning import ModelPlan, PlanReview
-from msquant.processors.formats.awq.config import build_quantization_config
-from msquant.processors.formats.awq.packer import AWQ_BITS, awq_module_tensors
+from msquant.processors.formats.autoawq.config import build_quantization_config
+from msquant.processors.formats.autoawq.packer import AWQ_BITS, awq_module_tensors
 
-__all__ = ["AWQSaverConfig", "AWQSaver", "AWQSaverState"]
+__all__ = [
+    "AutoAWQSaverConfig",
+    "AutoAWQSaver",
+    "AutoAWQSaverState",
+    "DeprecatedAWQSaverConfig",
+    "DeprecatedAWQSaver",
+    "DEPRECATED_TYPE_MESSAGE",
+]
+
+logger = logging.getLogger(__name__)
 
 LISTED = 4
+#: What a config still naming the former type is told (once per saver built).
+DEPRECATED_TYPE_MESSAGE = (
+    "spec.save type awq_saver is deprecated: the AutoAWQ checkpoint format is now "
+    "autoawq_saver (the name awq is kept for the AWQ algorithm); write type: autoawq_saver "
+    "(the export is the same)"
+)
 
 
-class AWQSaverConfig(SaverConfig):
-    """Config of ``awq_saver``."""
+class AutoAWQSaverConfig(SaverConfig):
+    """Config of ``autoawq_saver``."""
 
-    type: Literal["awq_saver"] = "awq_saver"
+    type: Literal["autoawq_saver"] = "autoawq_saver"
 
 
-class AWQSaverState(SaverState):
-    """The AWQ saver's record: the model's one group size, fixed by the first quantized layer."""
+class AutoAWQSaverState(SaverState):
+    """The AutoAWQ saver's record: the model's one group size, fixed by the first quantized layer."""
 
     group_size: int | None = None
 
 
-class AWQSaver(Saver):
-    """Writes an AWQ GEMM checkpoint (qweight, qzeros, scales) as layers finish."""
+class AutoAWQSaver(Saver):
+    """Writes an AutoAWQ GEMM checkpoint (qweight, qzeros, scales) as layers finish."""
 
-    type_name = "awq_saver"
-    config_class = AWQSaverConfig
-    config: AWQSaverConfig
-    state_class = AWQSaverState
-    state: AWQSaverState
+    type_name = "autoawq_saver"
+    config_class: ClassVar[type[ProcessorConfig]] = AutoAWQSaverConfig
+    state_class = AutoAWQSaverState
+    state: AutoAWQSaverState
     weights_prefix = "model"
 
     def review_plan(self, plan: ModelPlan, model: nn.Module) -> PlanReview:
@@ -131,6 +151,30 @@ class AWQSaver(Saver):
         ]
         config = build_quantization_config(self.state.group_size, float_linears, self.adapter)
         write_hf_config(ctx.model_path, self.directory, config, config_updates=ctx.config_updates)
+
+
+class DeprecatedAWQSaverConfig(SaverConfig):
+    """Config of the former type ``awq_saver`` (deprecated: ``autoawq_saver``)."""
+
+    type: Literal["awq_saver"] = "awq_saver"
+
+
+class DeprecatedAWQSaver(AutoAWQSaver):
+    """Deprecated: the former name of `autoawq_saver`, the same export with a warning.
+
+    :class:`AutoAWQSaver` under its former type name, which configs written before the rename
+    still use. It keeps that name, so an export folder named after it (several savers) and the
+    run's records are unchanged."""
+
+    type_name = "awq_saver"
+    config_class = DeprecatedAWQSaverConfig
+
+    @classmethod
+    def check_config(cls, config: ProcessorConfig) -> list[ConfigIssue]:
+        """Every validation of a config naming the former type (``validate``, ``plan``,
+        ``quant``) warns once."""
+        logger.warning(DEPRECATED_TYPE_MESSAGE)
+        return super().check_config(config)
 
 
 def _listing(names: list[str]) -> str:
