@@ -100,21 +100,34 @@ HESSIANS = (
 GPTQ_WORK = max(11 * F32 * O_PROJ[0] * O_PROJ[1], 3 * F32 * (O_PROJ[0] + O_PROJ[1]) * O_PROJ[1])
 
 
+def search_bytes(width: int, out_features: int, rows: int = 1024) -> int:
+    """flex_smooth_quant's alpha/beta search on ``rows`` input rows of a subgraph whose linears
+    read ``width`` channels and give ``out_features``: the rows and the weight twice, the float
+    product three times (once dealt into row blocks), the larger operand once more in row blocks
+    (bf16), and the smaller operand's int8 codes for each of a sweep's 21 candidates."""
+    bf16 = (
+        2 * rows * width
+        + 2 * out_features * width
+        + 3 * rows * out_features
+        + max(rows, out_features) * width
+    )
+    return bf16 * BF16 + 21 * min(rows, out_features) * width
+
+
 def expert_smoothing(processor: str) -> Items:
     """A smoothing processor on the MoE layer's up-down subgraphs, one per expert (the shared one
     too): each down_proj's 2048 input channel maxima; iter_smooth's fold makes one |W| of a
-    down_proj, flex_smooth_quant's search holds at most 1024 rows twice, the weight twice and two
-    products. The search rows are counted as if every calibration token reached every expert:
-    an upper bound (the routed experts see num_experts_per_tok of 256 each token; the estimate
-    does not read the router)."""
+    down_proj, flex_smooth_quant's search the buffers of ``search_bytes`` on at most 1024 rows.
+    The search rows are counted as if every calibration token reached every expert: an upper
+    bound (the routed experts see num_experts_per_tok of 256 each token; the estimate does not
+    read the router)."""
     widths = (EXPERTS + SHARED) * EXPERT_FFN
     if processor == "iter_smooth":
         return [
             ("iter_smooth: channel maxima", widths * BF16),
             ("iter_smooth: fold (largest subgraph)", DOWN[0] * DOWN[1] * BF16),
         ]
-    rows = 1024
-    search = (2 * rows * EXPERT_FFN + 2 * HIDDEN * EXPERT_FFN + 2 * rows * HIDDEN) * BF16
+    search = search_bytes(EXPERT_FFN, HIDDEN)
     return [
         (f"{processor}: channel maxima", widths * BF16),
         (f"{processor}: search rows (every calibration token)", TOKENS * widths * BF16),
@@ -178,6 +191,7 @@ EXPECTED: dict[str, Items] = {
     "yaml_examples/w8a16_per_channel_mindie.yaml": minmax(None, calibrating=False),
     "yaml_examples/w8a16_per_group_minmax.yaml": minmax(64, calibrating=False),
     "yaml_examples/w8a8_dynamic_per_token.yaml": minmax(None, calibrating=False),
+    "yaml_examples/w8a8_fp8.yaml": minmax(None, calibrating=False),
     "yaml_examples/w8a8_dynamic_iter_smooth.yaml": minmax(None, calibrating=True),
     "yaml_examples/w8a8_dynamic_flex_smooth.yaml": minmax(
         None, calibrating=True, before=expert_smoothing("flex_smooth_quant")
@@ -323,8 +337,7 @@ def test_smoothing_on_a_dense_layer(deepseek: nn.Module) -> None:
     post_attention_layernorm -> gate/up_proj (input 7168 wide) and up_proj -> down_proj (18432).
     iter_smooth keeps their channel maxima and makes one |W| copy for a fold;
     flex_smooth_quant also keeps every calibration token's input row until its pass ends, and
-    its alpha/beta search on at most 1024 of them holds the rows twice, the subgraph's weights
-    twice and two products."""
+    its alpha/beta search on at most 1024 of them holds the buffers of ``search_bytes``."""
     layer = adapter_for(deepseek).decoder_layers(deepseek)[0]
     widths = HIDDEN + DENSE_FFN
     (iter_smooth, _) = _processors("practices/w8a8.yaml")[:2]
@@ -333,11 +346,8 @@ def test_smoothing_on_a_dense_layer(deepseek: nn.Module) -> None:
         "fold (largest subgraph)": DENSE_FFN * HIDDEN * BF16,
     }
     flex = _processors("yaml_examples/w8a8_dynamic_flex_smooth.yaml")[0]
-    rows = 1024
-    norm_linear = (
-        2 * rows * HIDDEN + 2 * (2 * DENSE_FFN) * HIDDEN + 2 * rows * (2 * DENSE_FFN)
-    ) * BF16  # gate and up searched together: 36864 outputs
-    up_down = (2 * rows * DENSE_FFN + 2 * HIDDEN * DENSE_FFN + 2 * rows * HIDDEN) * BF16
+    norm_linear = search_bytes(HIDDEN, 2 * DENSE_FFN)  # gate and up together: 36864 outputs
+    up_down = search_bytes(DENSE_FFN, HIDDEN)
     assert flex.memory_bytes(deepseek, layer, CALIBRATION) == {
         "channel maxima": widths * BF16,
         "search rows (every calibration token)": TOKENS * widths * BF16,
