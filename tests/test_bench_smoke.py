@@ -136,6 +136,7 @@ def test_activation_practices_bench_finds_every_shipped_activation_config() -> N
         "w8a8_dynamic_flex_smooth",
         "w8a8_dynamic_iter_smooth",
         "w8a8_dynamic_per_token",
+        "w8a8_fp8",
         "w8a8_static_flex_smooth",
         "w8a8_static_iter_smooth",
         "w8a8_static_per_tensor_asym",
@@ -144,6 +145,7 @@ def test_activation_practices_bench_finds_every_shipped_activation_config() -> N
     }
     assert list(rows)[0] == "w8a16_per_channel_minmax"
     assert rows["w8a8_dynamic_per_token"] == () and rows["--quant_type w4a8"] == ()
+    assert rows["w8a8_fp8"] == ()
     assert rows["w8a8_static_flex_smooth"] == ("flex_smooth_quant",)
     assert rows["--quant_type w8a8"] == ("iter_smooth",)
     assert rows["w4a8_dynamic_quarot"] == ("quarot",)

@@ -39,10 +39,6 @@ from msquant.processors.smoothing.processor import (
 )
 from msquant.run.runner import run_layer_wise
 
-#: The last test reads what the sweep recorded in this process: under pytest-xdist the whole
-#: module runs on one worker.
-pytestmark = pytest.mark.xdist_group("transform_sweep")
-
 TRANSFORMS: dict[str, Any] = {
     "smooth_quant": lambda: SmoothQuantProcessor(SmoothQuantConfig(type="smooth_quant")),
     "iter_smooth": lambda: IterSmoothProcessor(IterSmoothConfig(type="iter_smooth")),
@@ -131,7 +127,8 @@ def test_each_transform_keeps_the_logits_or_is_refused(model_type: str) -> None:
 
 
 def test_the_sweep_ran_enough_architectures_and_kept_the_supported_families() -> None:
-    """Runs after the sweep (same module); meaningful only when the whole sweep ran. With
+    """Runs after the sweep (same module, so the same process: the suite's pytest-xdist workers
+    take whole files, ``--dist loadfile``); meaningful only when the whole sweep ran. With
     ``MSQUANT_SWEEP_OUT`` set, the outcomes are written there as JSON (docs/smoothing.md's
     table is made from them)."""
     if len(OUTCOMES) < len(MUST_KEEP["quarot"]):
