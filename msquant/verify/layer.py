@@ -56,6 +56,46 @@ class DecodedLayer:
     tensors: dict[str, str]
     value_type: ValueType | None = None
 
+    @classmethod
+    def symmetric_per_channel(
+        cls,
+        name: str,
+        scheme: str,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        *,
+        scale_dtype: torch.dtype,
+        tensors: tuple[str, str, str],
+        value_type: ValueType | None = None,
+    ) -> DecodedLayer:
+        """An 8-bit layer with one scale per output channel and no zero point (the W8A8 and FP8
+        layouts): ``scale`` ``[out, 1]`` taken as float32, a zero offset, every column in group 0.
+
+        :param tensors: the stored names (or descriptions) of the codes, the scale and the
+            offset, for messages.
+        """
+        codes_name, scale_name, offset_name = tensors
+        in_features = int(codes.shape[1])
+        scale = scale.to(torch.float32)
+        return cls(
+            name=name,
+            scheme=scheme,
+            bits=8,
+            group_size=None,
+            codes=codes,
+            scale=scale,
+            offset=torch.zeros_like(scale),
+            g_idx=trivial_g_idx(in_features, in_features),
+            scale_dtype=scale_dtype,
+            tensors={
+                "codes": codes_name,
+                "scale": scale_name,
+                "offset": offset_name,
+                "g_idx": f"{name} (per-channel)",
+            },
+            value_type=value_type,
+        )
+
     @property
     def values(self) -> ValueType:
         """The codes' value type (integers of ``bits`` when not given)."""

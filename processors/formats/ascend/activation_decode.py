@@ -41,7 +41,7 @@ def decode_w8a8(reader: AscendReader, module: str, kind: str = "W8A8") -> Decode
     if len(weight_shape) != 2:
         reader.findings.error(f"{names['weight']}: shape {list(weight_shape)}, expected [out, in]")
         return None
-    out_features, in_features = weight_shape
+    out_features = weight_shape[0]
     bf16 = reader.model_dtype() == "bfloat16"
     deq_dtype = torch.float32 if bf16 else torch.int64
     checks = [
@@ -99,22 +99,13 @@ def decode_w8a8(reader: AscendReader, module: str, kind: str = "W8A8") -> Decode
             reader.findings.error(
                 f"{names['deq_scale']}: differs from input_scale * weight_scale (float32)"
             )
-    return DecodedLayer(
-        name=module,
-        scheme=kind,
-        bits=8,
-        group_size=None,
-        codes=codes.to(torch.int32),
-        scale=scale,
-        offset=torch.zeros_like(scale),
-        g_idx=trivial_g_idx(in_features, in_features),
+    return DecodedLayer.symmetric_per_channel(
+        module,
+        kind,
+        codes.to(torch.int32),
+        scale,
         scale_dtype=torch.float32,
-        tensors={
-            "codes": names["weight"],
-            "scale": scale_name,
-            "offset": f"{module} (symmetric weights: zero)",
-            "g_idx": f"{module} (per-channel)",
-        },
+        tensors=(names["weight"], scale_name, f"{module} (symmetric weights: zero)"),
     )
 
 

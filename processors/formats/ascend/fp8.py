@@ -21,7 +21,6 @@ import torch
 
 from msquant.plugin import DecodedLayer, QuantizedLinear
 from msquant.plugin.numerics import value_type_named
-from msquant.plugin.reading import trivial_g_idx
 
 __all__ = ["FP8_PARTS", "FP8_TYPE", "FP8_VALUES", "decode_fp8", "fp8_module_tensors"]
 
@@ -55,7 +54,7 @@ def decode_fp8(
             f"{name}.weight: {FP8_TYPE} stores float8_e4m3fn [out, in], got {weight.dtype} "
             f"{list(weight.shape)}"
         )
-    out_features, in_features = (int(v) for v in weight.shape)
+    out_features = int(weight.shape[0])
     for leaf, tensor in (("weight_scale", scale), ("weight_offset", offset)):
         if tensor.dtype != torch.float32 or tuple(tensor.shape) != (out_features, 1):
             return (
@@ -64,21 +63,12 @@ def decode_fp8(
             )
     if bool((offset != 0).any()):
         return f"{name}.weight_offset: {FP8_TYPE} is symmetric, the offset must be 0"
-    return DecodedLayer(
-        name=name,
-        scheme=FP8_TYPE,
-        bits=8,
-        group_size=None,
-        codes=weight.view(torch.uint8),
-        scale=scale.to(torch.float32),
-        offset=torch.zeros_like(scale, dtype=torch.float32),
-        g_idx=trivial_g_idx(in_features, in_features),
+    return DecodedLayer.symmetric_per_channel(
+        name,
+        FP8_TYPE,
+        weight.view(torch.uint8),
+        scale,
         scale_dtype=torch.float32,
-        tensors={
-            "codes": f"{name}.weight",
-            "scale": f"{name}.weight_scale",
-            "offset": f"{name}.weight_offset",
-            "g_idx": f"{name} (per-channel)",
-        },
+        tensors=(f"{name}.weight", f"{name}.weight_scale", f"{name}.weight_offset"),
         value_type=value_type_named(FP8_VALUES[0]),
     )

@@ -18,7 +18,6 @@ import torch
 
 from msquant.plugin import DecodedLayer, Findings
 from msquant.plugin.numerics import value_type_named
-from msquant.plugin.reading import trivial_g_idx
 
 __all__ = [
     "FLOAT_QUANTIZED",
@@ -85,7 +84,7 @@ def decode_fp8_layer(
             f"{module}.weight: expected float8_e4m3fn [out, in] ({group}), found {found}"
         )
         return None
-    out_features, in_features = (int(v) for v in weight.shape)
+    out_features = int(weight.shape[0])
     if scale is None or scale.dtype not in FLOAT_DTYPES or tuple(scale.shape) != (out_features, 1):
         found = "missing" if scale is None else f"{scale.dtype} {list(scale.shape)}"
         findings.error(
@@ -96,21 +95,12 @@ def decode_fp8_layer(
         if leaf in tensors:
             findings.error(f"{module}.{leaf}: stored for symmetric per-token FP8, which has none")
             return None
-    return DecodedLayer(
-        name=module,
-        scheme=group,
-        bits=8,
-        group_size=None,
-        codes=weight.view(torch.uint8),
-        scale=scale.to(torch.float32),
-        offset=torch.zeros(out_features, 1, dtype=torch.float32),
-        g_idx=trivial_g_idx(in_features, in_features),
+    return DecodedLayer.symmetric_per_channel(
+        module,
+        group,
+        weight.view(torch.uint8),
+        scale,
         scale_dtype=scale.dtype,
-        tensors={
-            "codes": f"{module}.weight",
-            "scale": f"{module}.weight_scale",
-            "offset": f"{module} (symmetric)",
-            "g_idx": f"{module} (per-channel)",
-        },
+        tensors=(f"{module}.weight", f"{module}.weight_scale", f"{module} (symmetric)"),
         value_type=value_type_named(FP8_VALUE_TYPE),
     )

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from msquant.plugin import ActivationQuant, DecodedLayer, Findings
-from msquant.plugin.reading import trivial_g_idx
 
 __all__ = [
     "INT_PARTS",
@@ -81,7 +80,7 @@ def decode_int_layer(
         found = "missing" if weight is None else f"{weight.dtype} {list(weight.shape)}"
         findings.error(f"{module}.weight: expected int8 [out, in] ({group}), found {found}")
         return None
-    out_features, in_features = (int(v) for v in weight.shape)
+    out_features = int(weight.shape[0])
     if scale is None or scale.dtype not in FLOAT_DTYPES or tuple(scale.shape) != (out_features, 1):
         found = "missing" if scale is None else f"{scale.dtype} {list(scale.shape)}"
         findings.error(
@@ -91,22 +90,13 @@ def decode_int_layer(
     ok = _check_input_tensors(module, strategy, input_symmetric, tensors, findings) and ok
     if not ok or scale is None:
         return None
-    return DecodedLayer(
-        name=module,
-        scheme=group,
-        bits=8,
-        group_size=None,
-        codes=weight.to(torch.int32),
-        scale=scale.to(torch.float32),
-        offset=torch.zeros(out_features, 1, dtype=torch.float32),
-        g_idx=trivial_g_idx(in_features, in_features),
+    return DecodedLayer.symmetric_per_channel(
+        module,
+        group,
+        weight.to(torch.int32),
+        scale,
         scale_dtype=scale.dtype,
-        tensors={
-            "codes": f"{module}.weight",
-            "scale": f"{module}.weight_scale",
-            "offset": f"{module} (symmetric)",
-            "g_idx": f"{module} (per-channel)",
-        },
+        tensors=(f"{module}.weight", f"{module}.weight_scale", f"{module} (symmetric)"),
     )
 
 
