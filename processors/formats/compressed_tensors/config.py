@@ -4,7 +4,11 @@ modules left in float in ``ignore``.
 
 A scheme is weight-only (``pack-quantized``, ``input_activations: null``), FP8 W8A8
 (``float-quantized``: ``type: float`` 8-bit channel weights, ``type: float`` dynamic per-token
-activations, compressed-tensors' ``FP8_DYNAMIC`` preset) or int8 W8A8
+activations, compressed-tensors' ``FP8_DYNAMIC`` preset), MX (``mxfp8-quantized`` /
+``mxfp4-pack-quantized``: ``type: float`` 8- or 4-bit weights in groups of 32 with uint8 E8M0
+scales and dynamic group-32 activations of the same type, compressed-tensors' ``MXFP8`` / ``MXFP4``
+presets, what vLLM's ``_is_mxfp8`` / ``_is_mxfp4`` and vLLM-Ascend's ``_is_dynamic_group_mx``
+match) or int8 W8A8
 (``int-quantized``, with ``input_activations`` as llm-compressor 0.14 writes them for the same
 scheme: ``{num_bits: 8, type: int, symmetric, strategy: token, dynamic: true}`` for per-token
 dynamic activations, ``strategy: tensor, dynamic: false`` for static per-tensor ones).
@@ -23,6 +27,9 @@ __all__ = [
     "COMPRESSED_TENSORS_VERSION",
     "FORMAT",
     "INT_QUANTIZED",
+    "MX_FORMATS",
+    "MX_GROUP_SIZE",
+    "MX_SCALE_DTYPE",
     "MIXED_PRECISION",
     "ACTORDER_WEIGHT",
     "WeightScheme",
@@ -39,6 +46,14 @@ INT_QUANTIZED = "int-quantized"
 #: The format of FP8 weights (``float8_e4m3fn`` beside a per-channel scale; vLLM's
 #: ``CompressedTensorsW8A8Fp8`` with FP8 input activations).
 FLOAT_QUANTIZED = "float-quantized"
+#: The format of each MX value type (compressed-tensors' ``CompressionFormat``): MXFP8 elements
+#: stored as ``float8_e4m3fn`` ``weight``, MXFP4 ones two per byte in ``weight_packed``.
+MX_FORMATS = {"mxfp8": "mxfp8-quantized", "mxfp4": "mxfp4-pack-quantized"}
+#: The MX block (compressed-tensors' ``group_size``; vLLM and vLLM-Ascend match only 32).
+MX_GROUP_SIZE = 32
+#: How compressed-tensors serializes the MX presets' ``scale_dtype`` (``torch.uint8``: the E8M0
+#: byte); vLLM's ``_is_mxfp8`` requires it, compressed-tensors 0.17 and 0.20 parse it.
+MX_SCALE_DTYPE = "torch.uint8"
 #: The top-level ``format`` when the config groups use different formats (compressed-tensors'
 #: name; vLLM reads each group's own ``format`` first).
 MIXED_PRECISION = "mixed-precision"
@@ -61,6 +76,10 @@ class WeightScheme:
         ``token`` (dynamic, symmetric), ``tensor`` (static, calibrated), None for float
         activations (weight-only).
     :param input_symmetric: whether static activations have no zero point.
+    :param value_type: the float value type of weights and activations: ``fp8_e4m3``
+        (``float-quantized``, per-channel weights, per-token activations) or ``mxfp8`` /
+        ``mxfp4`` (MX: groups of 32, E8M0 scales, dynamic group-32 activations of the same
+        type, ``input_strategy`` ``group``); None for integers.
     """
 
     num_bits: int
@@ -69,8 +88,6 @@ class WeightScheme:
     actorder: str | None = None
     input_strategy: str | None = None
     input_symmetric: bool = True
-    #: The float value type of weights and activations (``fp8_e4m3``: ``float-quantized``, W8A8
-    #: FP8 with dynamic per-token activations); None for integers.
     value_type: str | None = None
 
     @classmethod
@@ -80,6 +97,10 @@ class WeightScheme:
         act = module.act
         if module.value_type.family == "fp8":
             return cls(8, True, None, None, "token", True, module.value_type.name)
+        if module.value_type.family == "mx":
+            return cls(
+                module.bits, True, MX_GROUP_SIZE, None, "group", True, module.value_type.name
+            )
         if act is None:
             return cls(module.bits, module.symmetric, module.group_size, actorder)
         strategy = "token" if act.dynamic else "tensor"
@@ -88,17 +109,25 @@ class WeightScheme:
         )
 
     @property
+    def is_mx(self) -> bool:
+        """Whether the scheme is MX (``mxfp8`` / ``mxfp4``)."""
+        return self.value_type in MX_FORMATS
+
+    @property
     def format(self) -> str:
-        """The group's compression format: ``float-quantized`` for FP8, ``int-quantized`` with
-        int8 activations, else ``pack-quantized``."""
+        """The group's compression format: ``float-quantized`` for FP8, ``mxfp8-quantized`` /
+        ``mxfp4-pack-quantized`` for MX, ``int-quantized`` with int8 activations, else
+        ``pack-quantized``."""
         if self.value_type is not None:
-            return FLOAT_QUANTIZED
+            return MX_FORMATS.get(self.value_type, FLOAT_QUANTIZED)
         return FORMAT if self.input_strategy is None else INT_QUANTIZED
 
     def input_args(self) -> dict[str, Any] | None:
         """The ``input_activations`` entry of a config group (None for float activations)."""
         if self.input_strategy is None:
             return None
+        if self.is_mx:
+            return {**self.weights_args(), "dynamic": True}
         dynamic = self.input_strategy == "token"
         return {
             "num_bits": 8,
@@ -114,7 +143,18 @@ class WeightScheme:
         return "channel" if self.group_size is None else "group"
 
     def weights_args(self) -> dict[str, Any]:
-        """The ``weights`` entry of a config group (valid ``QuantizationArgs`` keys only)."""
+        """The ``weights`` entry of a config group (valid ``QuantizationArgs`` keys only; MX:
+        compressed-tensors' own serialization of its ``MXFP8`` / ``MXFP4`` presets)."""
+        if self.is_mx:
+            return {
+                "num_bits": self.num_bits,
+                "type": "float",
+                "symmetric": True,
+                "group_size": MX_GROUP_SIZE,
+                "strategy": "group",
+                "dynamic": False,
+                "scale_dtype": MX_SCALE_DTYPE,
+            }
         args: dict[str, Any] = {
             "num_bits": self.num_bits,
             "type": "int" if self.value_type is None else "float",
@@ -129,6 +169,10 @@ class WeightScheme:
         return args
 
     def __str__(self) -> str:
+        if self.is_mx:
+            return (
+                f"{self.value_type} block {MX_GROUP_SIZE} a {self.value_type} block {MX_GROUP_SIZE}"
+            )
         if self.value_type is not None:
             return f"{self.value_type} per_channel sym a {self.value_type} per_token"
         scope = "per_channel" if self.group_size is None else f"per_group({self.group_size})"

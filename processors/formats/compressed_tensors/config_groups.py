@@ -1,9 +1,10 @@
 """The ``config_groups`` of a compressed-tensors ``quantization_config``, parsed and checked.
 
 Split from :mod:`~msquant.processors.formats.compressed_tensors.reader`: a group maps ``targets``
-to a weight scheme (``pack-quantized`` weight-only, or ``int-quantized`` int8 W8A8 with input
-activations); each rule compressed-tensors, vLLM and transformers enforce on a group's arguments is
-checked here and reported to the reader's findings with the key's path.
+to a weight scheme (``pack-quantized`` weight-only, ``int-quantized`` int8 W8A8 with input
+activations, ``float-quantized`` FP8 W8A8, ``mxfp8-quantized`` / ``mxfp4-pack-quantized`` MX with
+dynamic group-32 activations of the same type); each rule compressed-tensors, vLLM and
+transformers enforce on a group's arguments is checked here and reported to the reader's findings with the key's path.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from msquant.processors.formats.compressed_tensors.float_quantized import (
     float_group_problems,
 )
 from msquant.processors.formats.compressed_tensors.int_quantized import INT_QUANTIZED, input_scheme
+from msquant.processors.formats.compressed_tensors.mx_quantized import (
+    MX_FORMAT_TYPES,
+    mx_group_problems,
+)
 
 __all__ = ["CTScheme", "ConfigGroup", "PACK_QUANTIZED", "parse_config_groups"]
 
@@ -53,9 +58,14 @@ class CTScheme:
     #: for weight-only ``pack-quantized``.
     input_strategy: str | None = None
     input_symmetric: bool = True
-    #: The float value type of weights and activations (``fp8_e4m3``: ``float-quantized``); None
-    #: for integers.
+    #: The float value type of weights and activations (``fp8_e4m3``: ``float-quantized``;
+    #: ``mxfp8`` / ``mxfp4``: MX, ``input_strategy`` ``group``); None for integers.
     value_type: str | None = None
+
+    @property
+    def is_mx(self) -> bool:
+        """Whether the group is MX (``mxfp8-quantized`` / ``mxfp4-pack-quantized``)."""
+        return self.value_type in MX_FORMAT_TYPES.values()
 
     def key(self) -> Hashable:
         """What two fused shards must share (the group name does not matter)."""
@@ -72,6 +82,8 @@ class CTScheme:
     def describe(self) -> str:
         """E.g. ``int4 group 32 asym (group_0)``, ``int8 per-channel sym a8 token (group_0)``,
         ``fp8_e4m3 per-channel a fp8_e4m3 token (group_0)``."""
+        if self.is_mx:
+            return f"{self.value_type} block 32 a {self.value_type} block 32 ({self.group})"
         if self.value_type is not None:
             return f"{self.value_type} per-channel a {self.value_type} token ({self.group})"
         scope = "per-channel" if self.strategy == "channel" else f"group {self.group_size}"
@@ -136,11 +148,22 @@ def _group_scheme(
             )
             return None
         return CTScheme(name, 8, True, "channel", None, "token", True, FP8_VALUE_TYPE)
+    if group_format in MX_FORMAT_TYPES:
+        value_type = MX_FORMAT_TYPES[group_format]
+        problems = mx_group_problems(group, value_type)
+        if problems:
+            findings.error(
+                f"{where}: {group_format} is verified for {value_type} weights with dynamic "
+                f"{value_type} activations in groups of 32: " + "; ".join(problems)
+            )
+            return None
+        bits = 8 if value_type == "mxfp8" else 4
+        return CTScheme(name, bits, True, "group", 32, "group", True, value_type)
     if group_format != PACK_QUANTIZED:
         findings.error(
             f"{where}: format {group_format!r} is not verified by msquant verify "
-            f"(it reads {PACK_QUANTIZED} weight-only, {INT_QUANTIZED} int8 W8A8 and "
-            f"{FLOAT_QUANTIZED} FP8 W8A8 checkpoints)"
+            f"(it reads {PACK_QUANTIZED} weight-only, {INT_QUANTIZED} int8 W8A8, "
+            f"{FLOAT_QUANTIZED} FP8 W8A8 and {', '.join(MX_FORMAT_TYPES)} MX checkpoints)"
         )
         return None
     for key in ("input_activations", "output_activations"):

@@ -9,6 +9,10 @@ from importlib.metadata import PackageNotFoundError, version
 from msquant.processors.formats.compressed_tensors.config import WeightScheme
 
 __all__ = [
+    "MX_SCHEMES",
+    "VLLM_MX_WEIGHT_ONLY",
+    "W4A8_MXFP_REFUSAL",
+    "mx_plan_findings",
     "SGLANG_BITS",
     "DENSE_PACKING_BITS",
     "transformers_loading_note",
@@ -52,6 +56,43 @@ TRANSFORMERS_DYNAMIC = (
     "max|x| / 127.5, vLLM's kernels and msquant eval with max|x| / 127, so its logits differ "
     "slightly from the deployed model's"
 )
+
+
+#: The MX activation schemes this format writes (msModelSlim's names, as plans show them).
+MX_SCHEMES = ("W8A8_MXFP8", "W4A4_MXFP4")
+VLLM_MX_WEIGHT_ONLY = (
+    "MX layers: vLLM 0.33 / 0.34 quantize their activations to MX only on SM100+ (Blackwell) "
+    "GPUs with FlashInfer; below, they pick a weight-only Marlin kernel (MXFP8 W8A16, MXFP4 "
+    "W4A16: activations stay in the model's float dtype; kernels/linear/__init__.py:569-579, "
+    "626-633, kernels/linear/mxfp8/marlin.py:14, kernels/linear/mxfp4/marlin.py:29-36 of 0.34.0), "
+    "so msquant eval (which simulates MX activations, msModelSlim's scheme, as vLLM-Ascend "
+    "0.30's W8A8_MXFP8 / W4A4_MXFP4 run them) measures what Blackwell and Ascend compute, not "
+    "what an older GPU computes: {names}"
+)
+W4A8_MXFP_REFUSAL = (
+    "W4A8_MXFP (mxfp4 weights, mxfp8 activations) has no compressed-tensors reading as MXFP8 "
+    "activations: vLLM 0.33 / 0.34 take mxfp4 weights with 8-bit float dynamic group inputs as "
+    "CompressedTensorsW4A8Mxfp4 with FP8 (float-scaled) group activations, not MX "
+    "(compressed_tensors.py:459-489, 806-809), and vLLM-Ascend 0.30.0rc2 matches MX groups only "
+    "with equal weight and input widths and raises NotImplementedError otherwise "
+    "(quantization/configs/compressed_tensors_config.py:346-382, 384-401); export W4A8_MXFP with "
+    "type: ascendv1_saver (msModelSlim's layout): {names}"
+)
+
+
+def mx_plan_findings(acts: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    """``(errors, warnings)`` for the MX layers of a plan, ``acts`` quantized module name ->
+    activation scheme (msModelSlim's name): W4A8_MXFP is refused (no engine reads it from
+    compressed-tensors as msquant computes it), W8A8_MXFP8 / W4A4_MXFP4 warned about (vLLM
+    below SM100 runs them weight-only)."""
+    errors, warnings = [], []
+    w4a8 = [name for name, act in acts.items() if act == "W4A8_MXFP"]
+    if w4a8:
+        errors.append(W4A8_MXFP_REFUSAL.format(names=_listing(w4a8)))
+    mx = [name for name, act in acts.items() if act in MX_SCHEMES]
+    if mx:
+        warnings.append(VLLM_MX_WEIGHT_ONLY.format(names=_listing(mx)))
+    return errors, warnings
 
 
 def activation_warnings(schemes: Mapping[str, WeightScheme]) -> list[str]:

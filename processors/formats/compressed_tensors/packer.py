@@ -12,6 +12,13 @@ per-channel), ``P.weight_scale`` float32 ``[out, 1]``, for static activations ``
 float32 ``[1]`` and, asymmetric only, ``P.input_zero_point`` int8 ``[1]`` (the signed zero point:
 ``x ~ (q_x - zero_point) * input_scale``), and ``P.bias`` in the model dtype. Scales stay float32,
 the dtype of vLLM's parameters, so nothing is rounded on the way.
+
+MX (``mxfp8-quantized`` / ``mxfp4-pack-quantized``, what vLLM's ``CompressedTensorsW8A8Mxfp8`` /
+``CompressedTensorsW4A4Mxfp4`` and compressed-tensors' MX compressors create and read): MXFP8
+``P.weight`` ``float8_e4m3fn`` ``[out, in]`` (the elements), MXFP4 ``P.weight_packed`` uint8
+``[out, in / 2]`` (two e2m1 codes per byte, element ``2i`` in the low nibble, the order of
+compressed-tensors' ``unpack_fp4_from_uint8``), ``P.weight_scale`` uint8 ``[out, in / 32]`` (the
+E8M0 byte ``e + 127`` of each block's scale ``2^e``), ``P.bias`` in the model dtype.
 """
 
 from __future__ import annotations
@@ -20,9 +27,12 @@ import torch
 
 from msquant.plugin import ActivationQuant, QuantizationError, QuantizedWeight
 from msquant.plugin.export import pack_int32
+from msquant.plugin.numerics import pack_nibbles
+from msquant.processors.formats.ascend.mx import e8m0_bytes
 
 __all__ = [
     "pack_float_quantized_tensors",
+    "pack_mx_tensors",
     "MIN_BITS",
     "MAX_BITS",
     "W8A8_REFUSAL",
@@ -104,6 +114,49 @@ def pack_float_quantized_tensors(
         f"{name}.weight": qweight.codes.to(torch.uint8).view(torch.float8_e4m3fn),
         f"{name}.weight_scale": qweight.scale.to(torch.float32).reshape(-1, 1),
     }
+    if bias is not None:
+        tensors[f"{name}.bias"] = bias.detach().to(dtype)
+    return tensors
+
+
+def pack_mx_tensors(
+    name: str,
+    qweight: QuantizedWeight,
+    act: ActivationQuant | None,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """The ``mxfp8-quantized`` / ``mxfp4-pack-quantized`` tensors of one MX linear ``name``
+    (pure; inputs unchanged; module docstring).
+
+    :param act: the layer's activation quantization: dynamic per block of the weight's own MX
+        type (the config group describes it; nothing is stored for it).
+    :param dtype: the float dtype of the weight this linear replaced (the bias uses it).
+    :raises QuantizationError: for activations of another type (W4A8_MXFP: vLLM and vLLM-Ascend
+        read no such compressed-tensors group as MXFP8 activations) or an odd ``in_features``.
+    """
+    values = qweight.value_type
+    if act is None or act.value_type != values.name:
+        found = "float" if act is None else str(act.value_type)
+        raise QuantizationError(
+            f"{name}: compressed-tensors MX groups store {values.name} weights with dynamic "
+            f"{values.name} activations (vLLM's and vLLM-Ascend's MX schemes); got {found} "
+            "activations: export them with type: ascendv1_saver"
+        )
+    codes = qweight.codes.to(torch.uint8)
+    if values.name == "mxfp4":
+        if codes.shape[1] % 2:
+            raise QuantizationError(
+                f"{name}: mxfp4-pack-quantized packs two codes per byte along in_features, "
+                f"which is {codes.shape[1]}; exclude this layer"
+            )
+        tensors = {f"{name}.weight_packed": pack_nibbles(codes)}
+    else:
+        tensors = {f"{name}.weight": codes.view(torch.float8_e4m3fn)}
+    try:
+        tensors[f"{name}.weight_scale"] = e8m0_bytes(qweight.scale)
+    except ValueError as exc:
+        raise QuantizationError(f"{name}: {exc}") from exc
     if bias is not None:
         tensors[f"{name}.bias"] = bias.detach().to(dtype)
     return tensors

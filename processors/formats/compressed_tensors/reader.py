@@ -19,6 +19,10 @@ int8 W8A8 groups (``int-quantized`` with ``input_activations``, vLLM's
 ``CompressedTensorsW8A8Int8``) are read by :mod:`.int_quantized`: ``P.weight`` int8 ``[out, in]``,
 ``P.weight_scale`` ``[out, 1]``, static activations' ``P.input_scale`` / ``P.input_zero_point``;
 ``msquant eval`` simulates their activations (:meth:`CompressedTensorsReader.activation_of`).
+FP8 W8A8 groups (``float-quantized``) are read by :mod:`.float_quantized`, MX groups
+(``mxfp8-quantized``: ``P.weight`` ``float8_e4m3fn``; ``mxfp4-pack-quantized``: ``P.weight_packed``
+uint8 ``[out, in / 2]``; both with uint8 E8M0 ``P.weight_scale`` ``[out, in / 32]``) by
+:mod:`.mx_quantized`; ``msquant eval`` quantizes their activations per block of 32.
 
 The config's ``config_groups`` map ``targets`` (exact module names, ``re:`` regexes matched with
 ``re.match``, or class names such as ``Linear``) to weight schemes; ``ignore`` lists modules kept
@@ -45,6 +49,7 @@ from msquant.processors.formats.compressed_tensors.config_groups import (
 )
 from msquant.processors.formats.compressed_tensors.float_quantized import decode_fp8_layer
 from msquant.processors.formats.compressed_tensors.int_quantized import INT_PARTS, INT_QUANTIZED
+from msquant.processors.formats.compressed_tensors.mx_quantized import MX_PARTS, decode_mx_layer
 
 __all__ = ["CompressedTensorsReader", "CTScheme"]
 
@@ -70,6 +75,11 @@ DENSE_PACKING = (
     "unpack (vLLM 0.33 / 0.34 pin 0.17.0; transformers with 0.17 fails to load them)"
 )
 HEAD_NAMES = ("lm_head",)
+VLLM_MX_WEIGHT_ONLY = (
+    "vLLM 0.33 / 0.34 quantize MX activations only on SM100+ GPUs with FlashInfer; below, their "
+    "Marlin MXFP8 / MXFP4 kernels run these layers weight-only (activations in float), which "
+    "msquant eval does not simulate (docs/formats.md, MX)"
+)
 VLLM_ASYM_ZERO_POINT = (
     "vLLM 0.33 / 0.34's CUTLASS int8 kernel rebuilds a static asymmetric input zero point with a "
     "truncating conversion, which can move it one step toward 0 (docs/formats.md, int8 W8A8)"
@@ -226,6 +236,8 @@ class CompressedTensorsReader(ExportReader):
         if group.scheme is None or self.store is None:
             return None  # the group's config error is already reported
         scheme = group.scheme
+        if scheme.is_mx:
+            return self._decode_mx(module, group.name, scheme)
         if (module in self.int_modules) != (scheme.input_strategy is not None):
             stored = "an unpacked weight" if module in self.int_modules else "weight_packed"
             self.findings.error(
@@ -317,6 +329,27 @@ class CompressedTensorsReader(ExportReader):
             },
         )
 
+    def _decode_mx(self, module: str, group: str, scheme: CTScheme) -> DecodedLayer | None:
+        """An MX layer: its :data:`MX_PARTS` decoded, any other quantization tensor refused."""
+        assert self.store is not None and scheme.value_type is not None
+        extra = [
+            f"{module}.{part}"
+            for part in (*PARTS, *INT_PARTS)
+            if part not in MX_PARTS and f"{module}.{part}" in self.store
+        ]
+        if extra:
+            self.findings.error(
+                f"{', '.join(sorted(set(extra)))}: not part of an MX layer ({scheme.describe()}: "
+                f"{', '.join(MX_PARTS[1:] if scheme.value_type == 'mxfp4' else MX_PARTS[::2])})"
+            )
+            return None
+        tensors = {
+            part: self.store.get(f"{module}.{part}")
+            for part in MX_PARTS
+            if f"{module}.{part}" in self.store
+        }
+        return decode_mx_layer(module, group, scheme.value_type, tensors, self.findings)
+
     def _int_tensors(self, module: str) -> dict[str, torch.Tensor]:
         assert self.store is not None
         return {
@@ -330,6 +363,8 @@ class CompressedTensorsReader(ExportReader):
         it): per-token, or the stored static ``input_scale`` / ``input_zero_point``; None for
         weight-only layers. Call after :meth:`decode` checked the layer."""
         scheme = self.scheme_of(module)
+        if scheme is not None and scheme.is_mx:  # dynamic, per block of 32, the weights' type
+            return ActivationQuant("per_block", value_type=scheme.value_type)
         if scheme is None or scheme.input_strategy is None or module not in self.int_modules:
             return None
         if scheme.value_type is not None:  # FP8: dynamic per token
@@ -340,6 +375,9 @@ class CompressedTensorsReader(ExportReader):
 
     def consumer_notes(self, layer: DecodedLayer) -> None:
         scheme = self.scheme_of(layer.name)
+        if scheme is not None and scheme.is_mx:
+            self.findings.note(VLLM_MX_WEIGHT_ONLY, layer.name)
+            return
         if scheme is not None and scheme.input_strategy == "tensor" and not scheme.input_symmetric:
             self.findings.note(VLLM_ASYM_ZERO_POINT, layer.name)
         if scheme is None or scheme.input_strategy is not None:

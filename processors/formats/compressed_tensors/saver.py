@@ -109,11 +109,13 @@ from msquant.processors.formats.compressed_tensors.config import (
 from msquant.processors.formats.compressed_tensors.consumers import (
     activation_warnings,
     consumer_warnings,
+    mx_plan_findings,
     transformers_loading_note,
 )
 from msquant.processors.formats.compressed_tensors.packer import (
     pack_float_quantized_tensors,
     pack_int_quantized_tensors,
+    pack_mx_tensors,
     pack_quantized_tensors,
 )
 from msquant.processors.sglang_limits import sglang_plan_warnings
@@ -148,9 +150,13 @@ class CompressedTensorsSaver(Saver):
     weights_prefix = "model"
     #: int8 W8A8 (vLLM's CompressedTensorsW8A8Int8); W4A8_DYNAMIC is refused at plan time.
     writes_activations = True
-    activation_schemes = ("W8A8", "W8A8_DYNAMIC", "WFP8AFP8_DYNAMIC")
-    #: Integer codes and FP8 (``float-quantized``).
-    value_families = ("int", "fp8")
+    #: MX: W8A8_MXFP8 (``mxfp8-quantized``) and W4A4_MXFP4 (``mxfp4-pack-quantized``); not
+    #: W4A8_MXFP (mxfp4 weights, mxfp8 activations), which no engine reads as such from
+    #: compressed-tensors (``consumers.W4A8_MXFP_REFUSAL``).
+    activation_schemes = ("W8A8", "W8A8_DYNAMIC", "WFP8AFP8_DYNAMIC", "W8A8_MXFP8", "W4A4_MXFP4")
+    #: Integer codes, FP8 (``float-quantized``) and MX (``mxfp8-quantized``,
+    #: ``mxfp4-pack-quantized``).
+    value_families = ("int", "fp8", "mx")
 
     def prepare(self, ctx: RunContext) -> None:
         # The float dtype each linear had before quantization: scales and bias are stored in it.
@@ -166,6 +172,8 @@ class CompressedTensorsSaver(Saver):
         dtype = self.float_dtypes.get(name, self.default_dtype)
         if module.value_type.family == "fp8":
             return pack_float_quantized_tensors(name, module.qweight, module.bias, dtype)
+        if module.value_type.family == "mx":
+            return pack_mx_tensors(name, module.qweight, module.act, module.bias, dtype)
         if module.act is not None:
             return pack_int_quantized_tensors(name, module.qweight, module.act, module.bias, dtype)
         return pack_quantized_tensors(name, module.qweight, module.bias, dtype)
@@ -227,9 +235,20 @@ class CompressedTensorsSaver(Saver):
 
     def review_plan(self, plan: ModelPlan, model: nn.Module) -> PlanReview:
         """Before weights load: what SGLang's model classes cannot load from this export
-        (:mod:`msquant.processors.sglang_limits`)."""
-        warnings = sglang_plan_warnings(plan, model, compressed_tensors=True)
-        return PlanReview(warnings=[f"compressed_tensors: {message}" for message in warnings])
+        (:mod:`msquant.processors.sglang_limits`), what vLLM computes otherwise for MX layers
+        (warned) and the MX scheme no engine reads from compressed-tensors (W4A8_MXFP, refused;
+        :func:`~msquant.processors.formats.compressed_tensors.consumers.mx_plan_findings`)."""
+        acts = {
+            row.module: row.act
+            for row in plan.rows
+            if not row.skipped and row.act is not None and row.value_type in ("mxfp8", "mxfp4")
+        }
+        errors, mx_warnings = mx_plan_findings(acts)
+        warnings = sglang_plan_warnings(plan, model, compressed_tensors=True) + mx_warnings
+        return PlanReview(
+            errors=[f"compressed_tensors: {message}" for message in errors],
+            warnings=[f"compressed_tensors: {message}" for message in warnings],
+        )
 
 
 def _float_dtype(model: nn.Module) -> torch.dtype:
