@@ -130,6 +130,13 @@ def _transformers_version() -> str:
 def transformers_loading_note(schemes: Iterable[WeightScheme]) -> str:
     """How transformers can load an export holding ``schemes`` (formats.md 4.1; vLLM loads all)."""
     distinct = set(schemes)
+    if any(scheme.is_mx for scheme in distinct):
+        # compressed-tensors 0.20's MX decompressors give bfloat16 weights (decompress_mx_scale)
+        return (
+            "transformers (compressed-tensors 0.20) loads it with AutoModelForCausalLM."
+            "from_pretrained(path, dtype=torch.bfloat16): it decompresses MX weights to bfloat16, "
+            "and a float32 model then fails on the dtype mismatch"
+        )
     symmetric = all(scheme.symmetric for scheme in distinct)
     dynamic = any(s.input_strategy == "token" and s.value_type is None for s in distinct)
     if symmetric:
