@@ -93,6 +93,12 @@ REAL = (
     "vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel",
     "vllm.model_executor.kernels.linear.scaled_mm.cutlass",
     "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w8a8_int8",
+    # MX (issue 26): the schemes' create_weights, the MXFP8 constants they read; their kernel
+    # choice (GPU capability, FlashInfer) is recorded by :data:`MX_KERNELS` instead
+    "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_mxfp4",
+    "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a8_mxfp4",
+    "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_mxfp8",
+    "vllm.model_executor.layers.quantization.utils.mxfp8_utils",
     # the Marlin linear kernel's own support check and tile padding (§1 #5 / #12)
     "vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel",
     "vllm.model_executor.kernels.linear.mixed_precision.marlin",
@@ -300,6 +306,23 @@ def _init_int8_linear_kernel(
     return CutlassInt8ScaledMMLinearKernel(config, layer_param_names=names)
 
 
+#: The MX linear kernels vLLM's schemes asked for (``init_mxfp4_linear_kernel`` /
+#: ``init_mxfp8_linear_kernel`` need the GPU to choose): ``(kind, arguments)`` in call order.
+MX_KERNELS: list[tuple[str, dict[str, Any]]] = []
+
+
+def _init_mxfp4_linear_kernel(activation_quant_key: Any = None) -> _Kernel:
+    """``kernels/linear/__init__.py`` ``init_mxfp4_linear_kernel``: recorded, nothing chosen."""
+    MX_KERNELS.append(("mxfp4", {"activation_quant_key": activation_quant_key}))
+    return _Kernel(None, activation_quant_key=activation_quant_key)  # type: ignore[arg-type]
+
+
+def _init_mxfp8_linear_kernel(*, weight_shape: Any, bmm_batch_size: Any = None) -> _Kernel:
+    """``kernels/linear/__init__.py`` ``init_mxfp8_linear_kernel``: recorded, nothing chosen."""
+    MX_KERNELS.append(("mxfp8", {"weight_shape": tuple(weight_shape)}))
+    return _Kernel(None, weight_shape=weight_shape)  # type: ignore[arg-type]
+
+
 class PluggableLayer(torch.nn.Module):
     """``custom_op.PluggableLayer``: a module whose class out-of-tree plugins may replace (none
     here); ``register`` only names the class."""
@@ -338,6 +361,7 @@ def _fill_model_executor_utils(module: types.ModuleType) -> None:
     module.is_weights_pre_processed = lambda *args, **kwargs: False
     module.retire_parameter = noop
     module.copy_weight_ = lambda dst, src: dst.copy_(src)  # a plain copy_ off integrated GPUs
+    module.move_parameter = noop  # 0.34's MXFP4 scheme, after loading only
 
 
 def _quantization_package(module: types.ModuleType) -> None:
@@ -364,12 +388,21 @@ def _compressed_tensors_schemes(module: types.ModuleType) -> None:
     module.CompressedTensorsWNA16 = compressed_tensors_wNa16.CompressedTensorsWNA16
     module.WNA16_SUPPORTED_BITS = compressed_tensors_wNa16.WNA16_SUPPORTED_BITS
     for name in (
-        "CompressedTensorsW4A4Fp4", "CompressedTensorsW4A4Mxfp4", "CompressedTensorsW4A8Fp8",
-        "CompressedTensorsW4A8Int", "CompressedTensorsW4A8Mxfp4", "CompressedTensorsW8A16Fp8",
-        "CompressedTensorsW8A8Fp8", "CompressedTensorsW8A8Mxfp8",
+        "CompressedTensorsW4A4Fp4", "CompressedTensorsW4A8Fp8",
+        "CompressedTensorsW4A8Int", "CompressedTensorsW8A16Fp8",
+        "CompressedTensorsW8A8Fp8",
         "CompressedTensorsWNA4Int", "CompressedTensorsWNA8Int", "CompressedTensorsWNA8O8Int",
     ):  # fmt: skip
         setattr(module, name, placeholder_class(name))
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        compressed_tensors_w4a4_mxfp4,
+        compressed_tensors_w4a8_mxfp4,
+        compressed_tensors_w8a8_mxfp8,
+    )
+
+    module.CompressedTensorsW4A4Mxfp4 = compressed_tensors_w4a4_mxfp4.CompressedTensorsW4A4Mxfp4
+    module.CompressedTensorsW4A8Mxfp4 = compressed_tensors_w4a8_mxfp4.CompressedTensorsW4A8Mxfp4
+    module.CompressedTensorsW8A8Mxfp8 = compressed_tensors_w8a8_mxfp8.CompressedTensorsW8A8Mxfp8
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
         compressed_tensors_w8a8_int8,
     )
@@ -513,6 +546,8 @@ STUBS = {
         MPLinearKernel=_Kernel,
         MarlinLinearKernel=placeholder_class("MarlinLinearKernel", _Kernel),
         init_int8_linear_kernel=_init_int8_linear_kernel,
+        init_mxfp4_linear_kernel=_init_mxfp4_linear_kernel,
+        init_mxfp8_linear_kernel=_init_mxfp8_linear_kernel,
     ),
     "vllm.model_executor.determinism.batch_invariant": stub(
         matmul_batch_invariant=noop,
