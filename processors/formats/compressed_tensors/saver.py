@@ -48,6 +48,13 @@ refuses int8 W8A8 MoE experts on GPUs (warned at plan time: :mod:`msquant.proces
 int4 weights with int8 activations (W4A8_DYNAMIC) are refused at plan time: export them with
 ``ascendv1_saver``.
 
+MX layers (W8A8_MXFP8, W4A4_MXFP4; the groups are compressed-tensors' ``MXFP8`` / ``MXFP4``
+presets, formats ``mxfp8-quantized`` / ``mxfp4-pack-quantized``): ``P.weight`` ``float8_e4m3fn``
+``[out, in]`` (MXFP8) or ``P.weight_packed`` uint8 ``[out, in / 2]`` (MXFP4, element ``2i`` in the
+low nibble), ``P.weight_scale`` uint8 E8M0 ``[out, in / 32]``. vLLM 0.33 / 0.34 quantize their
+activations only on SM100+ GPUs (warned at plan time); W4A8_MXFP is refused at plan time (no
+engine reads it from compressed-tensors as MXFP8 activations; docs/formats.md, MX).
+
 ``quantization_config``: one ``config_groups`` entry per distinct scheme (bits, symmetry,
 channel/group, group size, and ``actorder: "weight"`` for modules GPTQ solved in act-order).
 The most common scheme targets the class ``Linear``; the others list
@@ -140,7 +147,8 @@ class CompressedTensorsSaverState(SaverState):
 
 
 class CompressedTensorsSaver(Saver):
-    """A compressed-tensors ``pack-quantized`` checkpoint (int 2-8 bit) for vLLM and transformers."""
+    """A compressed-tensors checkpoint for vLLM, vLLM-Ascend and transformers: ``pack-quantized``
+    int 2-8 bit, int8 / FP8 W8A8, MXFP8 / MXFP4 (module docstring)."""
 
     type_name = "compressed_tensors"
     config_class = CompressedTensorsSaverConfig
