@@ -41,8 +41,9 @@ TOP_LEVEL = {
 #: layer finder, the layer-wise runner), 120 with the routed-experts flex_awq_ssz tests (the same
 #: four), 123 with the MX-scheme tests (issue 26: the eval loader, the plan renderer, the
 #: checkpoint store), 124 with the image calibration test (the image loader), 125 with the FP8
-#: scheme test (eval's model loader); lower it when a test moves to the public API.
-CROSS_PART_IMPORTS = 125
+#: scheme test (eval's model loader), 126 with the MX compressed-tensors test (eval's model
+#: loader); lower it when a test moves to the public API.
+CROSS_PART_IMPORTS = 126
 
 
 def _parts() -> set[str]:
