@@ -55,7 +55,13 @@ MX_GROUP_SIZE = 32
 #: byte); vLLM's ``_is_mxfp8`` requires it, compressed-tensors 0.17 and 0.20 parse it.
 MX_SCALE_DTYPE = "torch.uint8"
 #: The top-level ``format`` when the config groups use different formats (compressed-tensors'
-#: name; vLLM reads each group's own ``format`` first).
+#: name; vLLM reads each group's own ``format`` first), and whenever a group is MX: vLLM-Ascend
+#: 0.30.0rc2 keeps a group's ``input_activations`` only when its format is one of vLLM's
+#: activation-quantization formats (``is_activation_quantization_format`` of vLLM's
+#: ``compressed_tensors/utils.py``: no MX format in 0.33 / 0.34) or the top-level one is
+#: ``mixed-precision`` (``quantization/configs/compressed_tensors_config.py:128-138``); without
+#: them it matches no MX scheme (``:346-364``, ``:388-389``) and refuses every MX layer
+#: (``NotImplementedError``, ``:382``).
 MIXED_PRECISION = "mixed-precision"
 #: compressed-tensors' ``actorder`` for GPTQ act-order with static groups (alias ``static``):
 #: accepted by compressed-tensors 0.20 and vLLM 0.33 / 0.34, which need no ``g_idx`` for it.
@@ -226,10 +232,12 @@ def build_quantization_config(
         for index, (scheme, names) in enumerate(targets.items())
     }
     formats = {scheme.format for scheme in targets}
+    # MX groups: always mixed-precision, so that vLLM-Ascend keeps their input_activations
+    single = len(formats) == 1 and not any(scheme.is_mx for scheme in targets)
     return {
         "quant_method": "compressed-tensors",
         "version": COMPRESSED_TENSORS_VERSION,
-        "format": formats.pop() if len(formats) == 1 else MIXED_PRECISION,
+        "format": formats.pop() if single else MIXED_PRECISION,
         "quantization_status": "compressed",
         "global_compression_ratio": None,
         "kv_cache_scheme": None,

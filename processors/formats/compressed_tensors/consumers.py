@@ -11,6 +11,7 @@ from msquant.processors.formats.compressed_tensors.config import WeightScheme
 __all__ = [
     "MX_SCHEMES",
     "VLLM_MX_WEIGHT_ONLY",
+    "ASCEND_MX_RELEASES",
     "W4A8_MXFP_REFUSAL",
     "mx_plan_findings",
     "SGLANG_BITS",
@@ -69,6 +70,14 @@ VLLM_MX_WEIGHT_ONLY = (
     "0.30's W8A8_MXFP8 / W4A4_MXFP4 run them) measures what Blackwell and Ascend compute, not "
     "what an older GPU computes: {names}"
 )
+ASCEND_MX_RELEASES = (
+    "vLLM-Ascend reads MX compressed-tensors layers from 0.30.0rc2 on (W8A8_MXFP8 / W4A4_MXFP4: "
+    "quantization/configs/compressed_tensors_config.py:346-364, the top-level format "
+    "mixed-precision keeping their input activations, :128-138); 0.26.0rc1 refuses them: it drops "
+    "the input activations of MX groups (quantization/compressed_tensors_config.py:137-149), then "
+    "finds no MXFP8 type (NotImplementedError, :381) and takes MXFP4 as weight-only W4A8_MXFP, whose "
+    "linear scheme does not take use_weight_packed (TypeError, :338-339): {names}"
+)
 W4A8_MXFP_REFUSAL = (
     "W4A8_MXFP (mxfp4 weights, mxfp8 activations) has no compressed-tensors reading as MXFP8 "
     "activations: vLLM 0.33 / 0.34 take mxfp4 weights with 8-bit float dynamic group inputs as "
@@ -84,7 +93,7 @@ def mx_plan_findings(acts: Mapping[str, str]) -> tuple[list[str], list[str]]:
     """``(errors, warnings)`` for the MX layers of a plan, ``acts`` quantized module name ->
     activation scheme (msModelSlim's name): W4A8_MXFP is refused (no engine reads it from
     compressed-tensors as msquant computes it), W8A8_MXFP8 / W4A4_MXFP4 warned about (vLLM
-    below SM100 runs them weight-only)."""
+    below SM100 runs them weight-only, vLLM-Ascend 0.26.0rc1 refuses them)."""
     errors, warnings = [], []
     w4a8 = [name for name, act in acts.items() if act == "W4A8_MXFP"]
     if w4a8:
@@ -92,6 +101,7 @@ def mx_plan_findings(acts: Mapping[str, str]) -> tuple[list[str], list[str]]:
     mx = [name for name, act in acts.items() if act in MX_SCHEMES]
     if mx:
         warnings.append(VLLM_MX_WEIGHT_ONLY.format(names=_listing(mx)))
+        warnings.append(ASCEND_MX_RELEASES.format(names=_listing(mx)))
     return errors, warnings
 
 
