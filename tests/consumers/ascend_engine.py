@@ -63,11 +63,22 @@ COMMON_REAL = (
     "vllm_ascend.quantization.methods",
     "vllm_ascend.quantization.methods.*",
 )
+#: Where ``AscendCompressedTensorsConfig`` (``--quantization compressed-tensors`` on Ascend) lives.
+CT_CONFIG_MODULE = {
+    "0.26.0rc1": "vllm_ascend.quantization.compressed_tensors_config",
+    "0.30.0rc2": "vllm_ascend.quantization.configs.compressed_tensors_config",
+}
+
 REAL = {
-    "0.26.0rc1": (*COMMON_REAL, "vllm_ascend.quantization.modelslim_config"),
+    "0.26.0rc1": (
+        *COMMON_REAL,
+        "vllm_ascend.quantization.modelslim_config",
+        CT_CONFIG_MODULE["0.26.0rc1"],
+    ),
     "0.30.0rc2": (
         *COMMON_REAL,
         "vllm_ascend.quantization.configs.modelslim_config",
+        CT_CONFIG_MODULE["0.30.0rc2"],
         "vllm_ascend.quantization.prepared_linear_input",
         # 0.30 asks a hardware profile (built from the device type) what the device supports
         "vllm_ascend.device.hardware",
@@ -282,6 +293,38 @@ def resolve_export(export: Path, model_type: str, modules: list[EngineModule]) -
     }
     config.maybe_update_config(str(export))  # the real lookup of quant_model_description.json
     assert config.quant_description == description
+    _set_current_config(config, model_type)
+    return [_resolve(config, module) for module in modules]
+
+
+def compressed_tensors_config_class() -> Any:
+    """``AscendCompressedTensorsConfig`` of the imported release (what vLLM-Ascend registers for
+    ``quant_method: compressed-tensors``, replacing vLLM's own)."""
+    import importlib
+
+    module = importlib.import_module(CT_CONFIG_MODULE[active_release().version])
+    return module.AscendCompressedTensorsConfig
+
+
+def resolve_compressed_tensors_export(
+    export: Path, model_type: str, modules: list[EngineModule]
+) -> list[Resolution]:
+    """vLLM-Ascend's decision for every module of a compressed-tensors export: the real
+    ``from_config`` on ``config.json``'s ``quantization_config``, the model's packed-module
+    mapping (as vLLM's loader sets it), then ``get_quant_method`` and the scheme's
+    ``create_weights`` per module."""
+    hf_config = json.loads((export / "config.json").read_text())["quantization_config"]
+    assert hf_config["quant_method"] == "compressed-tensors"
+    config = compressed_tensors_config_class().from_config(hf_config)
+    config.packed_modules_mapping = {
+        key: list(value) for key, value in PACKED_MODULES[model_type].items()
+    }
+    _set_current_config(config, model_type)
+    return [_resolve(config, module) for module in modules]
+
+
+def _set_current_config(config: Any, model_type: str) -> None:
+    """What ``get_current_vllm_config()`` answers while the layers are built."""
     current = vllm_engine.CURRENT_CONFIG
     current.model_config = types.SimpleNamespace(
         hf_config=types.SimpleNamespace(model_type=model_type),
@@ -290,7 +333,13 @@ def resolve_export(export: Path, model_type: str, modules: list[EngineModule]) -
         dtype=vllm_engine.PARAMS_DTYPE,
     )
     current.quant_config = config
-    return [_resolve(config, module) for module in modules]
+
+
+#: How vLLM-Ascend refuses a module while choosing and building its scheme. ZeroDivisionError:
+#: the dense W4A8_DYNAMIC scheme divides by the description's group_size, 0 for per-channel
+#: weights; TypeError: 0.26.0rc1's compressed-tensors config builds its W4A8_MXFP linear scheme
+#: with an argument only the MoE scheme takes (``use_weight_packed``).
+REFUSALS = (ValueError, NotImplementedError, KeyError, AssertionError, ZeroDivisionError, TypeError)
 
 
 def _resolve(config: Any, module: EngineModule) -> Resolution:
@@ -302,9 +351,7 @@ def _resolve(config: Any, module: EngineModule) -> Resolution:
         if method is None:
             method = vllm_engine.default_method(module)
         vllm_engine.create_weights(method, layer, module)
-    # ZeroDivisionError: the dense W4A8_DYNAMIC scheme divides by the description's group_size,
-    # 0 for per-channel weights
-    except (ValueError, NotImplementedError, KeyError, AssertionError, ZeroDivisionError) as error:
+    except REFUSALS as error:
         return Resolution(module, None, error=f"{type(error).__name__}: {error}")
     scheme = getattr(method, "quant_method", None)
     name = type(method).__name__ + (f"[{type(scheme).__name__}]" if scheme is not None else "")

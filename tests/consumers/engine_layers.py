@@ -57,6 +57,7 @@ def linear_classes(engine: str, params_dtype: torch.dtype, **attributes: Any) ->
         self.output_partition_sizes = list(module.output_sizes)
         self.params_dtype = params_dtype
         self.tp_size = 1
+        self.tp_rank = 0  # vLLM's LinearBase (linear.py:303 of 0.34.0), read by vLLM-Ascend 0.30
 
     doc = f"{engine}'s ``LinearBase``: holds what the quantization method registers."
     base = type(

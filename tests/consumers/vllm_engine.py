@@ -366,6 +366,9 @@ def _fill_model_executor_utils(module: types.ModuleType) -> None:
 
 def _quantization_package(module: types.ModuleType) -> None:
     module.QuantizationMethods = str
+    # the registered method names (vLLM-Ascend 0.26's compressed-tensors config removes vLLM's
+    # own "compressed-tensors" entry from it before registering its replacement)
+    module.QUANTIZATION_METHODS = ["ascend", "compressed-tensors", "fp8", "gptq"]
 
     def register_quantization_config(name: str) -> Any:
         return lambda cls: cls

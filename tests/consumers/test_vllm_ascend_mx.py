@@ -1,0 +1,78 @@
+"""vLLM-Ascend's own ``--quantization compressed-tensors`` code against msquant's MX exports.
+
+The real ``AscendCompressedTensorsConfig`` (``from_config`` on ``config.json``'s
+``quantization_config``, ``get_quant_method``) is asked about every module of the W8A8_MXFP8
+(``mxfp8-quantized``) and W4A4_MXFP4 (``mxfp4-pack-quantized``) exports of a tiny Llama, and the
+scheme it picks creates its parameters (``AscendLinearMethod.create_weights`` over the real
+``AscendW8A8MXFP8DynamicLinearMethod`` / ``AscendW4A4MXFP4DynamicLinearMethod``): every exported
+tensor must fill one (name, shape, dtype).
+
+0.30.0rc2 picks ``W8A8_MXFP8`` / ``W4A4_MXFP4`` for every linear, fused q/k/v and gate/up
+included (``quantization/configs/compressed_tensors_config.py:346-364``), because the export's
+top-level ``format`` is ``mixed-precision`` (with the group's own format ``mxfp8-quantized``, it
+would drop the input activations, ``:128-138``, and refuse every layer). 0.26.0rc1 refuses them,
+as msquant warns. Not checked on a CPU: the NPU kernels (``npu_dynamic_mx_quant``,
+``npu_quant_matmul``) and ``process_weights_after_loading`` (NPU formats). Opt-in
+(``pytest -m consumers``).
+"""
+
+from __future__ import annotations
+
+import ascend_engine
+import pytest
+import torch
+import vllm_engine
+from act_cases import ActExportCase
+from architectures import engine_modules
+from exports import ExportFactory
+from loading import loading_problems, read_tensor_table
+from test_vllm_mx import CASES
+from wheels import Release
+
+pytestmark = [pytest.mark.consumers, pytest.mark.usefixtures("vllm_ascend")]
+
+#: export case name -> (the scheme vLLM-Ascend 0.30 registers for it, its weight parameter,
+#: the weight's dtype, input columns per byte)
+ASCEND_SCHEMES = {
+    "ct_w8a8_mxfp8": ("AscendW8A8MXFP8DynamicLinearMethod", "weight", torch.float8_e4m3fn, 1),
+    "ct_w4a4_mxfp4": ("AscendW4A4MXFP4DynamicLinearMethod", "weight_packed", torch.uint8, 2),
+}
+#: How vLLM-Ascend 0.26.0rc1 refuses each export's linears (consumers.ASCEND_MX_RELEASES).
+REFUSAL_026 = {
+    "ct_w8a8_mxfp8": "NotImplementedError: No compressed-tensors compatible quantization type",
+    "ct_w4a4_mxfp4": "TypeError: AscendW4A8MXFPDynamicLinearMethod.__init__() got an unexpected "
+    "keyword argument 'use_weight_packed'",
+}
+MX_CASES = [case for case, *_ in CASES]
+
+
+@pytest.mark.parametrize("case", MX_CASES, ids=[case.name for case in MX_CASES])
+def test_vllm_ascend_picks_the_mx_scheme_for_every_linear_and_every_tensor_loads(
+    case: ActExportCase, make_export: ExportFactory, vllm_ascend: Release
+) -> None:
+    export = make_export(case)
+    name = case.name
+    modules = engine_modules(export.model_dir, "vllm")
+    resolutions = ascend_engine.resolve_compressed_tensors_export(export.path, case.arch, modules)
+    linear = [r for r in resolutions if r.module.kind == "linear"]
+    assert len(linear) == 8  # 2 layers: qkv_proj, o_proj, gate_up_proj, down_proj
+    assert export.warned("vLLM-Ascend", "0.26.0rc1 refuses them", "0.30.0rc2")
+    if vllm_ascend.version == "0.26.0rc1":
+        assert all(REFUSAL_026[name] in (r.error or "") for r in linear), [r.error for r in linear]
+        return
+    scheme, weight_name, weight_dtype, per_byte = ASCEND_SCHEMES[name]
+    assert [r.error for r in resolutions if r.error] == []
+    assert loading_problems(resolutions, read_tensor_table(export.path)) == []
+    assert {r.method for r in linear} == {f"AscendLinearMethod[{scheme}]"}
+    for resolution in linear:
+        rows, columns = resolution.module.output_size, resolution.module.input_size
+        params = {key: (p.dtype, tuple(p.shape)) for key, p in resolution.params.items()}
+        assert params == {
+            weight_name: (weight_dtype, (rows, columns // per_byte)),
+            "weight_scale": (torch.uint8, (rows, columns // 32)),
+        }
+    # the MX group size the config recorded for the schemes (_detect_quant_type)
+    config = vllm_engine.CURRENT_CONFIG.quant_config
+    assert config.quant_description["group_size"] == 32
+    head = next(r for r in resolutions if r.module.kind == "lm_head")
+    assert not head.quantized
