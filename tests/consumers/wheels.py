@@ -154,10 +154,24 @@ class WheelSource:
         return module.replace(".", "/") in self.packages
 
 
+#: The build requirements pip needs to download vLLM-Ascend's source archive (it prepares the
+#: archive's metadata, running its ``setup.py`` in this interpreter: ``--no-build-isolation``,
+#: since its isolated build would install torch-npu and CANN's compilers). They are in msquant's
+#: ``test`` extra: ``setup.py:32`` imports ``setuptools_scm``; setuptools builds the metadata
+#: through its own ``bdist_wheel`` (70.1 and later; ``wheel`` before).
+SDIST_BUILD_REQUIREMENTS = ("setuptools>=70.1", "setuptools-scm>=8")
+#: The chip vLLM-Ascend's ``setup.py`` is told it builds for (``SOC_VERSION``): without it,
+#: it asks ``npu-smi`` and raises on a machine without an NPU (``setup.py:141-154`` of
+#: 0.30.0rc2). An Atlas A2 (``Dockerfile``'s default), the device the harness answers as; metadata
+#: preparation only reads it (nothing is compiled). A ``SOC_VERSION`` already set is kept.
+SDIST_SOC_VERSION = "ascend910b1"
+
+
 def fetch_sdist(release: Release) -> Path:
     """The release's unpacked source archive in the cache (``<cache>/<stem>/``), for releases
     published as a source archive only (vLLM-Ascend 0.30.0rc2): ``pip download --no-deps
-    --no-binary :all:`` on first use, then unpacked beside the archive.
+    --no-binary :all:`` on first use (with ``SOC_VERSION`` set, :data:`SDIST_SOC_VERSION`, and
+    :data:`SDIST_BUILD_REQUIREMENTS` installed), then unpacked beside the archive.
 
     :raises WheelUnavailable: when pip cannot get it.
     """
@@ -173,13 +187,21 @@ def fetch_sdist(release: Release) -> Path:
             "--no-build-isolation", "--quiet", "--dest", str(folder),
             f"{release.project}=={release.version}",
         ]  # fmt: skip
+        environment = {
+            **os.environ,
+            "SOC_VERSION": os.environ.get("SOC_VERSION", SDIST_SOC_VERSION),
+        }
         logger.info("downloading %s: %s", release.label, " ".join(command))
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        result = subprocess.run(
+            command, capture_output=True, text=True, check=False, env=environment
+        )
         archives = sorted(folder.glob(f"{release.stem}.tar.gz"))
         if not archives:
             raise WheelUnavailable(
                 f"pip could not download the source archive of {release.label} (exit "
-                f"{result.returncode}): {result.stderr.strip()[-2000:]}"
+                f"{result.returncode}; preparing its metadata needs "
+                f"{', '.join(SDIST_BUILD_REQUIREMENTS)} installed in {sys.executable}'s "
+                f"environment: pip install -e '.[test]'): {result.stderr.strip()[-2000:]}"
             )
     with tarfile.open(archives[0]) as archive:
         archive.extractall(folder, filter="data")
