@@ -26,7 +26,7 @@ from act_cases import ActExportCase
 from architectures import engine_modules
 from exports import ExportFactory
 from loading import loading_problems, read_tensor_table
-from test_vllm_mx import CASES
+from test_vllm_mx import CASES, mx
 from wheels import Release
 
 pytestmark = [pytest.mark.consumers, pytest.mark.usefixtures("vllm_ascend")]
@@ -76,3 +76,60 @@ def test_vllm_ascend_picks_the_mx_scheme_for_every_linear_and_every_tensor_loads
     assert config.quant_description["group_size"] == 32
     head = next(r for r in resolutions if r.module.kind == "lm_head")
     assert not head.quantized
+
+
+#: value type -> (vLLM-Ascend 0.30's MoE scheme, the experts' weight parameters' suffix, their
+#: dtype, input columns per byte)
+MOE_SCHEMES = {
+    "mxfp8": ("AscendW8A8MXFP8DynamicFusedMoEMethod", "", torch.float8_e4m3fn, 1),
+    "mxfp4": ("AscendW4A4MXFP4DynamicFusedMoEMethod", "_packed", torch.uint8, 2),
+}
+MOE_CASES = [
+    ActExportCase(f"ct_{v}_moe_qwen3_moe", "qwen3_moe", "compressed_tensors", mx(v), act=mx(v))
+    for v in MOE_SCHEMES
+]
+
+
+@pytest.mark.parametrize("case", MOE_CASES, ids=[case.name for case in MOE_CASES])
+def test_vllm_ascend_picks_the_mx_moe_scheme_and_every_expert_tensor_loads(
+    case: ActExportCase, make_export: ExportFactory, vllm_ascend: Release
+) -> None:
+    """Qwen3-MoE, every linear MX (the router stays float, in ``ignore``): 0.30.0rc2 builds its
+    registered MX MoE schemes (``w8a8_mxfp8.py:278``, ``w4a4_mxfp4.py:212``) whose stacked
+    ``w13_*`` / ``w2_*`` parameters take every expert's tensors; 0.26.0rc1 refuses the layers."""
+    export = make_export(case)
+    modules = engine_modules(export.model_dir, "vllm")
+    resolutions = ascend_engine.resolve_compressed_tensors_export(export.path, case.arch, modules)
+    experts = [r for r in resolutions if r.module.kind == "experts"]
+    attention = [r for r in resolutions if r.module.leaf in ("qkv_proj", "o_proj")]
+    assert len(experts) == 2 and len(attention) == 4
+    value = case.weight["dtype"]
+    if vllm_ascend.version == "0.26.0rc1":
+        assert all(r.error for r in attention), [r.method for r in attention]
+        if value == "mxfp8":
+            assert all(r.error for r in experts), [r.method for r in experts]
+            return
+        # mxfp4 experts: read as weight-only W4A8_MXFP, built with the packed names, so they
+        # load; but that scheme quantizes activations to MXFP8, not MXFP4 (msquant warns)
+        method = "AscendFusedMoEMethod[AscendW4A8MXFPDynamicFusedMoEMethod]"
+        assert {r.method for r in experts} == {method}
+        problems = loading_problems(experts, read_tensor_table(export.path))
+        assert problems == []
+        assert export.warned("0.26.0rc1", "MXFP4 MoE experts", "MXFP8 activations")
+        return
+    scheme, suffix, dtype, per_byte = MOE_SCHEMES[value]
+    assert [r.error for r in resolutions if r.error] == []
+    assert loading_problems(resolutions, read_tensor_table(export.path)) == []
+    assert {r.method for r in experts} == {f"AscendFusedMoEMethod[{scheme}]"}
+    for resolution in experts:
+        module = resolution.module
+        count, hidden, width = module.num_experts, module.input_size, module.output_sizes[0]
+        params = {key: (p.dtype, tuple(p.shape)) for key, p in resolution.params.items()}
+        assert params == {
+            f"w13_weight{suffix}": (dtype, (count, 2 * width, hidden // per_byte)),
+            f"w2_weight{suffix}": (dtype, (count, hidden, width // per_byte)),
+            "w13_weight_scale": (torch.uint8, (count, 2 * width, hidden // 32)),
+            "w2_weight_scale": (torch.uint8, (count, hidden, width // 32)),
+        }
+    routers = [r for r in resolutions if r.module.leaf == "gate"]
+    assert routers and not any(r.quantized for r in routers)

@@ -76,7 +76,9 @@ ASCEND_MX_RELEASES = (
     "mixed-precision keeping their input activations, :128-138); 0.26.0rc1 refuses them: it drops "
     "the input activations of MX groups (quantization/compressed_tensors_config.py:137-149), then "
     "finds no MXFP8 type (NotImplementedError, :381) and takes MXFP4 as weight-only W4A8_MXFP, whose "
-    "linear scheme does not take use_weight_packed (TypeError, :338-339): {names}"
+    "linear scheme does not take use_weight_packed (TypeError, :338-339), while MXFP4 MoE experts "
+    "load as W4A8_MXFP with MXFP8 activations, not the MXFP4 ones msquant computes "
+    "(methods/w4a8_mxfp4.py:99-105): {names}"
 )
 W4A8_MXFP_REFUSAL = (
     "W4A8_MXFP (mxfp4 weights, mxfp8 activations) has no compressed-tensors reading as MXFP8 "
