@@ -33,7 +33,14 @@ llm-compressor runs in its own virtual environment (``--llmcompressor_python``, 
     pip install --no-deps gensim==4.4.0
     python scripts/prepare_smollm2.py models/SmolLM2-135M-Instruct
     python bench/e2e.py --model_dir models/SmolLM2-135M-Instruct [--sizes 8x256] \\
-        [--schemes w4_gptq] [--rounds 3] [--ppl] [--json out.json]
+        [--schemes w4_gptq] [--rounds 3] [--ppl] [--json out.json] \\
+        [--variant 'float_inputs={"calib_inputs": "float"}'] [--tools msquant,llm-compressor]
+
+``--variant NAME=JSON`` adds a tool ``msquant NAME``: the scheme's YAML with these keys merged into
+every ``linear_quant`` entry's ``qconfig.weight.ext`` (an option a user can set, timed and scored
+beside the defaults, e.g. the one-forward-per-layer calibration ``calib_inputs: float``).
+``--tools`` keeps some of ``msquant``, ``llm-compressor``, ``floor`` (all by default; the floor
+ratios are printed only when the floor ran).
 """
 
 from __future__ import annotations
@@ -104,6 +111,20 @@ def timed(command: list[str], env: dict[str, str] | None = None) -> tuple[float,
     if result.returncode != 0:
         raise RuntimeError(f"{command[:4]} failed ({result.returncode}):\n{result.stderr[-4000:]}")
     return seconds, load, result.stdout
+
+
+def variant_config(config: Path, ext: dict[str, Any], out: Path) -> Path:
+    """``config`` with ``ext`` merged into every ``linear_quant`` entry's weight ``ext``,
+    written to ``out``."""
+    import yaml
+
+    data = yaml.safe_load(config.read_text())
+    for entry in data["spec"]["process"]:
+        if entry.get("type") == "linear_quant":
+            weight = entry["qconfig"]["weight"]
+            weight["ext"] = {**(weight.get("ext") or {}), **ext}
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out
 
 
 def run_msquant(model_dir: Path, config: Path, calib: Path, seqlen: int, out: Path) -> Timing:
@@ -206,13 +227,18 @@ class Case:
     seqlen: int
     work: Path
     llmcompressor_python: Path | None
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def out(self, tool: str) -> Path:
-        return self.work / tool
+        return self.work / tool.replace(" ", "_")
 
     def run(self, tool: str) -> Timing:
         if tool == "msquant":
             return run_msquant(self.model_dir, self.config, self.calib, self.seqlen, self.out(tool))
+        if tool.startswith("msquant "):
+            name = tool.removeprefix("msquant ")
+            config = variant_config(self.config, self.variants[name], self.work / f"{name}.yaml")
+            return run_msquant(self.model_dir, config, self.calib, self.seqlen, self.out(tool))
         if tool == "llm-compressor":
             assert self.llmcompressor_python is not None
             return run_llmcompressor(
@@ -243,11 +269,17 @@ def report(size: str, scheme: str, cells: dict[str, Cell]) -> list[str]:
             lines.append(f"  {key:<14} {summary(cell.values(key))}")
         if cell.ppl:
             lines.append("  ppl " + ", ".join(f"{k} {v:.3f}" for k, v in cell.ppl.items()))
-    ms, lc, fl = cells["msquant"], cells.get("llm-compressor"), cells["floor"]
+    lc, fl = cells.get("llm-compressor"), cells.get("floor")
+    msquants = [cell for tool, cell in cells.items() if tool.startswith("msquant")]
     if lc is not None:
-        lines.append(
-            f"msquant / llm-compressor (median end to end): {ms.median() / lc.median():.2f}"
-        )
+        for cell in msquants:
+            lines.append(
+                f"{cell.tool} / llm-compressor (median end to end): "
+                f"{cell.median() / lc.median():.2f}"
+            )
+    ms = cells.get("msquant")
+    if ms is None or fl is None:
+        return lines
     if scheme == "w4_gptq":
         floor_seconds = fl.median("forward_hessians") + ms.median("solves")
         lines.append(
@@ -278,6 +310,18 @@ def main() -> int:
     parser.add_argument("--ppl", action="store_true", help="score the last round's exports")
     parser.add_argument("--eval_samples", type=int, default=20)
     parser.add_argument("--json", type=Path, help="write every timing here")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="also run msquant with these linear_quant ext keys",
+    )
+    parser.add_argument(
+        "--tools",
+        default="msquant,llm-compressor,floor",
+        help="comma list of msquant, llm-compressor, floor",
+    )
     parser.add_argument("--floor", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--floor_ids", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -292,6 +336,11 @@ def main() -> int:
         print(f"no llm-compressor at {args.llmcompressor_python}: its column is left out")
     import accuracy
 
+    tools = set(args.tools.split(","))
+    variants = {}
+    for value in args.variant:
+        name, _, options = value.partition("=")
+        variants[name] = json.loads(options)
     results: dict[str, Any] = {}
     lines: list[str] = []
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -305,11 +354,12 @@ def main() -> int:
             ids.write_text(json.dumps(texts.calib_ids))
             for scheme in args.schemes.split(","):
                 config, lc_scheme = SCHEMES[scheme]
-                cells = {"msquant": Cell("msquant"), "floor": Cell("floor")}
+                names = ["msquant", *(f"msquant {name}" for name in variants), "floor"]
                 if llmcompressor is not None:
-                    cells["llm-compressor"] = Cell("llm-compressor")
+                    names.append("llm-compressor")
+                cells = {name: Cell(name) for name in names if name.split(" ")[0] in tools}
                 case = Case(args.model_dir, config, lc_scheme, texts.calib_path, ids, seqlen,
-                            work / scheme, llmcompressor)  # fmt: skip
+                            work / scheme, llmcompressor, variants)  # fmt: skip
                 case.work.mkdir()
                 order = list(cells)
                 for round_ in range(args.rounds):
@@ -318,8 +368,8 @@ def main() -> int:
                         print(f"{size} {scheme} round {round_ + 1} {tool}: "
                               f"{cells[tool].timings[-1].seconds:.1f} s", flush=True)  # fmt: skip
                 if args.ppl:
-                    for tool in ("msquant", "llm-compressor"):
-                        if tool in cells:
+                    for tool in cells:
+                        if tool != "floor":
                             found = list(case.out(tool).rglob("config.json"))
                             cells[tool].ppl = perplexities(found[0].parent, texts, seqlen)
                 lines += report(size, scheme, cells)
