@@ -53,6 +53,8 @@ from msquant.quant.mse_clip import (
 )
 from msquant.quant.mx_quant import (
     E8M0_BIAS,
+    e8m0_bytes,
+    e8m0_scale,
 )
 from msquant.quant.output_error import (
     relative_output_errors,
@@ -100,6 +102,8 @@ __all__ = [
     "pack_nibbles",
     "unpack_nibbles",
     "E8M0_BIAS",
+    "e8m0_bytes",
+    "e8m0_scale",
     "decode_deq_scale",
     "deq_scale",
     "encode_deq_scale",

@@ -44,6 +44,8 @@ __all__ = [
     "MX_RULES",
     "E8M0_BIAS",
     "block_amax",
+    "e8m0_bytes",
+    "e8m0_scale",
     "mx_dequantize",
     "mx_elements",
     "mx_exponents",
@@ -173,3 +175,21 @@ def mx_fake_quantize(
     values = elements * (2 ** exponents.to(x.dtype).unsqueeze(-1))
     n = x.shape[-1]
     return values.reshape(*x.shape[:-1], -1)[..., :n].to(x.dtype)
+
+
+def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """The E8M0 bytes (uint8 ``e + 127``) of power-of-two scales ``2^e``, ``-127 <= e <= 127``.
+
+    :raises ValueError: for a scale that is not such a power of two.
+    """
+    mantissa, exponent = torch.frexp(scale.to(torch.float32))
+    shared = exponent - 1
+    if not bool(((mantissa == 0.5) & (shared >= -E8M0_BIAS) & (shared <= E8M0_BIAS)).all()):
+        raise ValueError("MX scales must be powers of two 2^e with -127 <= e <= 127")
+    return (shared + E8M0_BIAS).to(torch.uint8)
+
+
+def e8m0_scale(stored: torch.Tensor) -> torch.Tensor:
+    """The float32 scales ``2^(byte - 127)`` of E8M0 bytes (255, E8M0's NaN, gives NaN)."""
+    scale = torch.pow(2.0, stored.to(torch.float32) - E8M0_BIAS)
+    return torch.where(stored == 255, torch.full_like(scale, float("nan")), scale)

@@ -21,7 +21,13 @@ from typing import NamedTuple
 import torch
 
 from msquant.plugin import DecodedLayer, QuantizationError, QuantizedLinear, ValueType
-from msquant.plugin.numerics import E8M0_BIAS, pack_nibbles, unpack_nibbles, value_type_named
+from msquant.plugin.numerics import (
+    e8m0_bytes,
+    e8m0_scale,
+    pack_nibbles,
+    unpack_nibbles,
+    value_type_named,
+)
 from msquant.plugin.reading import trivial_g_idx
 
 __all__ = [
@@ -32,8 +38,6 @@ __all__ = [
     "mx_dtypes",
     "stored_columns",
     "decode_mx",
-    "e8m0_bytes",
-    "e8m0_scale",
     "mx_module_tensors",
 ]
 
@@ -80,24 +84,6 @@ def mx_dtypes(kind: str) -> tuple[torch.dtype, torch.dtype]:
 def stored_columns(kind: str) -> int:
     """Input features per stored weight column of the MX type ``kind``."""
     return STORAGE[MX_TYPES[kind][0]].per_column
-
-
-def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
-    """The E8M0 bytes (uint8 ``e + 127``) of power-of-two scales ``2^e``, ``-127 <= e <= 127``.
-
-    :raises ValueError: for a scale that is not such a power of two.
-    """
-    mantissa, exponent = torch.frexp(scale.to(torch.float32))
-    shared = exponent - 1
-    if not bool(((mantissa == 0.5) & (shared >= -E8M0_BIAS) & (shared <= E8M0_BIAS)).all()):
-        raise ValueError("MX scales must be powers of two 2^e with -127 <= e <= 127")
-    return (shared + E8M0_BIAS).to(torch.uint8)
-
-
-def e8m0_scale(stored: torch.Tensor) -> torch.Tensor:
-    """The float32 scales ``2^(byte - 127)`` of E8M0 bytes (255, E8M0's NaN, gives NaN)."""
-    scale = torch.pow(2.0, stored.to(torch.float32) - E8M0_BIAS)
-    return torch.where(stored == 255, torch.full_like(scale, float("nan")), scale)
 
 
 def mx_module_tensors(name: str, module: QuantizedLinear, kind: str) -> dict[str, torch.Tensor]:

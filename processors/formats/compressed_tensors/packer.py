@@ -27,8 +27,7 @@ import torch
 
 from msquant.plugin import ActivationQuant, QuantizationError, QuantizedWeight
 from msquant.plugin.export import pack_int32
-from msquant.plugin.numerics import pack_nibbles
-from msquant.processors.formats.ascend.mx import e8m0_bytes
+from msquant.plugin.numerics import e8m0_bytes, pack_nibbles
 
 __all__ = [
     "pack_float_quantized_tensors",
