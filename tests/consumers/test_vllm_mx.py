@@ -12,6 +12,7 @@ not the FP8 ones of ``CompressedTensorsW4A8Mxfp4``. Opt-in (``pytest -m consumer
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import pytest
@@ -107,3 +108,92 @@ def test_vllm_picks_the_mx_scheme_for_every_linear_and_every_tensor_loads(
         )
     head = next(r for r in resolutions if r.module.kind == "lm_head")
     assert not head.quantized
+
+
+MOE_MODULE = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe"
+#: value type -> (the module of vLLM's MX MoE method, its class, the experts' weight parameters'
+#: suffix, their dtype, input columns per byte)
+MOE_METHODS = {
+    "mxfp8": (
+        "compressed_tensors_moe_w8a8_mxfp8",
+        "CompressedTensorsW8A8Mxfp8MoEMethod",
+        "",
+        torch.float8_e4m3fn,
+        1,
+    ),
+    "mxfp4": (
+        "compressed_tensors_moe_w4a4_mxfp4",
+        "CompressedTensorsW4A4Mxfp4MoEMethod",
+        "_packed",
+        torch.uint8,
+        2,
+    ),
+}
+MOE_CASES = [
+    ActExportCase(f"ct_{v}_moe_qwen3_moe", "qwen3_moe", "compressed_tensors", mx(v), act=mx(v))
+    for v in MOE_METHODS
+]
+
+
+@pytest.mark.parametrize("case", MOE_CASES, ids=[case.name for case in MOE_CASES])
+def test_vllm_picks_the_mx_moe_method_and_every_expert_tensor_loads(
+    case: ActExportCase, make_export: ExportFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen3-MoE, every linear MX (the router float, in ``ignore``): the real
+    ``CompressedTensorsMoEMethod.get_moe_method`` (``_is_mxfp4`` / ``_is_mxfp8`` on the experts'
+    gate/up/down group, ``compressed_tensors_moe.py:66-88`` of 0.34.0) builds the real MX MoE
+    method, whose ``create_weights`` makes the stacked ``w13_*`` / ``w2_*`` parameters every
+    expert's tensors must fill (name, shape, dtype); with the GPU answered as an H100 both
+    methods run their experts on Marlin, weight-only."""
+    export = make_export(case)
+    modules = engine_modules(export.model_dir, "vllm")
+    vllm_engine.load_vllm()
+    vllm_engine.MX_MOE_BACKENDS.clear()
+    value = case.weight["dtype"]
+    module_name, method_name, suffix, dtype, per_byte = MOE_METHODS[value]
+    methods: list[Any] = []
+    module = importlib.import_module(f"{MOE_MODULE}.{module_name}")
+    real = getattr(module, method_name)
+
+    class Recorded(real):  # type: ignore[misc, valid-type]
+        """The real method; keeps each instance vLLM builds."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            methods.append(self)
+
+    Recorded.__name__ = method_name
+    monkeypatch.setattr(module, method_name, Recorded)
+    resolutions = vllm_engine.resolve_export(export.path, case.arch, modules)
+    assert [r.error for r in resolutions if r.error] == []
+    assert loading_problems(resolutions, read_tensor_table(export.path)) == []
+    experts = [r for r in resolutions if r.module.kind == "experts"]
+    attention = [r for r in resolutions if r.module.leaf in ("qkv_proj", "o_proj")]
+    assert len(experts) == 2 and len(attention) == 4
+    assert {r.method for r in experts} == {method_name} and len(methods) == len(experts)
+    assert {r.method for r in attention} == {"CompressedTensorsLinearMethod"}
+    for resolution in experts:
+        experts_module = resolution.module
+        count, hidden = experts_module.num_experts, experts_module.input_size
+        width = experts_module.output_sizes[0]
+        params = {key: (p.dtype, tuple(p.shape)) for key, p in resolution.params.items()}
+        assert params == {
+            f"w13_weight{suffix}": (dtype, (count, 2 * width, hidden // per_byte)),
+            f"w2_weight{suffix}": (dtype, (count, hidden, width // per_byte)),
+            "w13_weight_scale": (torch.uint8, (count, 2 * width, hidden // 32)),
+            "w2_weight_scale": (torch.uint8, (count, hidden, width // 32)),
+        }
+    if value == "mxfp8":  # the backend is chosen by the oracle (stubbed: Marlin on an H100)
+        assert len(vllm_engine.MX_MOE_BACKENDS) == len(experts)
+        assert all(m.weight_block_size == [1, 32] for m in methods)
+    else:  # chosen by the method itself: no CUTLASS MXFP4 experts on SM 9.0, not XPU -> Marlin
+        assert vllm_engine.MX_MOE_BACKENDS == []
+        for method in methods:
+            assert (method.use_cutlass_mxfp4, method.experts_cls, method.mxfp4_backend.name) == (
+                False,
+                vllm_engine.MarlinExperts,
+                "MARLIN",
+            )
+            assert method.group_size == 32
+    routers = [r for r in resolutions if r.module.leaf == "gate"]
+    assert routers and not any(r.quantized for r in routers)

@@ -99,6 +99,10 @@ REAL = (
     "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a8_mxfp4",
     "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_mxfp8",
     "vllm.model_executor.layers.quantization.utils.mxfp8_utils",
+    # MX MoE (issue 26): the experts' methods' constructors and create_weights; their kernel
+    # choice and weight conversion are stubbed below (MX_MOE_BACKENDS records the MXFP8 one)
+    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w8a8_mxfp8",
+    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w4a4_mxfp4",
     # the Marlin linear kernel's own support check and tile padding (§1 #5 / #12)
     "vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel",
     "vllm.model_executor.kernels.linear.mixed_precision.marlin",
@@ -149,6 +153,7 @@ class RoutedExperts(torch.nn.Module):
             intermediate_size_per_partition_unpadded=width,
             w13_num_shards=2,
             is_act_and_mul=True,
+            moe_backend="auto",  # no --moe-backend given (the MX MoE methods read it)
             in_dtype=PARAMS_DTYPE,
             has_bias=False,
             moe_parallel_config=types.SimpleNamespace(tp_size=1, ep_size=1, use_ep=False),
@@ -321,6 +326,70 @@ def _init_mxfp8_linear_kernel(*, weight_shape: Any, bmm_batch_size: Any = None) 
     """``kernels/linear/__init__.py`` ``init_mxfp8_linear_kernel``: recorded, nothing chosen."""
     MX_KERNELS.append(("mxfp8", {"weight_shape": tuple(weight_shape)}))
     return _Kernel(None, weight_shape=weight_shape)  # type: ignore[arg-type]
+
+
+#: The MXFP8 MoE kernel choices vLLM's method asked for (``select_mxfp8_moe_backend`` needs the
+#: GPU): the ``FusedMoEConfig`` of each call, in call order.
+MX_MOE_BACKENDS: list[Any] = []
+
+
+class MarlinExperts:
+    """``fused_moe/experts/marlin_moe.py``'s ``MarlinExperts``: the weight-only MoE kernel an
+    H100 gets for MX experts (``_supports_current_device``: CUDA SM 7.5+; its
+    ``_supports_quant_scheme`` checks the weight key only, so MX activations are not quantized);
+    only named here, never built."""
+
+
+def _select_mxfp8_moe_backend(config: Any) -> tuple[str, type]:
+    """``fused_moe/oracle/mxfp8.py`` ``select_mxfp8_moe_backend``: recorded, and answered with
+    what its priority list gives on an H100 (FlashInfer TRT-LLM and DeepGEMM's MXFP8 path need
+    SM100, ``experts/trtllm_fp8_moe.py:174-181``, ``experts/deep_gemm_moe.py:184-187``; Marlin
+    is next)."""
+    MX_MOE_BACKENDS.append(config)
+    return "MARLIN", MarlinExperts
+
+
+class CutlassExpertsMxfp4:
+    """``fused_moe/experts/cutlass_moe.py``'s ``CutlassExpertsMxfp4``: vLLM's W4A4 MXFP4 experts
+    kernel (MXFP4 weights and activations, a Blackwell CUTLASS grouped GEMM), which the MXFP4 MoE
+    method takes when its C++ check ``ops.mxfp4_experts_quant_supported(capability)`` passes.
+    The harness has no C++ ops: it answers False, the H100 answer it assumes (not run here; a
+    build without the op answers False too, ``_custom_ops.py``), so the method takes Marlin."""
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return False
+
+
+class Mxfp4MoeBackend(enum.Enum):
+    """``fused_moe/oracle/mxfp4.py``'s backend names the MXFP4 MoE method refers to (the oracle
+    itself needs the GPU and FlashInfer)."""
+
+    NONE = "None"
+    B12X_MXFP4_MXFP8 = "B12X_MXFP4_MXFP8"
+    B12X_MXFP4_BF16 = "B12X_MXFP4_BF16"
+    DEEPGEMM_MXFP4 = "DEEPGEMM_MXFP4"
+    CUTLASS_MXFP4_MXFP4 = "CUTLASS_MXFP4_MXFP4"
+    MARLIN = "MARLIN"
+    XPU = "XPU"
+    FLASHINFER_MOE_EP_CUTEDSL = "FLASHINFER_MOE_EP_CUTEDSL"
+    FLASHINFER_MOE_EP_DEEP_GEMM = "FLASHINFER_MOE_EP_DEEP_GEMM"
+
+
+def _select_mxfp4_moe_backend(config: Any) -> tuple[Mxfp4MoeBackend, type]:
+    """``select_mxfp4_moe_backend``: the MXFP4 MoE method asks only for an explicit
+    ``--moe-backend`` (b12x, deep_gemm, FlashInfer MoE-EP); the harness gives none."""
+    raise NotImplementedError("the consumer harness selects no MXFP4 MoE backend by name")
+
+
+def _is_flashinfer_moe_ep_backend(moe_backend: str) -> bool:
+    """``fused_moe/flashinfer_moe_ep.py``: whether ``--moe-backend`` names one of FlashInfer's
+    MoE-EP megakernels; ``auto`` (the harness's, :class:`RoutedExperts`) names none."""
+    if moe_backend != "auto":
+        raise NotImplementedError(
+            f"the consumer harness knows moe_backend 'auto' only, not {moe_backend!r}"
+        )
+    return False
 
 
 class PluggableLayer(torch.nn.Module):
@@ -524,6 +593,7 @@ STUBS = {
     "vllm.model_executor.layers.fused_moe.config": stub(
         FusedMoEConfig=types.SimpleNamespace,
         FusedMoEQuantConfig=placeholder_class("FusedMoEQuantConfig"),
+        mxfp4_moe_quant_config=noop,  # the MXFP4 MoE kernel's config, after loading only
     ),
     "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method": stub(
         UnquantizedFusedMoEMethod=UnquantizedFusedMoEMethod
@@ -542,6 +612,47 @@ STUBS = {
         make_int8_moe_kernel=noop,
         make_int8_moe_quant_config=noop,
         select_int8_moe_backend=lambda *a, **k: ("TRITON", None),
+    ),
+    # what the MX MoE methods import besides (kernel choice and weight conversion: the GPU's)
+    "vllm.model_executor.layers.fused_moe.moe_output": stub(
+        UnfinalizedMoEOutput=placeholder_class("UnfinalizedMoEOutput")
+    ),
+    "vllm.model_executor.layers.fused_moe.modular_kernel": stub(
+        FusedMoEExperts=placeholder_class("FusedMoEExperts")  # a type hint only
+    ),
+    "vllm.model_executor.layers.fused_moe.oracle.fp8": stub(
+        convert_to_fp8_moe_kernel_format=noop,
+        make_fp8_moe_kernel=noop,
+        make_fp8_moe_quant_config=noop,
+    ),
+    "vllm.model_executor.layers.fused_moe.oracle.mxfp8": stub(
+        select_mxfp8_moe_backend=_select_mxfp8_moe_backend
+    ),
+    "vllm.model_executor.layers.fused_moe.oracle.mxfp4": stub(
+        B12X_BACKENDS=(Mxfp4MoeBackend.B12X_MXFP4_MXFP8, Mxfp4MoeBackend.B12X_MXFP4_BF16),
+        FLASHINFER_MOE_EP_MXFP4_BACKENDS=(
+            Mxfp4MoeBackend.FLASHINFER_MOE_EP_CUTEDSL,
+            Mxfp4MoeBackend.FLASHINFER_MOE_EP_DEEP_GEMM,
+        ),
+        Mxfp4MoeBackend=Mxfp4MoeBackend,
+        convert_weight_to_mxfp4_moe_kernel_format=noop,
+        make_mxfp4_moe_kernel=noop,
+        make_mxfp4_moe_quant_config=noop,
+        select_mxfp4_moe_backend=_select_mxfp4_moe_backend,
+    ),
+    "vllm.model_executor.layers.fused_moe.experts.cutlass_moe": stub(
+        CutlassExpertsMxfp4=CutlassExpertsMxfp4
+    ),
+    "vllm.model_executor.layers.fused_moe.experts.marlin_moe": stub(MarlinExperts=MarlinExperts),
+    "vllm.model_executor.layers.fused_moe.experts.xpu_moe": stub(
+        XPUExpertsMxFp4=placeholder_class("XPUExpertsMxFp4")
+    ),
+    # the FlashInfer MoE-EP megakernels are chosen only by an explicit --moe-backend
+    "vllm.model_executor.layers.fused_moe.flashinfer_moe_ep": stub(
+        is_flashinfer_moe_ep_backend=_is_flashinfer_moe_ep_backend
+    ),
+    "vllm.model_executor.layers.quantization.utils.marlin_utils_fp4": stub(
+        prepare_moe_fp4_layer_for_marlin=noop  # after loading only
     ),
     "vllm.model_executor.kernels.linear": stub(
         MPLinearLayerConfig=MPLinearLayerConfig,
