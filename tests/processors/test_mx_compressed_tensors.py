@@ -342,3 +342,19 @@ def test_transformers_loads_the_mx_export_in_bfloat16(
             dense = loaded.get_submodule(name).weight.detach()
             want = QuantizedWeight.self_scaled(module.weight.data, values).dequantize()
             assert dense.dtype == torch.bfloat16 and torch.equal(dense.float(), want), name
+
+
+@pytest.mark.parametrize("value", ["mxfp8", "mxfp4"])
+def test_plan_warns_vllm_runs_mx_moe_experts_weight_only_below_sm100(
+    value: str, tiny_model_factory: Callable[..., Path]
+) -> None:
+    """MX experts of a Qwen3-MoE: vLLM 0.33 / 0.34's MX MoE methods load them (the consumer suite,
+    test_vllm_mx.py) and, below SM100, run them on Marlin weight-only like the linears: the
+    plan's warning names the experts and the MoE methods' kernel choice."""
+    plan = build_plan(tiny_model_factory("qwen3_moe"), config(value, value, "compressed_tensors"))
+    assert not plan.errors, plan.errors
+    [warning] = [w for w in plan.warnings if "MX layers" in w]
+    assert "MoE experts alike" in warning and "compressed_tensors_moe_w4a4_mxfp4.py:67" in warning
+    assert "model.layers.0.mlp.experts.0.gate_proj" in warning
+    # 2 layers x (4 attention linears + 8 experts x 3 projections); the routers stay float
+    assert warning.endswith("model.layers.0.mlp.experts.0.up_proj and 50 more")

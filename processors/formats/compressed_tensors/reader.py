@@ -77,8 +77,8 @@ DENSE_PACKING = (
 HEAD_NAMES = ("lm_head",)
 VLLM_MX_WEIGHT_ONLY = (
     "vLLM 0.33 / 0.34 quantize MX activations only on SM100+ GPUs with FlashInfer; below, their "
-    "Marlin MXFP8 / MXFP4 kernels run these layers weight-only (activations in float), which "
-    "msquant eval does not simulate (docs/formats.md, MX)"
+    "Marlin MXFP8 / MXFP4 kernels (linear and MoE) run these layers weight-only (activations "
+    "in float), which msquant eval does not simulate (docs/formats.md, MX)"
 )
 VLLM_ASYM_ZERO_POINT = (
     "vLLM 0.33 / 0.34's CUTLASS int8 kernel rebuilds a static asymmetric input zero point with a "
