@@ -7,7 +7,11 @@ export) for every quantized linear, fused q/k/v and gate/up included, and their 
 ``create_weights`` create the parameters every exported tensor must fill (name, shape, dtype).
 Only the kernel choice is recorded instead of made (it needs the GPU's capability and
 FlashInfer): the MXFP4 scheme must ask for MXFP4 dynamic activations (vLLM's ``kMxfp4Dynamic``),
-not the FP8 ones of ``CompressedTensorsW4A8Mxfp4``. Opt-in (``pytest -m consumers``).
+not the FP8 ones of ``CompressedTensorsW4A8Mxfp4``. The experts of the Qwen3-MoE exports get the
+real ``CompressedTensorsW8A8Mxfp8MoEMethod`` / ``CompressedTensorsW4A4Mxfp4MoEMethod`` (built by
+``get_moe_method``), whose ``create_weights`` make the stacked ``w13_*`` / ``w2_*`` parameters
+every expert's tensors must fill; their kernel oracles are answered as on an H100 (Marlin).
+Opt-in (``pytest -m consumers``).
 """
 
 from __future__ import annotations
