@@ -252,14 +252,16 @@ def _expert_problems(
 
 def _fits_expert_slot(slot: tuple[int, ...], shapes: list[tuple[int, ...]]) -> bool:
     """Whether one expert's shard tensors fill ``slot``: one shard of the slot's shape, or equal
-    shards stacked along exactly one dimension (or repeated, for per-shard metadata)."""
+    shards stacked along exactly one dimension, or (per-shard metadata of at most one dimension,
+    such as a scalar input scale or a ``weight_shape`` pair) repeated. A matrix shard as large as
+    the whole slot does not fit it twice: gate and up each the size of ``w13`` is a mismatch."""
     if len(shapes) == 1:
         return shapes[0] == slot
     if len(set(shapes)) != 1 or len(shapes[0]) != len(slot):
         return False
     shard = shapes[0]
     if shard == slot:
-        return True
+        return len(slot) <= 1
     differing = [d for d in range(len(slot)) if slot[d] != shard[d]]
     return len(differing) == 1 and slot[differing[0]] == shard[differing[0]] * len(shapes)
 
