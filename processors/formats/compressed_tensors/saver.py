@@ -147,8 +147,9 @@ class CompressedTensorsSaverState(SaverState):
 
 
 class CompressedTensorsSaver(Saver):
-    """A compressed-tensors checkpoint for vLLM, vLLM-Ascend and transformers: ``pack-quantized``
-    int 2-8 bit, int8 / FP8 W8A8, MXFP8 / MXFP4 (module docstring)."""
+    """A compressed-tensors checkpoint (int, FP8, MX) for vLLM, vLLM-Ascend and transformers.
+
+    ``pack-quantized`` int 2-8 bit, int8 / FP8 W8A8, MXFP8 / MXFP4 (module docstring)."""
 
     type_name = "compressed_tensors"
     config_class = CompressedTensorsSaverConfig
