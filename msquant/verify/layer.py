@@ -96,6 +96,44 @@ class DecodedLayer:
             value_type=value_type,
         )
 
+    @classmethod
+    def mx_blocks(
+        cls,
+        name: str,
+        scheme: str,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        *,
+        value_type: ValueType,
+        block: int,
+        tensors: tuple[str, str],
+    ) -> DecodedLayer:
+        """An MX layer (MXFP8 / MXFP4): ``codes`` ``[out, in]`` of ``value_type``, one power-of-two
+        ``scale`` per block of ``block`` input columns (``[out, in / block]``, float32), no offset.
+
+        :param tensors: the stored names of the codes and the scale, for messages.
+        """
+        codes_name, scale_name = tensors
+        scale = scale.to(torch.float32)
+        return cls(
+            name=name,
+            scheme=scheme,
+            bits=value_type.bits,
+            group_size=block,
+            codes=codes,
+            scale=scale,
+            offset=torch.zeros_like(scale),
+            g_idx=trivial_g_idx(int(codes.shape[1]), block),
+            scale_dtype=torch.float32,
+            tensors={
+                "codes": codes_name,
+                "scale": scale_name,
+                "offset": f"{name} (no offset: MX)",
+                "g_idx": f"{name} (blocks of {block})",
+            },
+            value_type=value_type,
+        )
+
     @property
     def values(self) -> ValueType:
         """The codes' value type (integers of ``bits`` when not given)."""

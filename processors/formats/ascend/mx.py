@@ -28,7 +28,6 @@ from msquant.plugin.numerics import (
     unpack_nibbles,
     value_type_named,
 )
-from msquant.plugin.reading import trivial_g_idx
 
 __all__ = [
     "MX_PARTS",
@@ -132,22 +131,12 @@ def decode_mx(
             f"{name}.weight_scale: {kind} stores uint8 E8M0 [out, in / {block}] = {list(blocks)}, "
             f"got {stored_scale.dtype} {list(stored_scale.shape)}"
         )
-    scale = e8m0_scale(stored_scale)
-    return DecodedLayer(
-        name=name,
-        scheme=kind,
-        bits=values.bits,
-        group_size=block,
-        codes=codes,
-        scale=scale,
-        offset=torch.zeros_like(scale),
-        g_idx=trivial_g_idx(in_features, block),
-        scale_dtype=torch.float32,
-        tensors={
-            "codes": f"{name}.weight",
-            "scale": f"{name}.weight_scale",
-            "offset": f"{name} (no offset: MX)",
-            "g_idx": f"{name} (blocks of {block})",
-        },
+    return DecodedLayer.mx_blocks(
+        name,
+        kind,
+        codes,
+        e8m0_scale(stored_scale),
         value_type=values,
+        block=block,
+        tensors=(f"{name}.weight", f"{name}.weight_scale"),
     )

@@ -26,7 +26,6 @@ import torch
 
 from msquant.plugin import DecodedLayer, Findings
 from msquant.plugin.numerics import value_type_named
-from msquant.plugin.reading import trivial_g_idx
 
 __all__ = [
     "MX_FORMAT_TYPES",
@@ -136,21 +135,12 @@ def decode_mx_layer(
     scale = torch.where(
         scale_bytes == E8M0_NAN, torch.full_like(exponent, float("nan")), torch.exp2(exponent)
     ).to(torch.float32)
-    return DecodedLayer(
-        name=module,
-        scheme=group,
-        bits=values.bits,
-        group_size=BLOCK,
-        codes=codes.to(torch.uint8),
-        scale=scale,
-        offset=torch.zeros_like(scale),
-        g_idx=trivial_g_idx(in_features, BLOCK),
-        scale_dtype=torch.float32,
-        tensors={
-            "codes": f"{module}.{leaf}",
-            "scale": f"{module}.weight_scale",
-            "offset": f"{module} (no offset: MX)",
-            "g_idx": f"{module} (blocks of {BLOCK})",
-        },
+    return DecodedLayer.mx_blocks(
+        module,
+        group,
+        codes.to(torch.uint8),
+        scale,
         value_type=values,
+        block=BLOCK,
+        tensors=(f"{module}.{leaf}", f"{module}.weight_scale"),
     )
