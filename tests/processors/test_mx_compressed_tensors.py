@@ -358,3 +358,22 @@ def test_plan_warns_vllm_runs_mx_moe_experts_weight_only_below_sm100(
     assert "model.layers.0.mlp.experts.0.gate_proj" in warning
     # 2 layers x (4 attention linears + 8 experts x 3 projections); the routers stay float
     assert warning.endswith("model.layers.0.mlp.experts.0.up_proj and 50 more")
+
+
+def test_an_mx_value_type_without_a_format_is_refused_not_mislabelled(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A value type of the MX family that compressed-tensors has no format for (here mxfp4,
+    as if only mxfp8 had one: the position of a value type added later) is refused at plan time
+    and by the packer, instead of being written under another type's format."""
+    from msquant.processors.formats.compressed_tensors import packer, saver
+
+    only_mxfp8 = {"mxfp8": "mxfp8-quantized"}
+    monkeypatch.setattr(saver, "MX_FORMATS", only_mxfp8)
+    monkeypatch.setattr(packer, "MX_FORMATS", only_mxfp8)
+    plan = build_plan(tiny_llama, config("mxfp4", "mxfp4", "compressed_tensors"))
+    [error] = [e for e in plan.errors if "have no compressed-tensors format" in e]
+    assert error.startswith("compressed_tensors: mxfp4 codes") and "ascendv1_saver" in error
+    qweight = QuantizedWeight.self_scaled(torch.randn(4, 64), value_type_named("mxfp4"))
+    with pytest.raises(msquant.QuantizationError, match="no format for mxfp4 codes"):
+        packer.pack_mx_tensors("layer", qweight, None, None, torch.float32)

@@ -28,6 +28,7 @@ import torch
 from msquant.plugin import ActivationQuant, QuantizationError, QuantizedWeight
 from msquant.plugin.export import pack_int32
 from msquant.plugin.numerics import e8m0_bytes, pack_nibbles
+from msquant.processors.formats.compressed_tensors.config import MX_FORMATS
 
 __all__ = [
     "pack_float_quantized_tensors",
@@ -135,6 +136,12 @@ def pack_mx_tensors(
         read no such compressed-tensors group as MXFP8 activations) or an odd ``in_features``.
     """
     values = qweight.value_type
+    if values.name not in MX_FORMATS:
+        raise QuantizationError(
+            f"{name}: compressed-tensors has no format for {values.name} codes (it writes "
+            f"{', '.join(f'{k} as {v}' for k, v in MX_FORMATS.items())}); export them with "
+            "type: ascendv1_saver"
+        )
     if act is None or act.value_type != values.name:
         found = "float" if act is None else str(act.value_type)
         raise QuantizationError(
@@ -150,7 +157,7 @@ def pack_mx_tensors(
                 f"which is {codes.shape[1]}; exclude this layer"
             )
         tensors = {f"{name}.weight_packed": pack_nibbles(codes)}
-    else:
+    else:  # mxfp8: the e4m3 elements as they are
         tensors = {f"{name}.weight": codes.view(torch.float8_e4m3fn)}
     try:
         tensors[f"{name}.weight_scale"] = e8m0_bytes(qweight.scale)

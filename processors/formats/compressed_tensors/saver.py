@@ -108,8 +108,10 @@ from torch import nn
 
 from msquant.plugin import QuantizedLinear, RunContext, Saver, SaverConfig, SaverState
 from msquant.plugin.export import write_hf_config
+from msquant.plugin.numerics import value_type_named
 from msquant.plugin.planning import ModelPlan, PlanReview
 from msquant.processors.formats.compressed_tensors.config import (
+    MX_FORMATS,
     WeightScheme,
     build_quantization_config,
 )
@@ -245,14 +247,32 @@ class CompressedTensorsSaver(Saver):
     def review_plan(self, plan: ModelPlan, model: nn.Module) -> PlanReview:
         """Before weights load: what SGLang's model classes cannot load from this export
         (:mod:`msquant.processors.sglang_limits`), what vLLM computes otherwise for MX layers
-        (warned) and the MX scheme no engine reads from compressed-tensors (W4A8_MXFP, refused;
-        :func:`~msquant.processors.formats.compressed_tensors.consumers.mx_plan_findings`)."""
+        (warned), the MX scheme no engine reads from compressed-tensors (W4A8_MXFP, refused;
+        :func:`~msquant.processors.formats.compressed_tensors.consumers.mx_plan_findings`) and
+        MX value types without a compressed-tensors format (a value type added later, refused
+        rather than written under another type's format)."""
         acts = {
             row.module: row.act
             for row in plan.rows
             if not row.skipped and row.act is not None and row.value_type in ("mxfp8", "mxfp4")
         }
         errors, mx_warnings = mx_plan_findings(acts)
+        other_mx = sorted(
+            {
+                row.value_type
+                for row in plan.rows
+                if not row.skipped
+                and row.value_type is not None
+                and row.value_type not in MX_FORMATS
+                and value_type_named(row.value_type).family == "mx"
+            }
+        )
+        if other_mx:
+            errors.append(
+                f"{', '.join(other_mx)} codes have no compressed-tensors format (it writes "
+                f"{', '.join(f'{k} as {v}' for k, v in MX_FORMATS.items())}, the formats vLLM "
+                "and vLLM-Ascend read); export them with type: ascendv1_saver"
+            )
         warnings = sglang_plan_warnings(plan, model, compressed_tensors=True) + mx_warnings
         return PlanReview(
             errors=[f"compressed_tensors: {message}" for message in errors],
