@@ -9,9 +9,10 @@ byte-identical") records the golden set before it moves anything and checks it a
 
 The runs: every file in ``yaml_examples/`` on a tiny Llama, per-module rules (``dynamic``, two
 ``linear_quant`` entries, ``-:`` rules), a quantized ``lm_head``, Qwen3-MoE and Mixtral exports in
-every format, a streamed and a whole-model runner, and a run interrupted in its last layer (after the first
-layer's checkpoint) then resumed. Models are random tiny models built from configs (seeded), calibrated on the suite's
-``tests/data/calib.txt``, all on the CPU with one thread.
+every format, MX (W8A8_MXFP8, W4A4_MXFP4, MoE experts) in both formats that write it, a streamed
+and a whole-model runner, and a run interrupted in its last layer (after the first layer's
+checkpoint) then resumed. Models are random tiny models built from configs (seeded), calibrated on
+the suite's ``tests/data/calib.txt``, all on the CPU with one thread.
 
 Hashes are machine-dependent (float summation order differs between CPUs and BLAS builds), so
 record and check on the same machine and torch build; the file is a working tool, not a test
@@ -80,6 +81,17 @@ INT8_G32_ASYM = {
     "ext": {"group_size": 32},
 }
 ALL_FORMATS = ("gptq_saver", "compressed_tensors", "ascendv1_saver")
+#: MX weights with MX activations of the same type (msModelSlim's W8A8_MXFP8 / W4A4_MXFP4).
+MX_FORMATS = ("compressed_tensors", "ascendv1_saver")
+
+
+def _mx(dtype: str) -> dict[str, Any]:
+    return {"scope": "per_block", "dtype": dtype, "symmetric": True, "method": "minmax"}
+
+
+def _mx_entry(dtype: str) -> dict[str, Any]:
+    return {"type": "linear_quant", "qconfig": {"weight": _mx(dtype), "act": _mx(dtype)}}
+
 
 #: name -> (model, config, extra quantize() keywords)
 CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
@@ -119,6 +131,9 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "qwen3_moe": ("qwen3_moe", _config(_entry(INT4_G32_GPTQ), save=ALL_FORMATS), {}),
     "mixtral": ("mixtral", _config(_entry(INT8_CH_MINMAX), save=ALL_FORMATS), {}),
     "resumed": ("llama", _config(_entry(INT4_G32_GPTQ), save=ALL_FORMATS), {"kill_after": 1}),
+    "w8a8_mxfp8": ("llama", _config(_mx_entry("mxfp8"), save=MX_FORMATS), {}),
+    "w4a4_mxfp4": ("llama", _config(_mx_entry("mxfp4"), save=MX_FORMATS), {}),
+    "qwen3_moe_mxfp4": ("qwen3_moe", _config(_mx_entry("mxfp4"), save=MX_FORMATS), {}),
 }
 
 MODELS: dict[str, dict[str, Any]] = {
