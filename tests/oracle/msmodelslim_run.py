@@ -22,6 +22,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -33,6 +34,9 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
+#: The thread settings both sides of the oracle run under (msModelSlim's process gets them in its
+#: environment, msquant's sets torch's thread count from them).
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 DEFAULT_CACHE = Path(os.environ.get("MSQUANT_ORACLE_CACHE", Path.home() / ".cache/msquant/oracle"))
 DEFAULT_VENV = Path(
     os.environ.get("MSQUANT_MSMODELSLIM_VENV", Path.home() / ".cache/msquant/msmodelslim-venv")
@@ -445,7 +449,10 @@ def run_msmodelslim(
     :param python_path: a folder put on msModelSlim's ``PYTHONPATH`` (a test model adapter
         registered through its ``msmodelslim.model_adapter.plugins`` entry points).
     """
-    env = dict(os.environ)
+    # One thread, as msquant's side runs (tests/conftest.py): float sums split over threads
+    # round differently, and a search that compares near-equal losses (flex_awq_ssz's alpha on
+    # routed experts) can then pick another candidate on one side only.
+    env = {**os.environ, **THREAD_ENV}
     if python_path is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(python_path), env.get("PYTHONPATH")]))
     command = [
@@ -504,8 +511,13 @@ def export_dir(cache: Path, arch: str, scheme: str) -> Path:
 def msquant_export(cache: Path, arch: str, scheme_name: str, save: Path) -> Path:
     """msquant's export of ``scheme_name`` on the tiny ``arch`` model (the config and model the
     oracle gave msModelSlim), run under the adapter name msModelSlim ran with (``--model_type``:
-    it decides what a smoothing entry smooths)."""
+    it decides what a smoothing entry smooths), on one thread as msModelSlim ran
+    (:data:`THREAD_ENV`; the test process already runs one, tests/conftest.py)."""
+    import torch
+
     import msquant
+
+    torch.set_num_threads(int(THREAD_ENV["OMP_NUM_THREADS"]))
 
     msquant.quantize(
         cache / "models" / arch,
@@ -520,10 +532,14 @@ def msquant_export(cache: Path, arch: str, scheme_name: str, save: Path) -> Path
 
 
 def ensure_export(cache: Path, venv: Path, arch: str, scheme_name: str) -> Path:
-    """The msModelSlim export of ``scheme_name`` on the tiny ``arch`` model, made if missing."""
+    """The msModelSlim export of ``scheme_name`` on the tiny ``arch`` model, made if missing
+    (or made under other thread settings than :data:`THREAD_ENV`: it is made again)."""
     save = export_dir(cache, arch, scheme_name)
+    stamp = save.parent / f"{save.name}.threads.json"
     if (save / "quant_model_description.json").is_file():
-        return save
+        if stamp.is_file() and json.loads(stamp.read_text()) == THREAD_ENV:
+            return save
+        shutil.rmtree(save)
     cache.mkdir(parents=True, exist_ok=True)
     model = build_model(arch, cache / "models" / arch)
     scheme = all_schemes()[scheme_name]
@@ -541,6 +557,7 @@ def ensure_export(cache: Path, venv: Path, arch: str, scheme_name: str) -> Path:
     plugin = ARCHS[arch].get("plugin")
     python_path = HERE / str(plugin) if plugin else None
     seconds = run_msmodelslim(venv, model, config, save, log, model_type, python_path)
+    stamp.write_text(json.dumps(THREAD_ENV), encoding="utf-8")
     logger.info("%s %s: msmodelslim ran in %.1f s -> %s", arch, scheme_name, seconds, save)
     return save
 
