@@ -62,7 +62,7 @@ def test_ssz_quantizer_equals_msmodelslims(tmp_path: Path) -> None:
     subprocess.run(
         [str(_venv() / "bin" / "python"), str(HERE / "msmodelslim_ssz_probe.py"),
          str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors")],
-        check=True, capture_output=True, timeout=600,
+        check=True, capture_output=True, timeout=600, env={**os.environ, **oracle.THREAD_ENV},
     )  # fmt: skip
     theirs = load_file(str(tmp_path / "out.safetensors"))
     for name, weight in weights.items():
