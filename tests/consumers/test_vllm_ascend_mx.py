@@ -26,7 +26,7 @@ from act_cases import ActExportCase
 from architectures import engine_modules
 from exports import ExportFactory
 from loading import loading_problems, read_tensor_table
-from test_vllm_mx import CASES, mx
+from test_vllm_mx import CASES, mx, mx_linear_params, mx_moe_params, params_of
 from wheels import Release
 
 pytestmark = [pytest.mark.consumers, pytest.mark.usefixtures("vllm_ascend")]
@@ -65,12 +65,8 @@ def test_vllm_ascend_picks_the_mx_scheme_for_every_linear_and_every_tensor_loads
     assert loading_problems(resolutions, read_tensor_table(export.path)) == []
     assert {r.method for r in linear} == {f"AscendLinearMethod[{scheme}]"}
     for resolution in linear:
-        rows, columns = resolution.module.output_size, resolution.module.input_size
-        params = {key: (p.dtype, tuple(p.shape)) for key, p in resolution.params.items()}
-        assert params == {
-            weight_name: (weight_dtype, (rows, columns // per_byte)),
-            "weight_scale": (torch.uint8, (rows, columns // 32)),
-        }
+        expected = mx_linear_params(resolution.module, weight_name, weight_dtype, per_byte)
+        assert params_of(resolution) == expected
     # the MX group size the config recorded for the schemes (_detect_quant_type)
     config = vllm_engine.CURRENT_CONFIG.quant_config
     assert config.quant_description["group_size"] == 32
@@ -122,14 +118,6 @@ def test_vllm_ascend_picks_the_mx_moe_scheme_and_every_expert_tensor_loads(
     assert loading_problems(resolutions, read_tensor_table(export.path)) == []
     assert {r.method for r in experts} == {f"AscendFusedMoEMethod[{scheme}]"}
     for resolution in experts:
-        module = resolution.module
-        count, hidden, width = module.num_experts, module.input_size, module.output_sizes[0]
-        params = {key: (p.dtype, tuple(p.shape)) for key, p in resolution.params.items()}
-        assert params == {
-            f"w13_weight{suffix}": (dtype, (count, 2 * width, hidden // per_byte)),
-            f"w2_weight{suffix}": (dtype, (count, hidden, width // per_byte)),
-            "w13_weight_scale": (torch.uint8, (count, 2 * width, hidden // 32)),
-            "w2_weight_scale": (torch.uint8, (count, hidden, width // 32)),
-        }
+        assert params_of(resolution) == mx_moe_params(resolution.module, suffix, dtype, per_byte)
     routers = [r for r in resolutions if r.module.leaf == "gate"]
     assert routers and not any(r.quantized for r in routers)

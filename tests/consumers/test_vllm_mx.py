@@ -34,6 +34,39 @@ def mx(dtype: str) -> dict[str, Any]:
     return {"dtype": dtype, "scope": "per_block", "symmetric": True, "method": "minmax"}
 
 
+def params_of(resolution: Any) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The parameters an engine's method created for a module: name -> (dtype, shape)."""
+    return {key: (p.dtype, tuple(p.shape)) for key, p in resolution.params.items()}
+
+
+def mx_linear_params(
+    linear: Any, weight_name: str, dtype: torch.dtype, per_byte: int
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The parameters an MX linear method creates (vLLM's and vLLM-Ascend's alike): the
+    elements ``weight_name`` of ``dtype`` with ``per_byte`` per stored column, and uint8 E8M0
+    scales per block of 32."""
+    rows, columns = linear.output_size, linear.input_size
+    return {
+        weight_name: (dtype, (rows, columns // per_byte)),
+        "weight_scale": (torch.uint8, (rows, columns // 32)),
+    }
+
+
+def mx_moe_params(
+    experts: Any, suffix: str, dtype: torch.dtype, per_byte: int
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The stacked parameters an MX MoE method creates for ``experts`` (vLLM's and
+    vLLM-Ascend's alike): ``w13_weight<suffix>`` / ``w2_weight<suffix>`` of ``dtype`` with
+    ``per_byte`` elements per stored column, and uint8 E8M0 scales per block of 32."""
+    count, hidden, width = experts.num_experts, experts.input_size, experts.output_sizes[0]
+    return {
+        f"w13_weight{suffix}": (dtype, (count, 2 * width, hidden // per_byte)),
+        f"w2_weight{suffix}": (dtype, (count, hidden, width // per_byte)),
+        "w13_weight_scale": (torch.uint8, (count, 2 * width, hidden // 32)),
+        "w2_weight_scale": (torch.uint8, (count, hidden, width // 32)),
+    }
+
+
 #: (case, the scheme vLLM must pick, the weight parameter, its dtype, input columns per byte)
 CASES = [
     (
@@ -91,17 +124,8 @@ def test_vllm_picks_the_mx_scheme_for_every_linear_and_every_tensor_loads(
     assert len(linear) >= 4 and {r.method for r in linear} == {"CompressedTensorsLinearMethod"}
     assert len(made) == len(linear)  # fused q/k/v and gate/up: one scheme each
     for resolution in linear:
-        params = resolution.params
-        rows, columns = resolution.module.output_size, resolution.module.input_size
-        assert (params[weight_name].dtype, tuple(params[weight_name].shape)) == (
-            weight_dtype,
-            (rows, columns // per_byte),
-        )
-        assert (params["weight_scale"].dtype, tuple(params["weight_scale"].shape)) == (
-            torch.uint8,
-            (rows, columns // 32),
-        )
-        assert set(params) == {weight_name, "weight_scale"}
+        expected = mx_linear_params(resolution.module, weight_name, weight_dtype, per_byte)
+        assert params_of(resolution) == expected
     kinds = {kind for kind, _ in vllm_engine.MX_KERNELS}
     assert kinds == {"mxfp8" if per_byte == 1 else "mxfp4"}
     if per_byte == 2:  # W4A4: MXFP4 dynamic activations asked for, not FP8 (W4A8Mxfp4)
@@ -177,16 +201,7 @@ def test_vllm_picks_the_mx_moe_method_and_every_expert_tensor_loads(
     assert {r.method for r in experts} == {method_name} and len(methods) == len(experts)
     assert {r.method for r in attention} == {"CompressedTensorsLinearMethod"}
     for resolution in experts:
-        experts_module = resolution.module
-        count, hidden = experts_module.num_experts, experts_module.input_size
-        width = experts_module.output_sizes[0]
-        params = {key: (p.dtype, tuple(p.shape)) for key, p in resolution.params.items()}
-        assert params == {
-            f"w13_weight{suffix}": (dtype, (count, 2 * width, hidden // per_byte)),
-            f"w2_weight{suffix}": (dtype, (count, hidden, width // per_byte)),
-            "w13_weight_scale": (torch.uint8, (count, 2 * width, hidden // 32)),
-            "w2_weight_scale": (torch.uint8, (count, hidden, width // 32)),
-        }
+        assert params_of(resolution) == mx_moe_params(resolution.module, suffix, dtype, per_byte)
     if value == "mxfp8":  # the backend is chosen by the oracle (stubbed: Marlin on an H100)
         assert len(vllm_engine.MX_MOE_BACKENDS) == len(experts)
         assert all(m.weight_block_size == [1, 32] for m in methods)
