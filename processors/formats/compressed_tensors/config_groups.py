@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from msquant.plugin import Findings
+from msquant.plugin.numerics import value_type_named
 from msquant.processors.formats.compressed_tensors.float_quantized import (
     FLOAT_QUANTIZED,
     FP8_VALUE_TYPE,
@@ -21,6 +22,7 @@ from msquant.processors.formats.compressed_tensors.float_quantized import (
 )
 from msquant.processors.formats.compressed_tensors.int_quantized import INT_QUANTIZED, input_scheme
 from msquant.processors.formats.compressed_tensors.mx_quantized import (
+    BLOCK,
     MX_FORMAT_TYPES,
     mx_group_problems,
 )
@@ -83,7 +85,9 @@ class CTScheme:
         """E.g. ``int4 group 32 asym (group_0)``, ``int8 per-channel sym a8 token (group_0)``,
         ``fp8_e4m3 per-channel a fp8_e4m3 token (group_0)``."""
         if self.is_mx:
-            return f"{self.value_type} block 32 a {self.value_type} block 32 ({self.group})"
+            return (
+                f"{self.value_type} block {BLOCK} a {self.value_type} block {BLOCK} ({self.group})"
+            )
         if self.value_type is not None:
             return f"{self.value_type} per-channel a {self.value_type} token ({self.group})"
         scope = "per-channel" if self.strategy == "channel" else f"group {self.group_size}"
@@ -157,8 +161,8 @@ def _group_scheme(
                 f"{value_type} activations in groups of 32: " + "; ".join(problems)
             )
             return None
-        bits = 8 if value_type == "mxfp8" else 4
-        return CTScheme(name, bits, True, "group", 32, "group", True, value_type)
+        bits = value_type_named(value_type).bits
+        return CTScheme(name, bits, True, "group", BLOCK, "group", True, value_type)
     if group_format != PACK_QUANTIZED:
         findings.error(
             f"{where}: format {group_format!r} is not verified by msquant verify "

@@ -3,7 +3,9 @@ config group's arguments and one layer's tensors, as vLLM 0.33 / 0.34's
 ``CompressedTensorsW8A8Mxfp8`` / ``CompressedTensorsW4A4Mxfp4`` create them and vLLM-Ascend
 0.30's ``W8A8_MXFP8`` / ``W4A4_MXFP4`` schemes read them.
 
-Written from the layout (docs/formats.md), sharing no code with the packer. Per layer ``P``:
+Written from the layout (docs/formats.md), sharing no code with the packer; the nibble and E8M0
+decoders are the numerics' own (``unpack_nibbles``, ``e8m0_scale``), as the Ascend reader's. Per
+layer ``P``:
 
 * MXFP8: ``P.weight`` ``float8_e4m3fn`` ``[out, in]``, the e4m3 elements;
 * MXFP4: ``P.weight_packed`` uint8 ``[out, in / 2]``, e2m1 codes, element ``2i`` in the low nibble
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 
 from msquant.plugin import DecodedLayer, Findings
-from msquant.plugin.numerics import value_type_named
+from msquant.plugin.numerics import e8m0_scale, unpack_nibbles, value_type_named
 
 __all__ = [
     "MX_FORMAT_TYPES",
@@ -40,7 +42,6 @@ MX_FORMAT_TYPES = {"mxfp8-quantized": "mxfp8", "mxfp4-pack-quantized": "mxfp4"}
 #: ``weight_packed`` for MXFP4) and the E8M0 scales.
 MX_PARTS = ("weight", "weight_packed", "weight_scale")
 BLOCK = 32
-E8M0_NAN = 255
 #: The accepted spellings of the uint8 ``scale_dtype`` (compressed-tensors writes ``torch.uint8``).
 UINT8_NAMES = ("torch.uint8", "uint8")
 
@@ -109,11 +110,7 @@ def decode_mx_layer(
             f"found {found}"
         )
         return None
-    if packed:
-        bytes_ = stored.to(torch.int64)
-        codes = torch.stack((bytes_ & 0x0F, bytes_ >> 4), dim=-1).reshape(stored.shape[0], -1)
-    else:
-        codes = stored.view(torch.uint8).to(torch.int64)
+    codes = unpack_nibbles(stored) if packed else stored.view(torch.uint8)
     out_features, in_features = codes.shape
     scale_bytes = tensors.get("weight_scale")
     blocks = (out_features, in_features // BLOCK)
@@ -131,15 +128,11 @@ def decode_mx_layer(
             f"(in {in_features}), found {found}"
         )
         return None
-    exponent = scale_bytes.to(torch.float64) - 127
-    scale = torch.where(
-        scale_bytes == E8M0_NAN, torch.full_like(exponent, float("nan")), torch.exp2(exponent)
-    ).to(torch.float32)
     return DecodedLayer.mx_blocks(
         module,
         group,
-        codes.to(torch.uint8),
-        scale,
+        codes,
+        e8m0_scale(scale_bytes),
         value_type=values,
         block=BLOCK,
         tensors=(f"{module}.{leaf}", f"{module}.weight_scale"),
