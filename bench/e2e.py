@@ -337,10 +337,7 @@ def main() -> int:
     import accuracy
 
     tools = set(args.tools.split(","))
-    variants = {}
-    for value in args.variant:
-        name, _, options = value.partition("=")
-        variants[name] = json.loads(options)
+    variants = dict(accuracy.parse_variants(args.variant))  # NAME=JSON, as accuracy.py's
     results: dict[str, Any] = {}
     lines: list[str] = []
     with tempfile.TemporaryDirectory() as tmp_name:

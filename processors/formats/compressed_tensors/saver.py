@@ -254,7 +254,7 @@ class CompressedTensorsSaver(Saver):
         acts = {
             row.module: row.act
             for row in plan.rows
-            if not row.skipped and row.act is not None and row.value_type in ("mxfp8", "mxfp4")
+            if not row.skipped and row.act is not None and row.value_type in MX_FORMATS
         }
         errors, mx_warnings = mx_plan_findings(acts)
         other_mx = sorted(
